@@ -1,0 +1,217 @@
+"""Triton kernels: one pass over memory per call, the same bytes as ``torch_impl``.
+
+Floating inputs are handled so the kernels behave identically compiled (CUDA) and under
+``TRITON_INTERPRET=1`` (CPU), where a bfloat16 tensor is read as raw 16-bit integers: bf16 data is
+passed as an int16 view and converted with bit operations (bf16 is the top half of a float32).
+``pack_signs`` works on integer views for every dtype, so its sign test is pure integer logic.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PACK_BLOCK = 512  # output bytes per program (4096 elements)
+ELEM_BLOCK = 1024  # elements per program in the elementwise kernels
+COUNT_BLOCK = 256  # bytes per program in the counting kernels
+
+# dtype -> (integer view, largest bit pattern of a non-NaN positive value, magnitude mask)
+_INT_VIEW = {
+    torch.float32: (torch.int32, 0x7F800000, 0x7FFFFFFF),
+    torch.float16: (torch.int16, 0x7C00, 0x7FFF),
+    torch.bfloat16: (torch.int16, 0x7F80, 0x7FFF),
+}
+
+
+@triton.jit
+def _random_bit(key, pos):
+    """Bit ``pos`` of the stream in randbits.py: (mix32(key, pos // 32) >> (pos % 32)) & 1."""
+    h = (pos >> 5).to(tl.uint32) * 0x9E3779B1
+    h = h ^ key.to(tl.uint32)
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    h = h ^ (h >> 16)
+    return ((h >> (pos & 31).to(tl.uint32)) & 1) != 0
+
+
+@triton.jit
+def _load_f32(ptr, offs, mask, IS_BF16: tl.constexpr):
+    if IS_BF16:
+        raw = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
+        return ((raw & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """float32 -> bf16 bit pattern (in the low 16 bits of an int32), round to nearest even."""
+    b = x.to(tl.int32, bitcast=True)
+    return (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+
+
+@triton.jit
+def _round_to(x, ptr, IS_BF16: tl.constexpr):
+    """Round float32 ``x`` to the element type of ``ptr`` and back, as a store and reload would."""
+    if IS_BF16:
+        return (_bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _store_f32(ptr, offs, x, mask, IS_BF16: tl.constexpr):
+    if IS_BF16:
+        tl.store(ptr + offs, _bf16_bits(x).to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _pack_byte(bits, lane):
+    return tl.sum(bits.to(tl.int32) << lane[None, :], axis=1).to(tl.uint8)
+
+
+@triton.jit
+def _pack_kernel(x_ptr, out_ptr, numel, nbytes, key, POS_LIMIT: tl.constexpr, MAG_MASK: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    lane = tl.arange(0, 8)
+    pos = byte[:, None] * 8 + lane[None, :]
+    inside = pos < numel
+    v = tl.load(x_ptr + pos, mask=inside, other=0)
+    positive = (v > 0) & (v <= POS_LIMIT)  # sign bit clear, nonzero, not NaN
+    zero = (v & MAG_MASK) == 0
+    bits = (positive | (zero & _random_bit(key, pos))) & inside
+    tl.store(out_ptr + byte, _pack_byte(bits, lane), mask=byte < nbytes)
+
+
+@triton.jit
+def _unpack_kernel(packed_ptr, out_ptr, numel, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    byte = tl.load(packed_ptr + offs // 8, mask=mask, other=0).to(tl.int32)
+    bit = (byte >> (offs % 8).to(tl.int32)) & 1
+    _store_f32(out_ptr, offs, (bit * 2 - 1).to(tl.float32), mask, OUT_BF16)
+
+
+@triton.jit
+def _lion_pack_kernel(g_ptr, m_ptr, out_ptr, numel, nbytes, key, beta1, one_minus_beta1, beta2,
+                      one_minus_beta2, G_BF16: tl.constexpr, M_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    lane = tl.arange(0, 8)
+    pos = byte[:, None] * 8 + lane[None, :]
+    inside = pos < numel
+    g = _load_f32(g_ptr, pos, inside, G_BF16)
+    m = _load_f32(m_ptr, pos, inside, M_BF16)
+    c = tl.fma(g, one_minus_beta1, m * beta1)  # the rounding of torch's mul then add_(alpha=)
+    bits = ((c > 0) | ((c == 0) & _random_bit(key, pos))) & inside
+    tl.store(out_ptr + byte, _pack_byte(bits, lane), mask=byte < nbytes)
+    _store_f32(m_ptr, pos, tl.fma(g, one_minus_beta2, m * beta2), inside, M_BF16)
+
+
+@triton.jit
+def _apply_kernel(p_ptr, u_ptr, numel, lr, decay_scale, PACKED: tl.constexpr, HAS_DECAY: tl.constexpr,
+                  P_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    p = _load_f32(p_ptr, offs, mask, P_BF16)
+    if HAS_DECAY:
+        p = _round_to(p * decay_scale, p_ptr, P_BF16)
+    if PACKED:
+        byte = tl.load(u_ptr + offs // 8, mask=mask, other=0).to(tl.int32)
+        u = (((byte >> (offs % 8).to(tl.int32)) & 1) * 2 - 1).to(tl.float32)
+    else:
+        u = tl.load(u_ptr + offs, mask=mask, other=0).to(tl.float32)
+    _store_f32(p_ptr, offs, tl.fma(u, -lr, p), mask, P_BF16)
+
+
+@triton.jit
+def _count_rows(stack_ptr, row_stride, n, byte, mask, lane, BLOCK: tl.constexpr):
+    acc = tl.zeros((BLOCK, 8), dtype=tl.int32)
+    for r in range(0, n):
+        b = tl.load(stack_ptr + r * row_stride + byte, mask=mask, other=0).to(tl.int32)
+        acc += (b[:, None] >> lane[None, :]) & 1
+    return acc
+
+
+@triton.jit
+def _count_kernel(stack_ptr, out_ptr, n, nbytes, row_stride, BLOCK: tl.constexpr):
+    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    lane = tl.arange(0, 8)
+    mask = byte < nbytes
+    acc = _count_rows(stack_ptr, row_stride, n, byte, mask, lane, BLOCK)
+    tl.store(out_ptr + byte[:, None] * 8 + lane[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask[:, None])
+
+
+@triton.jit
+def _majority_kernel(stack_ptr, out_ptr, n, nbytes, row_stride, key, RANDOM_TIES: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    lane = tl.arange(0, 8)
+    mask = byte < nbytes
+    twice = _count_rows(stack_ptr, row_stride, n, byte, mask, lane, BLOCK) * 2
+    bits = twice > n
+    if RANDOM_TIES:
+        bits = bits | ((twice == n) & _random_bit(key, byte[:, None] * 8 + lane[None, :]))
+    tl.store(out_ptr + byte, _pack_byte(bits, lane), mask=mask)
+
+
+def _grid(count: int, block: int) -> tuple[int]:
+    return (triton.cdiv(max(count, 1), block),)
+
+
+def _as_kernel_arg(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """bf16 travels as its int16 bits (see module docstring)."""
+    return (t.view(torch.int16), True) if t.dtype == torch.bfloat16 else (t, False)
+
+
+def pack_signs(x: torch.Tensor, key: int) -> torch.Tensor:
+    view_dtype, pos_limit, mag_mask = _INT_VIEW[x.dtype]
+    flat = x.reshape(-1).view(view_dtype)
+    nbytes = (flat.numel() + 7) // 8
+    out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    _pack_kernel[_grid(nbytes, PACK_BLOCK)](flat, out, flat.numel(), nbytes, key, pos_limit, mag_mask, PACK_BLOCK)
+    return out
+
+
+def unpack_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(numel, dtype=dtype, device=packed.device)
+    target, is_bf16 = _as_kernel_arg(out)
+    _unpack_kernel[_grid(numel, ELEM_BLOCK)](packed, target, numel, is_bf16, ELEM_BLOCK)
+    return out
+
+
+def vote_counts(stack: torch.Tensor) -> torch.Tensor:
+    n, nbytes = stack.shape
+    out = torch.empty(nbytes * 8, dtype=torch.uint8 if n < 256 else torch.int16, device=stack.device)
+    _count_kernel[_grid(nbytes, COUNT_BLOCK)](stack, out, n, nbytes, stack.stride(0), COUNT_BLOCK)
+    return out
+
+
+def majority_vote(stack: torch.Tensor, ties: str, key: int) -> torch.Tensor:
+    n, nbytes = stack.shape
+    out = torch.empty(nbytes, dtype=torch.uint8, device=stack.device)
+    _majority_kernel[_grid(nbytes, COUNT_BLOCK)](stack, out, n, nbytes, stack.stride(0), key, ties == "random",
+                                                 COUNT_BLOCK)
+    return out
+
+
+def lion_direction_pack(grad: torch.Tensor, exp_avg: torch.Tensor, beta1: float, beta2: float, key: int) -> torch.Tensor:
+    g, g_bf16 = _as_kernel_arg(grad.reshape(-1))
+    m, m_bf16 = _as_kernel_arg(exp_avg.view(-1))
+    numel = g.numel()
+    nbytes = (numel + 7) // 8
+    out = torch.empty(nbytes, dtype=torch.uint8, device=grad.device)
+    _lion_pack_kernel[_grid(nbytes, PACK_BLOCK)](g, m, out, numel, nbytes, key, beta1, 1 - beta1, beta2, 1 - beta2,
+                                                 g_bf16, m_bf16, PACK_BLOCK)
+    return out
+
+
+def apply_update(param: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float) -> None:
+    p, p_bf16 = _as_kernel_arg(param.view(-1))
+    numel = p.numel()
+    _apply_kernel[_grid(numel, ELEM_BLOCK)](p, update, numel, lr, 1 - lr * weight_decay, update.dtype == torch.uint8,
+                                            weight_decay != 0, p_bf16, ELEM_BLOCK)
