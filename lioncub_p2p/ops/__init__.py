@@ -21,7 +21,7 @@ from .randbits import derive_key, random_bits_packed
 __all__ = [
     "pack_signs", "unpack_signs", "vote_counts", "majority_vote", "lion_direction_pack", "apply_update",
     "count_planes", "planes_to_counts", "planes_needed", "packed_size", "zero_sign_key", "tie_key",
-    "FLOAT_DTYPES", "MAX_VOTERS",
+    "FLOAT_DTYPES", "MAX_VOTERS", "random_tie_bits",
 ]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -175,6 +175,10 @@ def apply_update(param: torch.Tensor, update: torch.Tensor, lr: float, weight_de
     _impl(param).apply_update(param, update, float(lr), float(weight_decay))
 
 
-def random_tie_bits(seed: int, step: int, nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The packed tie-break stream of ``majority_vote`` for (seed, step), for codecs that vote on planes."""
-    return random_bits_packed(tie_key(seed, step), nbytes, device)
+def random_tie_bits(seed: int, step: int, nbytes: int, *, offset: int = 0,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+    """Bytes [offset, offset+nbytes) of ``majority_vote``'s packed tie-break stream for (seed, step),
+    for codecs that vote on planes of one part of a larger buffer."""
+    if offset % 4:
+        raise ValueError(f"offset must be a multiple of 4 bytes, got {offset}")
+    return random_bits_packed(tie_key(seed, step), nbytes, device, first_byte=offset)

@@ -49,9 +49,9 @@ def random_words(key: int, first_word: int, nwords: int, device: torch.device | 
     return (h - ((h >> 31) << 32)).to(torch.int32)  # reinterpret as signed int32
 
 
-def random_bits_packed(key: int, nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The first ``nbytes*8`` bits of the stream, packed LSB-first into uint8 (nbytes,)."""
-    words = random_words(key, 0, (nbytes + 3) // 4, device)
+def random_bits_packed(key: int, nbytes: int, device: torch.device | str = "cpu", *, first_byte: int = 0) -> torch.Tensor:
+    """Bytes [first_byte, first_byte + nbytes) of the stream, packed LSB-first; first_byte % 4 == 0."""
+    words = random_words(key, first_byte // 4, (nbytes + 3) // 4, device)
     return words.view(torch.uint8)[:nbytes]
 
 

@@ -1,0 +1,353 @@
+"""Vote codecs: what a peer uploads, how a reducer tallies it, and what the reducer returns.
+
+Everything on the wire is *bit planes*: a p-bit code per element is sent as p packed bit vectors
+(plane j holds bit j of every element's code). A reducer adds planes with bit-sliced ripple adders
+on 64-bit words, so tallies never leave the packed form, and the ``mean`` result *is* the tally's
+planes.
+
+Each upload codec maps an element's direction c to a code in [0, U] (U = ``max_code``); the tally
+T = Σ codes over the n counted voters lies in [0, total] with total = n·U, and its sign of
+(2T − total) is the vote:
+
+=========  ================================  ======================================================
+upload     code                              bits per element
+=========  ================================  ======================================================
+sign       1 if c > 0 else 0 (U = 1)         1
+l1 (p)     q + s, q = clip(round(c/mean|c|   p   (s = 2**(p-1) - 1; the all-ones code is invalid and
+           · s/2), −s, s) per tensor              clipped to U = 2s by the reducer)
+=========  ================================  ======================================================
+
+=========  ============================================================  ==========================
+result     value every peer applies                                       bits per element
+=========  ============================================================  ==========================
+majority   sign(2T − total); ties -> shared random ±1                     1
+ternary    sign(2T − total) in {−1, 0, 1}; base-3, 5 elements per byte   8/5 = 1.6
+mean       (2T − total)/total, the exact average vote (D-Lion average)    ceil(log2(total + 1))
+=========  ============================================================  ==========================
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import ops
+from .ops.bitslice import compare_planes, planes_needed, planes_to_counts
+
+# ---------------------------------------------------------------------------------------------
+# Packing codes into planes
+
+
+def pack_planes(codes: torch.Tensor, nplanes: int) -> torch.Tensor:
+    """Integer codes (numel,) -> (nplanes, ceil(numel/8)) uint8 bit planes."""
+    codes = codes.reshape(-1).to(torch.int32)
+    return torch.stack([ops.torch_impl._pack_bools(((codes >> j) & 1).bool()) for j in range(nplanes)])
+
+
+def unpack_planes(planes: torch.Tensor, numel: int) -> torch.Tensor:
+    """(L, nbytes) bit planes -> integer codes (numel,) (uint8 or int16)."""
+    return planes_to_counts(planes)[:numel]
+
+
+# ---------------------------------------------------------------------------------------------
+# Upload codecs
+
+
+@dataclass(frozen=True)
+class SignUpload:
+    """1 bit per element: the packed sign of the direction (``ops.pack_signs``)."""
+
+    name = "sign"
+    planes = 1
+    max_code = 1
+
+    @property
+    def bits_per_element(self) -> float:
+        return 1.0
+
+    def encode(self, c: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
+        return ops.pack_signs(c, seed=seed).unsqueeze(0)
+
+    def decode(self, planes: torch.Tensor, numel: int) -> torch.Tensor:
+        """The voter's vote value per element: ±1."""
+        return ops.unpack_signs(planes[0], numel)
+
+
+@dataclass(frozen=True)
+class L1Upload:
+    """p bits per element: the direction quantized with an L1 scale (Lion Cub's main variant).
+
+    q = clip(round(c / mean|c| · s/2), −s, s), sent as the offset code q + s. The reducer sums the
+    codes exactly (bit-sliced, any n), so the vote is magnitude-weighted without the int8 headroom
+    limit of an integer all-reduce."""
+
+    bits: int = 4
+    name = "l1"
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.bits <= 8:
+            raise ValueError(f"l1 upload needs 2 <= bits <= 8, got {self.bits}")
+
+    @property
+    def planes(self) -> int:
+        return self.bits
+
+    @property
+    def scale_steps(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+    @property
+    def max_code(self) -> int:
+        return 2 * self.scale_steps
+
+    @property
+    def bits_per_element(self) -> float:
+        return float(self.bits)
+
+    def quantize(self, c: torch.Tensor) -> torch.Tensor:
+        s = self.scale_steps
+        mean_abs = c.abs().mean()
+        if mean_abs == 0:
+            return torch.zeros_like(c, dtype=torch.int32)
+        return torch.clamp(torch.round(c.float() / mean_abs * (s / 2)), -s, s).to(torch.int32)
+
+    def encode(self, c: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
+        return pack_planes(self.quantize(c) + self.scale_steps, self.bits)
+
+    def decode(self, planes: torch.Tensor, numel: int) -> torch.Tensor:
+        """The voter's quantized direction q per element, clipped like the reducer clips it."""
+        codes = unpack_planes(planes, numel).to(torch.int32).clamp(max=self.max_code)
+        return (codes - self.scale_steps).float()
+
+
+UploadCodec = SignUpload | L1Upload
+
+
+def upload_codec(spec: str | UploadCodec) -> UploadCodec:
+    """"sign", "l1" (4 bits), "l1:P", or a codec instance."""
+    if isinstance(spec, (SignUpload, L1Upload)):
+        return spec
+    name, _, bits = str(spec).partition(":")
+    if name == "sign" and not bits:
+        return SignUpload()
+    if name == "l1":
+        return L1Upload(int(bits)) if bits else L1Upload()
+    raise ValueError(f"unknown upload encoding {spec!r}; use 'sign', 'l1' or 'l1:BITS'")
+
+
+# ---------------------------------------------------------------------------------------------
+# The reducer's tally
+
+
+class Tally:
+    """Running sum of upload codes over voters, as bit planes on int64 words.
+
+    ``add`` and ``subtract`` take a voter's code planes for a byte range starting at a multiple of
+    8 bytes, so a reducer can count chunks as they arrive and take back a voter that fails midway."""
+
+    def __init__(self, codec: UploadCodec, nbytes: int, max_voters: int, device: torch.device | str = "cpu"):
+        self.codec = codec
+        self.nbytes = nbytes
+        self.nplanes = planes_needed(max_voters * codec.max_code)
+        self._words = torch.zeros((self.nplanes, (nbytes + 7) // 8), dtype=torch.int64, device=device)
+
+    def _code_words(self, codes: torch.Tensor) -> torch.Tensor:
+        p, length = codes.shape
+        if p != self.codec.planes:
+            raise ValueError(f"expected {self.codec.planes} code planes, got {p}")
+        padded = torch.zeros((p, (length + 7) // 8 * 8), dtype=torch.uint8, device=codes.device)
+        padded[:, :length] = codes
+        words = padded.view(torch.int64)
+        if self.codec.max_code < (1 << p) - 1:  # clip the one invalid code (all ones) to max_code
+            all_ones = words[0].clone()
+            for plane in words[1:]:
+                all_ones &= plane
+            words[0] &= ~all_ones
+        return words
+
+    def _slice(self, offset: int, length: int) -> slice:
+        if offset % 8 or offset < 0 or offset + length > self.nbytes:
+            raise ValueError(f"byte range [{offset}, {offset + length}) is not an 8-aligned range of {self.nbytes}")
+        return slice(offset // 8, (offset + length + 7) // 8)
+
+    def add(self, codes: torch.Tensor, offset: int = 0) -> None:
+        window = self._slice(offset, codes.shape[1])
+        x = self._code_words(codes)
+        acc = self._words[:, window]
+        carry = None
+        for k in range(self.nplanes):
+            xk = x[k] if k < len(x) else None
+            if xk is None and carry is None:
+                break
+            a = acc[k].clone()
+            if xk is None:
+                acc[k] ^= carry
+                carry = a & carry
+            elif carry is None:
+                acc[k] ^= xk
+                carry = a & xk
+            else:
+                t = a ^ xk
+                acc[k] = t ^ carry
+                carry = (a & xk) | (t & carry)
+        self._words[:, window] = acc
+
+    def subtract(self, codes: torch.Tensor, offset: int = 0) -> None:
+        window = self._slice(offset, codes.shape[1])
+        x = self._code_words(codes)
+        acc = self._words[:, window]
+        borrow = torch.zeros_like(acc[0])
+        for k in range(self.nplanes):
+            a = acc[k].clone()
+            xk = x[k] if k < len(x) else torch.zeros_like(a)
+            t = a ^ xk
+            acc[k] = t ^ borrow
+            borrow = (~a & xk) | (~t & borrow)
+        self._words[:, window] = acc
+
+    def planes(self) -> torch.Tensor:
+        """The tally as (nplanes, nbytes) uint8 bit planes."""
+        return self._words.view(torch.uint8).view(self.nplanes, -1)[:, : self.nbytes]
+
+
+def tally_of(codec: UploadCodec, uploads: list[torch.Tensor]) -> torch.Tensor:
+    """Tally planes of complete uploads, each (planes, nbytes); a carry-save tree for 1-bit codes."""
+    if not uploads:
+        raise ValueError("no uploads to tally")
+    if codec.planes == 1:
+        return ops.count_planes(torch.stack([u[0] for u in uploads]))
+    tally = Tally(codec, uploads[0].shape[1], len(uploads), uploads[0].device)
+    for u in uploads:
+        tally.add(u)
+    return tally.planes()
+
+
+# ---------------------------------------------------------------------------------------------
+# Result codecs
+
+
+def _threshold_masks(planes: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Packed masks (2T > total, 2T == total); the tie mask is None when total is odd."""
+    greater, equal = compare_planes(planes, total // 2)
+    return greater, (equal if total % 2 == 0 else None)
+
+
+@dataclass(frozen=True)
+class MajorityResult:
+    """1 bit: sign of the vote, ties broken by the shared random stream of (seed, step)."""
+
+    name = "majority"
+
+    def bits_per_element(self, total: int) -> float:
+        return 1.0
+
+    def wire_size(self, numel: int, total: int) -> int:
+        return ops.packed_size(numel)
+
+    def encode(self, planes: torch.Tensor, total: int, numel: int, *, seed: int = 0, step: int = 0,
+               offset: int = 0) -> torch.Tensor:
+        """``offset`` is the part's first byte in the whole buffer: tie bits depend on the global position."""
+        greater, tie = _threshold_masks(planes, total)
+        if tie is not None:
+            greater |= tie & ops.random_tie_bits(seed, step, planes.shape[1], offset=offset, device=planes.device)
+        return greater
+
+    def decode(self, wire: torch.Tensor, numel: int, total: int) -> torch.Tensor:
+        """Packed bits, ready for ``ops.apply_update``."""
+        return _expect_size(wire, self.wire_size(numel, total), self.name)
+
+
+_POW3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32)
+_TERNARY_TABLE = torch.tensor([[(b // 3**j) % 3 - 1 for j in range(5)] for b in range(256)], dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class TernaryResult:
+    """sign(2T − total) in {−1, 0, 1}, five base-3 digits per byte (1.6 bits)."""
+
+    name = "ternary"
+
+    def bits_per_element(self, total: int) -> float:
+        return 1.6
+
+    def wire_size(self, numel: int, total: int) -> int:
+        return (numel + 4) // 5
+
+    def encode(self, planes: torch.Tensor, total: int, numel: int, *, seed: int = 0, step: int = 0,
+               offset: int = 0) -> torch.Tensor:
+        greater, tie = _threshold_masks(planes, total)
+        if tie is None:
+            tie = torch.zeros_like(greater)
+        digits = unpack_planes(torch.stack([tie, greater]), numel).to(torch.int32)  # 0: −1, 1: tie, 2: +1
+        digits = torch.cat([digits, digits.new_zeros((-numel) % 5)]).view(-1, 5)
+        return (digits * _POW3.to(digits.device)).sum(1).to(torch.uint8)
+
+    def decode(self, wire: torch.Tensor, numel: int, total: int) -> torch.Tensor:
+        wire = _expect_size(wire, self.wire_size(numel, total), self.name)
+        if wire.numel() and int(wire.max()) >= 243:
+            raise ValueError("ternary result holds a byte >= 243, which is not 5 base-3 digits")
+        return _TERNARY_TABLE.to(wire.device)[wire.long()].view(-1)[:numel]
+
+
+@dataclass(frozen=True)
+class MeanResult:
+    """The exact tally T in ceil(log2(total+1)) bit planes; decodes to (2T − total)/total."""
+
+    name = "mean"
+
+    def bits_per_element(self, total: int) -> float:
+        return float(planes_needed(total))
+
+    def wire_size(self, numel: int, total: int) -> int:
+        return planes_needed(total) * ops.packed_size(numel)
+
+    def encode(self, planes: torch.Tensor, total: int, numel: int, *, seed: int = 0, step: int = 0,
+               offset: int = 0) -> torch.Tensor:
+        return planes[: planes_needed(total)].reshape(-1).clone()
+
+    def decode(self, wire: torch.Tensor, numel: int, total: int) -> torch.Tensor:
+        wire = _expect_size(wire, self.wire_size(numel, total), self.name)
+        tally = unpack_planes(wire.view(planes_needed(total), -1), numel).to(torch.float32)
+        if tally.numel() and float(tally.max()) > total:
+            raise ValueError(f"mean result holds a tally above its total {total}")
+        return (2 * tally - total) / total
+
+
+ResultCodec = MajorityResult | TernaryResult | MeanResult
+RESULTS = {"majority": MajorityResult(), "ternary": TernaryResult(), "mean": MeanResult()}
+
+
+def result_codec(spec: str | ResultCodec) -> ResultCodec:
+    if isinstance(spec, (MajorityResult, TernaryResult, MeanResult)):
+        return spec
+    if spec not in RESULTS:
+        raise ValueError(f"unknown result encoding {spec!r}; use one of {sorted(RESULTS)}")
+    return RESULTS[spec]
+
+
+def _expect_size(wire: torch.Tensor, nbytes: int, name: str) -> torch.Tensor:
+    if wire.dtype != torch.uint8 or wire.dim() != 1:
+        raise TypeError(f"{name} result must be a 1-D uint8 tensor, got {wire.dtype} {tuple(wire.shape)}")
+    if wire.numel() != nbytes:
+        raise ValueError(f"{name} result has {wire.numel()} bytes, expected {nbytes}")
+    return wire
+
+
+def reduce_votes(uploads: list[torch.Tensor], upload: UploadCodec, result: ResultCodec, *, numel: int,
+                 seed: int = 0, step: int = 0) -> torch.Tensor:
+    """What a single reducer of the whole buffer returns: the encoded result of all uploads."""
+    total = len(uploads) * upload.max_code
+    return result.encode(tally_of(upload, uploads), total, numel, seed=seed, step=step)
+
+
+def wire_bits_per_element(upload: UploadCodec, result: ResultCodec, n: int) -> float:
+    """Upload plus result bits per element (what one peer sends and receives, before the butterfly's
+    (n−1)/n factor)."""
+    return upload.bits_per_element + result.bits_per_element(n * upload.max_code)
+
+
+__all__ = [
+    "SignUpload", "L1Upload", "UploadCodec", "upload_codec", "Tally", "tally_of", "MajorityResult",
+    "TernaryResult", "MeanResult", "ResultCodec", "result_codec", "reduce_votes", "wire_bits_per_element",
+    "pack_planes", "unpack_planes",
+]

@@ -1,0 +1,86 @@
+"""When and what to synchronize of the peers' local momenta.
+
+Each peer of a Lion Cub group keeps its own momentum; votes only quantize the directions. As the
+momenta drift apart, the vote drifts away from global Lion (whose momentum is the average), so
+Lion Cub averages them now and then. Tuning guide:
+
+* ``every=K``: a full-precision (bf16 on the wire) average every K steps costs 16/K bits per
+  element per step on top of the 1-bit vote's ~2; K = 16..64 keeps it under the vote's own cost.
+* ``until=T``: early training moves fastest and drifts most; stop syncing after step T.
+* ``geometric=r`` (with ``start``): sync at steps start, start·r, start·r², ... dense early, sparse
+  later, for runs whose length is unknown.
+* ``params=("encoder.*", ...)``: only parameters whose names match (fnmatch patterns), e.g. the
+  layers whose momenta drift most.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class MomentumSchedule:
+    """Answers "sync momentum after step ``step``?" (steps count completed optimizer steps, from 1)."""
+
+    every: int = 0
+    until: int | None = None
+    geometric: float | None = None
+    start: int = 1
+    params: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"every must be >= 0, got {self.every}")
+        if self.geometric is not None and not self.geometric > 1.0:
+            raise ValueError(f"geometric ratio must be > 1, got {self.geometric}")
+        if self.start < 1:
+            raise ValueError(f"start must be >= 1, got {self.start}")
+        if self.until is not None and self.until < 0:
+            raise ValueError(f"until must be >= 0, got {self.until}")
+        object.__setattr__(self, "params", tuple(self.params))
+
+    @classmethod
+    def never(cls) -> "MomentumSchedule":
+        return cls()
+
+    def due(self, step: int) -> bool:
+        if step < 1 or (self.until is not None and step > self.until):
+            return False
+        if self.every and step % self.every == 0:
+            return True
+        return self.geometric is not None and step in self._geometric_steps(step)
+
+    def _geometric_steps(self, limit: int) -> set[int]:
+        steps, s = set(), float(self.start)
+        while s <= limit:
+            steps.add(int(math.ceil(s - 1e-9)))
+            s *= self.geometric
+        return steps
+
+    def selects(self, name: str) -> bool:
+        return not self.params or any(fnmatch.fnmatchcase(name, pattern) for pattern in self.params)
+
+    def syncs_per_step(self, steps: int) -> float:
+        """Fraction of the first ``steps`` steps that sync (for bandwidth accounting)."""
+        return sum(self.due(s) for s in range(1, steps + 1)) / max(steps, 1)
+
+
+def average_in_process(momenta: list[list[tuple[str, torch.Tensor]]], schedule: MomentumSchedule) -> int:
+    """Replace each selected momentum by its exact mean over peers (in place); returns elements synced.
+
+    ``momenta[i]`` is peer i's ``LionCub.momentum_buffers()``; all peers list the same names."""
+    synced = 0
+    for buffers in zip(*momenta):
+        name = buffers[0][0]
+        if any(other != name for other, _ in buffers):
+            raise ValueError(f"peers disagree on parameter order at {name!r}")
+        if not schedule.selects(name):
+            continue
+        mean = torch.stack([m.float() for _, m in buffers]).mean(0)
+        for _, m in buffers:
+            m.copy_(mean)
+        synced += mean.numel()
+    return synced

@@ -1,0 +1,198 @@
+"""LionCub: Lion whose per-step direction can be voted on by a group of peers.
+
+Per parameter tensor θ with gradient g and momentum m (β1, β2, learning rate lr, weight decay λ):
+
+    c = β1·m + (1 − β1)·g                      # Lion's direction
+    u = aggregate(encode(c)) over the group    # u = sign(c) when training alone
+    θ ← θ·(1 − lr·λ) − lr·u                    # decoupled weight decay, then the step
+    m ← β2·m + (1 − β2)·g
+
+Alone (``aggregator=None``) this is exactly Lion, sign(0) = 0 included. With an aggregator, every
+peer packs its c into one flat buffer (``upload`` codec: 1-bit signs, fused with the momentum update
+in a single pass, or L1 p-bit codes), the aggregator returns the group's update for the whole buffer,
+and every peer applies that same update, so replicas that start equal stay equal.
+
+The flat buffer lays parameters out in ``param_groups`` order, each starting on a byte boundary:
+parameter i owns bytes [offset_i, offset_i + ceil(numel_i / 8)) of every code plane, i.e. vote
+positions 8·offset_i .. 8·offset_i + numel_i − 1. Parameters without a gradient vote with g = 0 so the
+layout never depends on which gradients a peer happened to compute.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol
+
+import torch
+
+from . import ops
+from .codecs import SignUpload, UploadCodec, upload_codec
+from .ops.randbits import derive_key
+
+
+class Aggregator(Protocol):
+    """The seam between the optimizer and the network (or an in-process group).
+
+    ``aggregate`` receives this peer's upload codes, (planes, nbytes) uint8 for the whole flat buffer,
+    and returns the update every peer applies: packed uint8 (nbytes,) for a 1-bit result, or float32
+    (nbytes*8,) values in [−1, 1] for ternary and mean results."""
+
+    upload: UploadCodec
+
+    def aggregate(self, upload: torch.Tensor, *, step: int) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives in the flat vote buffer."""
+
+    param: torch.Tensor
+    group: dict
+    name: str
+    offset: int  # first byte
+    nbytes: int
+
+
+class LionCub(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023) with a pluggable vote over peers (Lion Cub, Ishikawa et al. 2024).
+
+    Args:
+        params: parameters, named parameters (``model.named_parameters()``) or param groups.
+        lr: step size; Lion wants 3–10× less than AdamW.
+        betas: (β1 for the direction, β2 for the momentum).
+        weight_decay: decoupled decay λ; Lion wants 3–10× more than AdamW.
+        aggregator: where directions are voted on; ``None`` trains alone as plain Lion.
+        upload: "sign" (1 bit), "l1" / "l1:BITS" or a codec; ignored when the aggregator names one.
+        seed: keys the shared pseudo-random bits that replace sign(0); identical on every peer.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0, *, aggregator: Aggregator | None = None,
+                 upload: str | UploadCodec = "sign", seed: int = 0):
+        if not lr > 0.0:
+            raise ValueError(f"lr must be positive, got {lr}")
+        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
+            raise ValueError(f"betas must be two values in [0, 1), got {betas}")
+        if weight_decay < 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, step=0))
+        self.aggregator = aggregator
+        self.upload_codec = aggregator.upload if aggregator is not None else upload_codec(upload)
+        self.seed = seed
+        self._slots: list[Slot] | None = None
+
+    # -- layout ---------------------------------------------------------------------------------
+
+    @property
+    def slots(self) -> list[Slot]:
+        if self._slots is None:
+            slots, offset = [], 0
+            for gi, group in enumerate(self.param_groups):
+                names = group.get("param_names") or [f"group{gi}.param{i}" for i in range(len(group["params"]))]
+                for name, p in zip(names, group["params"]):
+                    slots.append(Slot(p, group, name, offset, ops.packed_size(p.numel())))
+                    offset += slots[-1].nbytes
+            self._slots = slots
+        return self._slots
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes per code plane of the flat vote buffer."""
+        last = self.slots[-1]
+        return last.offset + last.nbytes
+
+    @property
+    def step_count(self) -> int:
+        """Completed optimizer steps (the swarm's global step once it joins one)."""
+        return self.param_groups[0]["step"]
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._slots = None
+
+    def _momentum(self, p: torch.Tensor) -> torch.Tensor:
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        return state["exp_avg"]
+
+    def momentum_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, momentum) for every parameter, created if missing: what momentum averaging syncs."""
+        return [(slot.name, self._momentum(slot.param)) for slot in self.slots]
+
+    # -- stepping ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.aggregator is None:
+            self._lion_step()
+        else:
+            self.apply_aggregate(self.aggregator.aggregate(self.compute_upload(), step=self.step_count))
+        return loss
+
+    def _lion_step(self) -> None:
+        """Plain Lion, written out: the single-peer case needs sign(0) = 0 exactly."""
+        for slot in self.slots:
+            p, group = slot.param, slot.group
+            if p.grad is None:
+                continue
+            beta1, beta2 = group["betas"]
+            m = self._momentum(p)
+            c = m.mul(beta1).add_(p.grad, alpha=1 - beta1)
+            if group["weight_decay"]:
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(c.sign_(), alpha=-group["lr"])
+            m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+        self._advance()
+
+    def _direction_seed(self, index: int) -> int:
+        return derive_key(self.seed, self.step_count, index)
+
+    @torch.no_grad()
+    def compute_upload(self) -> torch.Tensor:
+        """This peer's codes for the flat buffer, (planes, buffer_bytes) uint8; updates momenta.
+
+        Call ``apply_aggregate`` with the group's update before the next ``compute_upload``."""
+        codec = self.upload_codec
+        first = self.slots[0].param
+        upload = torch.zeros((codec.planes, self.buffer_bytes), dtype=torch.uint8, device=first.device)
+        for index, slot in enumerate(self.slots):
+            p, (beta1, beta2) = slot.param, slot.group["betas"]
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            m = self._momentum(p)
+            window = slice(slot.offset, slot.offset + slot.nbytes)
+            if isinstance(codec, SignUpload):
+                upload[0, window] = ops.lion_direction_pack(grad, m, beta1, beta2, seed=self._direction_seed(index))
+            else:
+                c = m.float().mul(beta1).add_(grad.float(), alpha=1 - beta1)
+                upload[:, window] = codec.encode(c, seed=self._direction_seed(index)).to(upload.device)
+                m.mul_(beta2).add_(grad, alpha=1 - beta2)
+        return upload
+
+    @torch.no_grad()
+    def apply_aggregate(self, update: torch.Tensor) -> None:
+        """Apply the group's update for the flat buffer (see ``Aggregator``) and count the step."""
+        packed = update.dtype == torch.uint8
+        expected = self.buffer_bytes if packed else self.buffer_bytes * 8
+        if update.dim() != 1 or update.numel() != expected:
+            raise ValueError(f"update has shape {tuple(update.shape)}; expected ({expected},) "
+                             f"{'packed bytes' if packed else 'float values'} for this optimizer's parameters")
+        for slot in self.slots:
+            p, group = slot.param, slot.group
+            if packed:
+                u = update[slot.offset : slot.offset + slot.nbytes]
+            else:
+                u = update[8 * slot.offset : 8 * slot.offset + p.numel()].view_as(p)
+            ops.apply_update(p, u.to(p.device), group["lr"], group["weight_decay"])
+        self._advance()
+
+    def _advance(self) -> None:
+        for group in self.param_groups:
+            group["step"] += 1
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._slots = None

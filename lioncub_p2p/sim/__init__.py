@@ -1,0 +1,1 @@
+"""Simulation: in-process groups and (later) swarms of local peers on shaped links."""

@@ -1,0 +1,25 @@
+import json
+
+from lioncub_p2p.momentum import MomentumSchedule
+from lioncub_p2p.sim.inprocess import Method, main, run_method
+from lioncub_p2p.sim.tasks import digits_task
+
+
+def test_majority_with_momentum_averaging_tracks_global_lion():
+    task = digits_task(0)
+    global_lion = run_method(Method("global"), task, workers=4, steps=300)
+    vote = run_method(Method("vote", "sign", "majority", MomentumSchedule(every=10)), task, workers=4, steps=300)
+    assert global_lion.test_accuracy > 90.0  # the baseline itself learned
+    assert vote.test_accuracy >= global_lion.test_accuracy - 3.0
+    assert vote.replicas_identical
+    assert vote.bits_per_element_per_step == 2.0 + 32.0 / 10
+
+
+def test_cli_writes_table_and_json(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    main(["--steps", "5", "--out", str(out)])
+    report = json.loads(out.read_text())
+    names = [r["method"] for r in report["results"]]
+    assert names[0].startswith("global Lion") and len(names) == 7
+    assert all(r["replicas_identical"] for r in report["results"])
+    assert "| method |" in capsys.readouterr().out

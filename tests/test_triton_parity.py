@@ -1,0 +1,76 @@
+"""The Triton kernels produce the same bytes as the torch path.
+
+On a machine without CUDA they run through ``TRITON_INTERPRET=1`` (set in conftest.py) on CPU
+tensors; bf16 is passed to them as raw int16 bits, so the interpreter's bf16 trap does not apply,
+and the bf16 cases compare against the torch path and, for signs, against numpy."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from lioncub_p2p.ops import torch_impl, triton_impl, zero_sign_key, tie_key
+
+from reference import pack
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def _x(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    x = torch.randn(numel)
+    x[::5] = 0.0
+    x[::13] = -0.0
+    x[7::50] = float("nan")
+    return x.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numel", [1, 9, 4099])
+def test_pack_signs_same_bytes(dtype, numel):
+    x = _x(numel, dtype)
+    got = triton_impl.pack_signs(x, zero_sign_key(3)).cpu()
+    assert torch.equal(got, torch_impl.pack_signs(x.cpu(), zero_sign_key(3)))
+    nonzero = (x.cpu().float() != 0).numpy()
+    got_bits = np.unpackbits(got.numpy(), bitorder="little")[:numel]
+    np.testing.assert_array_equal(got_bits[nonzero], (x.cpu().float().numpy() > 0)[nonzero])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unpack_same_values(dtype):
+    packed = torch.randint(0, 256, (130,), dtype=torch.uint8)
+    got = triton_impl.unpack_signs(packed.to(DEVICE), 1037, dtype).cpu()
+    assert torch.equal(got, torch_impl.unpack_signs(packed, 1037, dtype))
+
+
+@pytest.mark.parametrize("n", [1, 4, 7])
+def test_counts_and_majority_same_bytes(n):
+    stack = torch.randint(0, 256, (n, 300), dtype=torch.uint8)
+    dev = stack.to(DEVICE)
+    assert torch.equal(triton_impl.vote_counts(dev).cpu(), torch_impl.vote_counts(stack))
+    for ties in ("random", "zero"):
+        got = triton_impl.majority_vote(dev, ties, tie_key(1, 2)).cpu()
+        assert torch.equal(got, torch_impl.majority_vote(stack, ties, tie_key(1, 2)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_lion_and_apply_same_bytes(dtype):
+    g, m = torch.randn(2051).to(dtype), torch.randn(2051).to(dtype)
+    g[:100], m[:100] = 0, 0
+    m_ref, m_dev = m.clone(), m.clone().to(DEVICE)
+    packed = triton_impl.lion_direction_pack(g.to(DEVICE), m_dev, 0.9, 0.99, zero_sign_key(8)).cpu()
+    assert torch.equal(packed, torch_impl.lion_direction_pack(g, m_ref, 0.9, 0.99, zero_sign_key(8)))
+    assert torch.equal(m_dev.cpu(), m_ref)
+    for update in (packed, torch.rand(2051) * 2 - 1):
+        p_ref = torch.randn(2051).to(dtype)
+        p_dev = p_ref.clone().to(DEVICE)
+        triton_impl.apply_update(p_dev, update.to(DEVICE), 3e-3, 0.1)
+        torch_impl.apply_update(p_ref, update, 3e-3, 0.1)
+        assert torch.equal(p_dev.cpu(), p_ref)
+
+
+def test_bf16_signs_are_not_read_as_raw_integers():
+    """The interpreter trap: every nonzero bf16 read as a positive integer would give all ones."""
+    x = torch.tensor([-1.0, -2.0, 3.0, -0.5, 0.25, -8.0, 1.0, -1e-3], dtype=torch.bfloat16).to(DEVICE)
+    got = triton_impl.pack_signs(x, zero_sign_key(0)).cpu().numpy()
+    np.testing.assert_array_equal(got, pack(x.cpu().float().numpy() > 0))
