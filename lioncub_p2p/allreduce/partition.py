@@ -1,0 +1,49 @@
+"""Who reduces which bytes: a pure function of the group, identical on every peer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+ALIGN = 8  # parts start on 64-bit words so reducers count on whole words
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """One member of a round's group.
+
+    ``weight`` is the peer's share of the reduction work (its bandwidth, in any unit); a peer in
+    ``client_mode`` (behind NAT, dials out only) or with weight 0 reduces nothing but still votes."""
+
+    peer_id: str
+    weight: float = 1.0
+    client_mode: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.weight >= 0.0:
+            raise ValueError(f"peer {self.peer_id}: weight must be >= 0, got {self.weight}")
+
+    @property
+    def reduces(self) -> bool:
+        return not self.client_mode and self.weight > 0
+
+
+def part_bounds(nbytes: int, group: Sequence[PeerSpec]) -> list[tuple[int, int]]:
+    """Byte range [start, stop) of the buffer that each group member reduces, in group order.
+
+    Sizes follow the weights of the reducing members (within ALIGN bytes); every start is a
+    multiple of ALIGN; ranges are contiguous and cover [0, nbytes); non-reducers get empty ranges."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    weights = [p.weight if p.reduces else 0.0 for p in group]
+    total = sum(weights)
+    if total <= 0:
+        raise ValueError("the group has no reducer: every peer is in client mode or has weight 0")
+    bounds, cumulative, start = [], 0.0, 0
+    last = max(i for i, w in enumerate(weights) if w > 0)
+    for i, w in enumerate(weights):
+        cumulative += w
+        stop = nbytes if i == last else min(nbytes, int(nbytes * cumulative / total) // ALIGN * ALIGN)
+        stop = max(stop, start) if w > 0 else start
+        bounds.append((start, stop))
+        start = stop
+    return bounds
