@@ -1,0 +1,412 @@
+"""A peer's end of the butterfly vote all-reduce, on hivemind's P2P binary streams.
+
+One round, from peer i's point of view (group of n; part j is reduced by member j):
+
+1. For every other reducer j, in rotated order (i+1, i+2, ...) so that not everyone uploads to the
+   same reducer at once: dial j, stream this peer's codes for part j in chunks, keep the stream open.
+2. As reducer of part i: count its own codes and every incoming chunk on packed words; when all n
+   votes are in, or ``upload_timeout`` after this peer's round began, encode the part's result with
+   the votes that completed and stream it back on every voter's stream (late voters get it too).
+3. Read each part's result from the stream it was uploaded on, until ``result_timeout``.
+
+Fault rule (every survivor applies the same update):
+* a voter that fails, lies about sizes or is late is left out of that part's count; the part's
+  result names the counted voters;
+* a part whose result did not arrive (its reducer died, stalled or refused us) is asked for from the
+  other peers, who answer only with a result they received directly from that reducer; if anyone got
+  it, everyone who asks gets the same bytes; if nobody did, every peer applies a zero update there;
+* what timing can still split (a peer that received a part directly but stalls while others ask)
+  is caught by the swarm's parameter digest and repaired by a state download.
+
+All connections are dialed by the voter, so peers in client mode (behind NAT) take part fully.
+Untrusted input is checked chunk by chunk (round, part, group membership, encodings, offsets, sizes);
+a violation drops that peer's vote with a logged reason and never raises in the caller.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from ..ops import unpack_signs
+from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
+from .reducer import PartReduction
+from .round import AllReduceConfig, PartReport, RoundReport, RoundSpec, result_wire, upload_wire
+
+logger = logging.getLogger(__name__)
+
+VOTE_PROTOCOL = "lioncub/vote/1"
+FETCH_PROTOCOL = "lioncub/fetch/1"
+NETWORK_ERRORS = (ConnectionError, asyncio.IncompleteReadError, OSError, EOFError)
+
+Outcome = tuple[bytes, list[int]]  # a part's encoded result and the counted voters
+
+
+@dataclass
+class RoundState:
+    spec: RoundSpec
+    me: int
+    report: RoundReport
+    reduction: PartReduction | None
+    direct: dict[int, asyncio.Future]  # part -> Outcome | None, as received from its reducer
+
+
+class VoteNode:
+    """Runs vote rounds for one peer. Create inside the event loop that owns ``p2p``; call ``start``."""
+
+    def __init__(self, p2p: P2P, config: AllReduceConfig | None = None):
+        self.p2p = p2p
+        self.config = config or AllReduceConfig()
+        self.peer_id = p2p.peer_id.to_base58()
+        self._rounds: OrderedDict[bytes, RoundState] = OrderedDict()
+        self._finished: deque[bytes] = deque(maxlen=256)
+        self._waiting: dict[bytes, asyncio.Event] = {}
+        self._streams = 0
+        # Observers of progress ("vote_chunk" / "result_chunk" after each chunk is written), for
+        # metrics and for tests that inject faults at a precise moment.
+        self.on_event: list[Callable[[str], None]] = []
+
+    def _emit(self, event: str) -> None:
+        for callback in self.on_event:
+            callback(event)
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(VOTE_PROTOCOL, self._on_vote_stream)
+        await self.p2p.add_binary_stream_handler(FETCH_PROTOCOL, self._on_fetch_stream)
+
+    # -- running a round ---------------------------------------------------------------------------
+
+    async def run_round(self, spec: RoundSpec, upload: torch.Tensor) -> tuple[torch.Tensor, RoundReport]:
+        """Vote with ``upload`` ((planes, nbytes) uint8 codes) and return (update, report).
+
+        The update is packed uint8 (nbytes,) for a complete majority result, else float32
+        (nbytes*8,) with zeros in parts nobody received."""
+        started = time.perf_counter()
+        me = spec.index_of(self.peer_id)
+        if upload.dtype != torch.uint8 or tuple(upload.shape) != (spec.upload.planes, spec.nbytes):
+            raise ValueError(f"upload must be uint8 of shape ({spec.upload.planes}, {spec.nbytes}), "
+                             f"got {upload.dtype} {tuple(upload.shape)}")
+        upload = upload.cpu().contiguous()
+        parts = [PartReport(j, j, a, b, "pending" if b > a else "empty") for j, (a, b) in enumerate(spec.bounds)]
+        report = RoundReport(spec.round_id.hex(), spec.step, me, parts)
+        loop = asyncio.get_running_loop()
+        state = RoundState(spec, me, report, None, {j: loop.create_future() for j, (a, b) in enumerate(spec.bounds) if b > a})
+        if me in state.direct:
+            state.reduction = PartReduction(spec, me)
+            a, b = spec.bounds[me]
+            state.reduction.add(me, 0, upload[:, a:b].clone(), last=True)
+        self._register(state)
+
+        tasks = []
+        if state.reduction is not None:
+            tasks.append(asyncio.create_task(self._reduce_own_part(state, started)))
+        turn = asyncio.Lock()  # uploads leave one reducer at a time, in rotated order
+        n = len(spec.group)
+        for k in range(1, n):
+            j = (me + k) % n
+            if j in state.direct:
+                tasks.append(asyncio.create_task(self._vote_remote(state, j, upload, turn, started)))
+        await asyncio.gather(*tasks)
+        report.timings["results"] = time.perf_counter() - started
+
+        missing = [j for j, fut in state.direct.items() if fut.result() is None]
+        outcomes: dict[int, Outcome | None] = {j: fut.result() for j, fut in state.direct.items()}
+        if missing:
+            recovered = await asyncio.gather(*(self._recover(state, j) for j in missing))
+            for j, outcome in zip(missing, recovered):
+                outcomes[j] = outcome
+                parts[j].status = "recovered" if outcome is not None else "missing"
+                if outcome is not None:
+                    parts[j].counted = list(outcome[1])
+            report.timings["recovery"] = time.perf_counter() - started - report.timings["results"]
+        for j, outcome in outcomes.items():
+            if parts[j].status == "pending":
+                parts[j].status = "ok"
+        update, undecodable = assemble(spec, outcomes)
+        for j, reason in undecodable.items():
+            parts[j].status, parts[j].note = "missing", f"undecodable result: {reason}"
+        report.timings["total"] = time.perf_counter() - started
+        return update, report
+
+    def _register(self, state: RoundState) -> None:
+        rid = state.spec.round_id
+        if rid in self._rounds or rid in self._finished:
+            raise ValueError(f"round {rid.hex()} was already run by this peer")
+        self._rounds[rid] = state
+        while len(self._rounds) > self.config.keep_rounds:
+            old, _ = self._rounds.popitem(last=False)
+            self._finished.append(old)
+        if rid in self._waiting:
+            self._waiting.pop(rid).set()
+
+    async def _reduce_own_part(self, state: RoundState, started: float) -> None:
+        red = state.reduction
+        remaining = self.config.upload_timeout - (time.perf_counter() - started)
+        try:
+            await asyncio.wait_for(red.all_in.wait(), max(remaining, 0.0))
+        except asyncio.TimeoutError:
+            pass
+        wire, counted = red.finalize()
+        state.report.parts[state.me].counted = list(counted)
+        state.report.dropped.extend(red.dropped.items())
+        state.report.timings["reduce"] = time.perf_counter() - started
+        state.direct[state.me].set_result((wire, counted))
+
+    async def _vote_remote(self, state: RoundState, j: int, upload: torch.Tensor, turn: asyncio.Lock,
+                           started: float) -> None:
+        spec, report = state.spec, state.report
+        deadline = self.config.result_timeout - (time.perf_counter() - started)
+        writer = None
+
+        async def exchange() -> Outcome:
+            nonlocal writer
+            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[j].peer_id),
+                                                                          VOTE_PROTOCOL)
+            async with turn:
+                await self._send_votes(writer, state, j, upload)
+                report.timings.setdefault("upload", 0.0)
+                report.timings["upload"] = max(report.timings["upload"], time.perf_counter() - started)
+            return await self._read_result(reader, state, j)
+
+        outcome: Outcome | None = None
+        try:
+            outcome = await asyncio.wait_for(exchange(), max(deadline, 0.0))
+            report.parts[j].counted = list(outcome[1])
+        except Exception as e:  # any failure of this reducer leaves the part to recovery
+            report.parts[j].note = f"no result from reducer: {type(e).__name__}: {e}"
+            logger.info("round %s: part %d %s", spec.round_id.hex()[:12], j, report.parts[j].note)
+        finally:
+            if writer is not None:
+                writer.close()
+            state.direct[j].set_result(outcome)
+
+    async def _send_votes(self, writer: asyncio.StreamWriter, state: RoundState, j: int, upload: torch.Tensor) -> None:
+        spec = state.spec
+        a, b = spec.bounds[j]
+        encoding, bits = upload_wire(spec.upload)
+        for offset in range(0, b - a, self.config.chunk_bytes):
+            length = min(self.config.chunk_bytes, b - a - offset)
+            codes = upload[:, a + offset : a + offset + length].contiguous().numpy().tobytes()
+            chunk = pb.VoteChunk(version=PROTOCOL_VERSION, round_id=spec.round_id, step=spec.step, part=j,
+                                 offset=offset, length=length, upload=encoding, upload_bits=bits,
+                                 result=result_wire(spec.result), codes=codes, last=offset + length == b - a)
+            state.report.bytes_up += await write_frame(writer, chunk)
+            state.report.payload_up += len(codes)
+            self._emit("vote_chunk")
+
+    async def _read_result(self, reader: asyncio.StreamReader, state: RoundState, j: int) -> Outcome:
+        """Read and check a part's result chunks (from its reducer or a recovering peer)."""
+        spec, report = state.spec, state.report
+        data, voters, counted, expected = bytearray(), None, None, None
+        while True:
+            msg, nread = await read_frame(reader, pb.ResultChunk)
+            if msg is None:
+                raise WireError("stream closed before the last result chunk")
+            report.bytes_down += nread
+            if msg.error:
+                raise WireError(f"peer refused: {msg.error}")
+            if msg.round_id != spec.round_id or msg.part != j or msg.result != result_wire(spec.result):
+                raise WireError("result chunk for another round, part or encoding")
+            if voters is None:
+                voters, counted = msg.voters, list(msg.counted)
+                if not 1 <= voters <= len(spec.group) or len(counted) != voters or len(set(counted)) != voters \
+                        or any(c >= len(spec.group) for c in counted):
+                    raise WireError(f"result claims {voters} voters with counted={counted[:8]}")
+                expected = spec.result_size(j, voters)
+            elif msg.voters != voters or list(msg.counted) != counted:
+                raise WireError("result chunks disagree on the counted voters")
+            if msg.offset != len(data) or len(data) + len(msg.data) > expected:
+                raise WireError(f"result chunk at {msg.offset} (+{len(msg.data)}) after {len(data)} of {expected} bytes")
+            data += msg.data
+            report.payload_down += len(msg.data)
+            if msg.last:
+                if len(data) != expected:
+                    raise WireError(f"result ended at {len(data)} of {expected} bytes")
+                return bytes(data), counted
+
+    async def _send_result(self, writer: asyncio.StreamWriter, state: RoundState, part: int, outcome: Outcome) -> None:
+        wire, counted = outcome
+        step = self.config.chunk_bytes
+        for offset in range(0, max(len(wire), 1), step):
+            chunk = pb.ResultChunk(version=PROTOCOL_VERSION, round_id=state.spec.round_id, part=part, offset=offset,
+                                   data=wire[offset : offset + step], last=offset + step >= len(wire),
+                                   voters=len(counted), counted=counted, result=result_wire(state.spec.result))
+            state.report.bytes_up += await write_frame(writer, chunk)
+            state.report.payload_up += min(step, len(wire) - offset)
+            self._emit("result_chunk")
+
+    async def _recover(self, state: RoundState, j: int) -> Outcome | None:
+        """Ask every other reachable member for part j's result as it came from its reducer."""
+        spec = state.spec
+        askers = [i for i, p in enumerate(spec.group) if i not in (j, state.me) and not p.client_mode]
+
+        async def ask(i: int) -> Outcome:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[i].peer_id),
+                                                                          FETCH_PROTOCOL)
+            try:
+                state.report.bytes_up += await write_frame(
+                    writer, pb.FetchResult(version=PROTOCOL_VERSION, round_id=spec.round_id, part=j))
+                return await self._read_result(reader, state, j)
+            finally:
+                writer.close()
+
+        pending = {asyncio.create_task(asyncio.wait_for(ask(i), self.config.recovery_timeout)) for i in askers}
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is None:
+                        return task.result()
+        finally:
+            for task in pending:
+                task.cancel()
+        return None
+
+    # -- serving other peers ---------------------------------------------------------------------
+
+    async def _find_round(self, round_id: bytes) -> RoundState:
+        if round_id in self._rounds:
+            return self._rounds[round_id]
+        if round_id in self._finished:
+            raise WireError("round already finished")
+        if round_id not in self._waiting and len(self._waiting) >= 8:
+            raise WireError("too many rounds not started here yet")
+        event = self._waiting.setdefault(round_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), self.config.join_timeout)
+        except asyncio.TimeoutError:
+            self._waiting.pop(round_id, None)
+            raise WireError(f"unknown round {round_id.hex()[:16]} (not started here within the join timeout)")
+        return self._rounds[round_id]
+
+    async def _on_vote_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._streams >= self.config.max_streams:
+            logger.warning("refused a stream from %s: %d streams open", info.peer_id, self._streams)
+            writer.close()
+            return
+        self._streams += 1
+        state = voter = red = None
+        try:
+            chunk, nread = await asyncio.wait_for(read_frame(reader, pb.VoteChunk), self.config.join_timeout)
+            if chunk is None:
+                return
+            state = await self._find_round(chunk.round_id)
+            spec = state.spec
+            voter = spec.index_of(info.peer_id.to_base58())
+            if chunk.part != state.me or state.reduction is None:
+                raise WireError(f"part {chunk.part} is not reduced by this peer")
+            red = state.reduction
+            state.report.bytes_down += nread
+            await self._receive_votes(state, red, voter, chunk, reader)
+            outcome = await asyncio.shield(red.result)
+            await self._send_result(writer, state, state.me, outcome)
+        except WireError as e:
+            self._refuse(state, red, voter, info, str(e))
+            await self._try_send_error(writer, state, state.me if state else 0, str(e))
+        except (asyncio.TimeoutError, *NETWORK_ERRORS) as e:
+            self._refuse(state, red, voter, info, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+        except Exception as e:  # never let a peer's bytes crash this peer
+            logger.exception("vote stream from %s failed", info.peer_id)
+            self._refuse(state, red, voter, info, f"internal error: {e}")
+        finally:
+            self._streams -= 1
+            writer.close()
+
+    async def _receive_votes(self, state: RoundState, red: PartReduction, voter: int, chunk: pb.VoteChunk,
+                             reader: asyncio.StreamReader) -> None:
+        spec = state.spec
+        limit = spec.upload.planes * red.nbytes  # a late voter's bytes are read (not counted) up to this
+        received = 0
+        while True:
+            if chunk.round_id != spec.round_id or chunk.part != state.me:
+                raise WireError("chunk for another round or part on the same stream")
+            spec.check_vote_header(chunk)
+            codes = red.codes_from(chunk)
+            state.report.payload_down += codes.numel()
+            if red.finalized:  # late: drain without counting, then answer like everyone else
+                received += codes.numel()
+                if received > limit:
+                    raise WireError("late voter sent more than its part")
+                if voter not in red.complete and voter not in red.dropped:
+                    red.dropped[voter] = "late: arrived after the part was reduced"
+            else:
+                red.add(voter, chunk.offset, codes, chunk.last)
+            if chunk.last:
+                return
+            remaining = self.config.upload_timeout + self.config.join_timeout
+            chunk, nread = await asyncio.wait_for(read_frame(reader, pb.VoteChunk), remaining)
+            if chunk is None:
+                raise WireError("stream ended before the last chunk")
+            state.report.bytes_down += nread
+
+    def _refuse(self, state, red, voter, info, reason: str) -> None:
+        logger.warning("rejected votes from %s: %s", info.peer_id, reason)
+        if red is not None and voter is not None:
+            red.drop(voter, reason)
+
+    async def _try_send_error(self, writer, state, part: int, reason: str) -> None:
+        try:
+            await asyncio.wait_for(write_frame(writer, pb.ResultChunk(
+                version=PROTOCOL_VERSION, round_id=state.spec.round_id if state else b"", part=part, error=reason[:200])),
+                1.0)
+        except Exception:
+            pass
+
+    async def _on_fetch_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        state = None
+        try:
+            req, _ = await asyncio.wait_for(read_frame(reader, pb.FetchResult, 1024), self.config.join_timeout)
+            if req is None:
+                return
+            state = self._rounds.get(req.round_id)
+            if state is None:
+                raise WireError("unknown round")
+            state.spec.index_of(info.peer_id.to_base58())
+            future = state.direct.get(req.part)
+            if future is None:
+                raise WireError(f"no part {req.part} in this round")
+            outcome = await asyncio.wait_for(asyncio.shield(future), self.config.result_timeout)
+            if outcome is None:
+                raise WireError(f"part {req.part} was not received from its reducer here")
+            await self._send_result(writer, state, req.part, outcome)
+        except WireError as e:
+            await self._try_send_error(writer, state, 0, str(e))
+        except (asyncio.TimeoutError, *NETWORK_ERRORS):
+            pass
+        except Exception:
+            logger.exception("fetch stream from %s failed", info.peer_id)
+        finally:
+            writer.close()
+
+
+def assemble(spec: RoundSpec, outcomes: dict[int, Outcome | None]) -> tuple[torch.Tensor, dict[int, str]]:
+    """The whole buffer's update from its parts, and the parts whose bytes did not decode.
+
+    Packed bits (nbytes,) if every part has a majority result, else float32 (nbytes*8,) with zeros
+    where a part is missing or undecodable (every peer holding the same bytes decides the same)."""
+    parts = sorted(outcomes)
+    if spec.result.name == "majority" and all(outcomes[j] is not None for j in parts):
+        joined = bytearray(b"".join(outcomes[j][0] for j in parts))
+        return (torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.zeros(0, dtype=torch.uint8)), {}
+    update, bad = torch.zeros(spec.nbytes * 8, dtype=torch.float32), {}
+    for j in parts:
+        outcome = outcomes[j]
+        if outcome is None:
+            continue
+        wire, counted = outcome
+        a, b = spec.bounds[j]
+        raw = torch.frombuffer(bytearray(wire), dtype=torch.uint8)
+        try:
+            if spec.result.name == "majority":
+                update[8 * a : 8 * b] = unpack_signs(raw, 8 * (b - a))
+            else:
+                update[8 * a : 8 * b] = spec.result.decode(raw, 8 * (b - a), len(counted) * spec.upload.max_code)
+        except ValueError as e:
+            bad[j] = str(e)
+    return update, bad

@@ -1,0 +1,126 @@
+"""What every peer of a round must agree on, the knobs, and the round's report."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..codecs import MajorityResult, ResultCodec, SignUpload, UploadCodec
+from ..wire import MAX_CHUNK_BYTES, WireError, pb
+from .partition import PeerSpec, part_bounds
+
+
+@dataclass(frozen=True)
+class AllReduceConfig:
+    """Timeouts (seconds) and sizes of a vote round. Tuning guide:
+
+    * ``upload_timeout``: how long a reducer waits, from the start of its own round, for votes.
+      A voter whose upload is not complete by then is left out of that part's count (it still gets
+      the result). Set it above the slowest peer's compute skew plus its upload time.
+    * ``result_timeout``: how long a voter waits, from the start of its round, for each part's
+      result; must exceed ``upload_timeout`` plus the result's transfer time.
+    * ``join_timeout``: how long a reducer holds a stream that arrived before its own round started.
+    * ``recovery_timeout``: how long a peer asks the others for a part whose reducer failed.
+    * ``chunk_bytes``: payload per message (≤ 1 MiB); 256 KiB was fastest on loopback."""
+
+    chunk_bytes: int = 256 << 10
+    upload_timeout: float = 10.0
+    result_timeout: float = 20.0
+    join_timeout: float = 5.0
+    recovery_timeout: float = 5.0
+    max_streams: int = 256  # concurrent incoming streams per peer; more are refused
+    keep_rounds: int = 4  # finished rounds kept to serve late voters and recovery requests
+
+    def __post_init__(self) -> None:
+        if not 8 <= self.chunk_bytes <= MAX_CHUNK_BYTES or self.chunk_bytes % 8:
+            raise ValueError(f"chunk_bytes must be a multiple of 8 in [8, {MAX_CHUNK_BYTES}], got {self.chunk_bytes}")
+        if not 0 < self.upload_timeout < self.result_timeout:
+            raise ValueError("need 0 < upload_timeout < result_timeout")
+
+
+_RESULT_ENUM = {"majority": pb.RESULT_MAJORITY, "ternary": pb.RESULT_TERNARY, "mean": pb.RESULT_MEAN}
+
+
+def upload_wire(codec: UploadCodec) -> tuple[int, int]:
+    return (pb.UPLOAD_SIGN, 1) if isinstance(codec, SignUpload) else (pb.UPLOAD_L1, codec.bits)
+
+
+def result_wire(codec: ResultCodec) -> int:
+    return _RESULT_ENUM[codec.name]
+
+
+@dataclass(frozen=True)
+class RoundSpec:
+    """One vote round. Every member builds the same spec (same group order, sizes and codecs)."""
+
+    round_id: bytes
+    step: int
+    group: tuple[PeerSpec, ...]
+    nbytes: int  # bytes per code plane of the whole buffer
+    upload: UploadCodec = field(default_factory=SignUpload)
+    result: ResultCodec = field(default_factory=MajorityResult)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        ids = [p.peer_id for p in self.group]
+        if len(set(ids)) != len(ids):
+            raise ValueError("a peer appears twice in the group")
+        if not self.round_id or len(self.round_id) > 64:
+            raise ValueError("round_id must be 1..64 bytes")
+        object.__setattr__(self, "_bounds", part_bounds(self.nbytes, self.group))
+        object.__setattr__(self, "_index", {pid: i for i, pid in enumerate(ids)})
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        return self._bounds  # type: ignore[attr-defined]
+
+    def index_of(self, peer_id: str) -> int:
+        if peer_id not in self._index:  # type: ignore[attr-defined]
+            raise WireError(f"peer {peer_id} is not in this round's group")
+        return self._index[peer_id]  # type: ignore[attr-defined]
+
+    def part_numel(self, part: int) -> int:
+        start, stop = self.bounds[part]
+        return 8 * (stop - start)
+
+    def result_size(self, part: int, voters: int) -> int:
+        return self.result.wire_size(self.part_numel(part), voters * self.upload.max_code)
+
+    def check_vote_header(self, chunk: pb.VoteChunk) -> None:
+        """Encodings and step of an incoming chunk must be this round's."""
+        if (chunk.upload, chunk.upload_bits) != upload_wire(self.upload) or chunk.result != result_wire(self.result):
+            raise WireError(f"encoding ({chunk.upload}, {chunk.upload_bits}, {chunk.result}) is not this round's "
+                            f"({self.upload.name}, {self.result.name})")
+        if chunk.step != self.step:
+            raise WireError(f"step {chunk.step} does not match the round's step {self.step}")
+
+
+@dataclass
+class PartReport:
+    index: int
+    reducer: int  # group index of the reducer
+    start: int
+    stop: int
+    status: str = "pending"  # ok | recovered | missing | empty
+    counted: list[int] = field(default_factory=list)  # group indices counted in this part
+    note: str = ""
+
+
+@dataclass
+class RoundReport:
+    """What one peer saw of one round."""
+
+    round_id: str
+    step: int
+    peer: int
+    parts: list[PartReport]
+    bytes_up: int = 0  # everything this peer wrote to streams, framing included
+    bytes_down: int = 0
+    payload_up: int = 0  # code and result bytes alone
+    payload_down: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    dropped: list[tuple[int, str]] = field(default_factory=list)  # (voter, reason) in parts this peer reduced
+
+    @property
+    def missing_parts(self) -> list[int]:
+        return [p.index for p in self.parts if p.status == "missing"]
+
+

@@ -1,0 +1,154 @@
+"""LocalSwarm: n vote peers on 127.0.0.1 in this process, for tests and for exploring the protocol.
+
+    with LocalSwarm(4, client_mode=(3,), weights=[2, 1, 1, 1]) as swarm:
+        results = swarm.allreduce([ops.pack_signs(torch.randn(1000), seed=i) for i in range(4)])
+        print(swarm.reports[0].parts)
+
+Each peer runs its own libp2p daemon (hivemind's p2pd) with NAT probing off; peers in client mode do
+not listen at all and only dial out. ``kill`` SIGKILLs a peer's daemon (optionally at a precise
+moment of the next round), ``stall`` freezes it with SIGSTOP for some seconds.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+from typing import Awaitable, Callable, Sequence
+
+import torch
+from hivemind.p2p import P2P
+
+from .aio import BackgroundLoop
+from .allreduce import AllReduceConfig, PeerSpec, RoundReport, RoundSpec, VoteNode
+from .codecs import result_codec, upload_codec
+
+Behavior = Callable[[VoteNode, RoundSpec, torch.Tensor], Awaitable[object]]
+FAST_CONFIG = AllReduceConfig(upload_timeout=3.0, result_timeout=6.0, join_timeout=2.0, recovery_timeout=2.0)
+
+
+class LocalSwarm:
+    def __init__(self, n_peers: int, *, client_mode: Sequence[int] = (), weights: Sequence[float] | None = None,
+                 config: AllReduceConfig = FAST_CONFIG):
+        if n_peers < 1:
+            raise ValueError("need at least one peer")
+        self.n = n_peers
+        self.client_mode = set(client_mode)
+        self.weights = list(weights) if weights is not None else [1.0] * n_peers
+        if len(self.weights) != n_peers:
+            raise ValueError(f"{len(self.weights)} weights for {n_peers} peers")
+        self.config = config
+        self.nodes: list[VoteNode] = []
+        self.alive: list[bool] = []
+        self.reports: list[RoundReport | None] = []
+        self._rounds = itertools.count()
+        self._loop: BackgroundLoop | None = None
+        self._tasks: dict[int, asyncio.Task] = {}
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> "LocalSwarm":
+        self._loop = BackgroundLoop("local-swarm")
+        try:
+            self._loop.run(self._start(), timeout=60)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    async def _start(self) -> None:
+        listening: list[str] = []
+        for i in range(self.n):
+            client = i in self.client_mode
+            p2p = await P2P.create(initial_peers=listening, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
+                                   auto_nat=False, no_listen=client)
+            node = VoteNode(p2p, self.config)
+            await node.start()
+            self.nodes.append(node)
+            self.alive.append(True)
+            if not client:
+                listening += [str(m) for m in await p2p.get_visible_maddrs()]
+
+    def __exit__(self, *exc) -> None:
+        if self._loop is None:
+            return
+        for i, node in enumerate(self.nodes):
+            if self.alive[i]:
+                self._signal(i, signal.SIGCONT)
+            try:
+                self._loop.run(node.p2p.shutdown(), timeout=10)
+            except Exception:
+                self._signal(i, signal.SIGKILL)
+        self._loop.stop()
+        self._loop = None
+
+    @property
+    def group(self) -> tuple[PeerSpec, ...]:
+        return tuple(PeerSpec(node.peer_id, w, i in self.client_mode)
+                     for i, (node, w) in enumerate(zip(self.nodes, self.weights)))
+
+    # -- faults ------------------------------------------------------------------------------------
+
+    def _signal(self, i: int, sig: int) -> None:
+        child = getattr(self.nodes[i].p2p, "_child", None)
+        if child is not None and child.returncode is None:
+            os.kill(child.pid, sig)
+
+    def kill(self, i: int, *, on: str | None = None, after: int = 1) -> None:
+        """SIGKILL peer i's daemon now, or during the next round after its ``after``-th ``on`` event
+        ("vote_chunk": mid-upload, "result_chunk": mid-answer as a reducer)."""
+        if on is None:
+            self._kill_now(i)
+            return
+        seen = itertools.count(1)
+
+        def maybe_kill(event: str) -> None:
+            if event == on and next(seen) == after:
+                self._kill_now(i)
+
+        self.nodes[i].on_event.append(maybe_kill)
+
+    def _kill_now(self, i: int) -> None:
+        self._signal(i, signal.SIGKILL)
+        self.alive[i] = False
+        task = self._tasks.get(i)
+        if task is not None:
+            self._loop.loop.call_soon_threadsafe(task.cancel)
+
+    def stall(self, i: int, seconds: float) -> None:
+        """Freeze peer i's daemon (SIGSTOP) for ``seconds``: its streams go silent, nothing resets."""
+        self._signal(i, signal.SIGSTOP)
+        self._loop.loop.call_soon_threadsafe(self._loop.loop.call_later, seconds, self._signal, i, signal.SIGCONT)
+
+    # -- rounds ------------------------------------------------------------------------------------
+
+    def allreduce(self, uploads: Sequence[torch.Tensor], *, upload: str = "sign", result: str = "majority",
+                  step: int = 0, seed: int = 0, timeout: float = 120.0,
+                  behaviors: dict[int, Behavior] | None = None) -> list[torch.Tensor | None]:
+        """One round with every live peer voting its upload; one update per peer (None if it failed).
+
+        ``uploads[i]`` is peer i's codes: (planes, nbytes) uint8, or packed signs (nbytes,).
+        ``behaviors[i]``, if given, replaces peer i's honest ``run_round`` for this round (a rogue
+        peer in experiments); its return value is ignored and peer i's result is None."""
+        if len(uploads) != self.n:
+            raise ValueError(f"{len(uploads)} uploads for {self.n} peers")
+        codes = [u.reshape(1, -1) if u.dim() == 1 else u for u in uploads]
+        spec = RoundSpec(round_id=f"local-{id(self)}-{next(self._rounds)}".encode(), step=step, group=self.group,
+                         nbytes=codes[0].shape[1], upload=upload_codec(upload), result=result_codec(result), seed=seed)
+        outcomes = self._loop.run(self._round(spec, codes, behaviors or {}), timeout=timeout)
+        self.reports = [o[1] if o is not None else None for o in outcomes]
+        return [o[0] if o is not None else None for o in outcomes]
+
+    async def _round(self, spec: RoundSpec, codes: list[torch.Tensor], behaviors: dict[int, Behavior]):
+        live = [i for i in range(self.n) if self.alive[i]]
+        self._tasks = {i: asyncio.create_task(behaviors[i](self.nodes[i], spec, codes[i]) if i in behaviors
+                                              else self.nodes[i].run_round(spec, codes[i])) for i in live}
+        done = await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        outcomes: list = [None] * self.n
+        for i, value in zip(self._tasks, done):
+            if self.alive[i] and i not in behaviors and not isinstance(value, BaseException):
+                outcomes[i] = value
+        for node in self.nodes:
+            node.on_event.clear()
+        self._tasks = {}
+        return outcomes

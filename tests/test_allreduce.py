@@ -1,0 +1,237 @@
+"""The butterfly vote all-reduce on loopback peers (hivemind p2pd daemons), against numpy votes."""
+import asyncio
+import logging
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from lioncub_p2p import ops
+from lioncub_p2p.allreduce import AllReduceConfig, VOTE_PROTOCOL
+from lioncub_p2p.codecs import result_codec, upload_codec
+from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
+from lioncub_p2p.wire import PROTOCOL_VERSION, pb, write_frame
+from hivemind.p2p import PeerID
+
+from reference import stream_bits, unpack
+
+
+def _codes(upload: str, n: int, numel: int, seed: int = 0) -> list[torch.Tensor]:
+    codec = upload_codec(upload)
+    g = torch.Generator().manual_seed(seed)
+    return [codec.encode(torch.randn(numel, generator=g), seed=i) for i in range(n)]
+
+
+def _plane_values(codes: torch.Tensor, numel: int) -> np.ndarray:
+    """Integer code per element from (planes, nbytes) bit planes, with numpy."""
+    planes = [unpack(p.numpy(), numel).astype(np.int64) for p in codes]
+    return sum(p << k for k, p in enumerate(planes))
+
+
+def numpy_vote(codes: list[torch.Tensor], upload: str, result: str, numel: int, seed: int, step: int,
+               clip: int | None = None) -> np.ndarray:
+    """The update every peer must apply, as float values, computed with numpy from the uploads."""
+    codec = upload_codec(upload)
+    values = [_plane_values(c, numel) for c in codes]
+    if clip is not None:
+        values = [np.minimum(v, clip) for v in values]
+    tally, total = sum(values), len(codes) * codec.max_code
+    twice = 2 * tally - total
+    if result == "mean":
+        return twice / total
+    if result == "ternary":
+        return np.sign(twice).astype(np.float64)
+    tie = stream_bits(ops.tie_key(seed, step), np.arange(numel))
+    return np.where(twice > 0, 1.0, np.where(twice < 0, -1.0, np.where(tie, 1.0, -1.0)))
+
+
+def as_values(update: torch.Tensor, numel: int) -> np.ndarray:
+    if update.dtype == torch.uint8:
+        return np.where(unpack(update.numpy(), numel), 1.0, -1.0)
+    return update.double().numpy()[:numel]
+
+
+@pytest.fixture(scope="module")
+def uneven_swarm():
+    with LocalSwarm(4, client_mode=(3,), weights=[3, 1, 2, 1]) as swarm:
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def odd_swarm():
+    with LocalSwarm(3) as swarm:
+        yield swarm
+
+
+@pytest.mark.parametrize("upload", ["sign", "l1:4"])
+@pytest.mark.parametrize("result", ["majority", "ternary", "mean"])
+@pytest.mark.parametrize("which", ["uneven_swarm", "odd_swarm"])
+def test_results_equal_numpy_vote(upload, result, which, request):
+    swarm = request.getfixturevalue(which)
+    numel = 8 * 3001  # 3001 bytes: parts of uneven sizes, not multiples of 8 bytes overall
+    codes = _codes(upload, swarm.n, numel, seed=hash((upload, result)) % 1000)
+    results = swarm.allreduce(codes, upload=upload, result=result, step=7, seed=11)
+    expected = numpy_vote(codes, upload, result, numel, seed=11, step=7)
+    for update in results:
+        assert update is not None
+        np.testing.assert_allclose(as_values(update, numel), expected, rtol=0, atol=1e-6)
+    report = swarm.reports[0]
+    assert all(p.status in ("ok", "empty") for p in report.parts)
+    assert all(p.counted == list(range(swarm.n)) for p in report.parts if p.status == "ok")
+    if which == "uneven_swarm":  # the client-mode peer reduces nothing; weights set the part sizes
+        sizes = [p.stop - p.start for p in report.parts]
+        assert sizes[3] == 0 and sizes[0] > sizes[2] > sizes[1]
+
+
+def test_wire_bytes_close_to_lower_bound():
+    numel, n = 4 * 2**20, 4
+    with LocalSwarm(n) as swarm:
+        codes = _codes("sign", n, numel)
+        results = swarm.allreduce(codes)
+        bound = 2 * (n - 1) / n * numel / 8
+        for i, report in enumerate(swarm.reports):
+            assert report.bytes_up <= 1.10 * bound, (i, report.bytes_up / bound)
+            assert report.payload_up == pytest.approx(bound, rel=0.01)
+        assert all(torch.equal(r, results[0]) for r in results)
+
+
+SMALL_CHUNKS = AllReduceConfig(chunk_bytes=1024, upload_timeout=3.0, result_timeout=6.0, join_timeout=2.0,
+                               recovery_timeout=2.0)
+
+
+def test_voter_killed_mid_upload_is_left_out():
+    numel = 8 * 16_000
+    with LocalSwarm(4, config=SMALL_CHUNKS) as swarm:
+        codes = _codes("sign", 4, numel, seed=3)
+        swarm.kill(2, on="vote_chunk", after=3)
+        start = time.monotonic()
+        results = swarm.allreduce(codes)
+        assert time.monotonic() - start < SMALL_CHUNKS.result_timeout + SMALL_CHUNKS.recovery_timeout + 2
+        assert results[2] is None
+        survivors = [results[i] for i in (0, 1, 3)]
+        report = swarm.reports[0]
+        for part in report.parts:
+            assert 2 not in part.counted or part.index == 2
+        # each part equals the numpy vote over exactly the voters it counted (the dead reducer's part is zero)
+        expected = np.zeros(numel)
+        for part in report.parts:
+            a, b = 8 * part.start, 8 * part.stop
+            if part.status == "missing":
+                continue
+            sliced = [c[:, part.start:part.stop] for c in (codes[i] for i in part.counted)]
+            expected[a:b] = numpy_vote(sliced, "sign", "majority", b - a, 0, 0)  # tie bits: positions a..b
+            tie_fix = stream_bits(ops.tie_key(0, 0), np.arange(a, b))
+            counts = sum(_plane_values(c, b - a) for c in sliced)
+            ties = 2 * counts == len(part.counted)
+            expected[a:b][ties] = np.where(tie_fix[ties], 1.0, -1.0)
+        for update in survivors:
+            np.testing.assert_array_equal(as_values(update, numel), expected)
+        assert all(torch.equal(u, survivors[0]) for u in survivors)
+
+
+def test_reducer_killed_mid_answer_survivors_agree():
+    numel = 8 * 64_000
+    with LocalSwarm(4, config=SMALL_CHUNKS) as swarm:
+        codes = _codes("sign", 4, numel, seed=4)
+        swarm.kill(1, on="result_chunk", after=5)  # answers part of one voter, then dies
+        results = swarm.allreduce(codes)
+        survivors = [results[i] for i in (0, 2, 3)]
+        assert all(u is not None for u in survivors)
+        params = []
+        for update in survivors:  # apply to identical parameters: bitwise identical afterwards
+            p = torch.linspace(-1, 1, numel)
+            ops.apply_update(p, update, 1e-3, 0.1)
+            params.append(p)
+        assert all(torch.equal(p, params[0]) for p in params)
+        statuses = {swarm.reports[i].parts[1].status for i in (0, 2, 3)}
+        assert statuses <= {"ok", "recovered"} or statuses == {"missing"}
+
+
+def test_stalled_peer_does_not_block_the_others():
+    numel = 8 * 20_000
+    with LocalSwarm(4) as swarm:
+        codes = _codes("sign", 4, numel, seed=5)
+        swarm.stall(2, 12.0)
+        start = time.monotonic()
+        results = swarm.allreduce(codes, timeout=60)
+        elapsed = time.monotonic() - start
+        cfg = FAST_CONFIG
+        assert elapsed < cfg.result_timeout + cfg.recovery_timeout + 3
+        survivors = [results[i] for i in (0, 1, 3)]
+        assert all(u is not None for u in survivors)
+        values = [as_values(u, numel) for u in survivors]
+        assert all(np.array_equal(v, values[0]) for v in values)
+        assert swarm.reports[0].parts[2].status == "missing"  # the stalled reducer's part: zero for all
+        assert all(2 not in p.counted for p in swarm.reports[0].parts)
+
+
+def _rogue(kind: str):
+    """A group member that sends one kind of bad message to every reducer instead of voting."""
+
+    async def behave(node, spec, codes):
+        async def attack(j):
+            _, reader, writer = await node.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[j].peer_id),
+                                                                          VOTE_PROTOCOL)
+            a, b = spec.bounds[j]
+            good = dict(version=PROTOCOL_VERSION, round_id=spec.round_id, step=spec.step, part=j, offset=0,
+                        length=b - a, upload=pb.UPLOAD_SIGN, upload_bits=1, result=pb.RESULT_MAJORITY,
+                        codes=codes[:, a:b].numpy().tobytes(), last=True)
+            if kind == "oversized":
+                writer.write((512 << 20).to_bytes(4, "big") + b"\0" * 1024)
+            elif kind == "garbage":
+                writer.write((64).to_bytes(4, "big") + bytes(range(200, 255)) + b"\xff" * 9)
+            elif kind == "duplicate":
+                half = dict(good, length=8, codes=codes[:, a:a + 8].numpy().tobytes(), last=False)
+                await write_frame(writer, pb.VoteChunk(**half))
+                await write_frame(writer, pb.VoteChunk(**half))
+            else:
+                bad = {"wrong_round": dict(round_id=b"not-this-round"), "wrong_part": dict(part=(j + 1) % len(spec.group)),
+                       "wrong_size": dict(length=b - a + 8), "unknown_encoding": dict(upload=7),
+                       "old_version": dict(version=PROTOCOL_VERSION + 1)}[kind]
+                await write_frame(writer, pb.VoteChunk(**dict(good, **bad)))
+            await writer.drain()
+            try:
+                await asyncio.wait_for(reader.read(), 5)
+            finally:
+                writer.close()
+
+        await asyncio.gather(*(attack(j) for j, (a, b) in enumerate(spec.bounds) if b > a and j != spec.index_of(node.peer_id)),
+                             return_exceptions=True)
+
+    return behave
+
+
+REASONS = {"oversized": "exceeds", "garbage": ("undecodable", "protocol version"), "duplicate": "expected 8", "wrong_round": "unknown round",
+           "wrong_part": "not reduced by this peer", "wrong_size": "expected 1 planes", "unknown_encoding": "encoding",
+           "old_version": "protocol version"}
+
+
+@pytest.fixture(scope="module")
+def rogue_swarm():
+    with LocalSwarm(4) as swarm:
+        yield swarm
+
+
+@pytest.mark.parametrize("kind", list(REASONS))
+def test_rogue_messages_are_rejected_and_logged(kind, rogue_swarm, caplog):
+    numel = 8 * 4000
+    codes = _codes("sign", 4, numel, seed=6)
+    with caplog.at_level(logging.INFO, logger="lioncub_p2p"):
+        results = rogue_swarm.allreduce(codes, behaviors={3: _rogue(kind)})
+    rogue_id = rogue_swarm.nodes[3].peer_id
+    rejections = [r.getMessage() for r in caplog.records if f"rejected votes from {rogue_id}" in r.getMessage()]
+    expected_reasons = REASONS[kind] if isinstance(REASONS[kind], tuple) else (REASONS[kind],)
+    assert len(rejections) == 3 and all(any(r in m for r in expected_reasons) for m in rejections), rejections
+    honest = [results[i] for i in range(3)]
+    assert all(u is not None for u in honest)
+    for part in rogue_swarm.reports[0].parts:
+        assert 3 not in part.counted
+    values = [as_values(u, numel) for u in honest]
+    assert all(np.array_equal(v, values[0]) for v in values)
+    # the honest majority over peers 0..2 (3 is dropped everywhere); the rogue's own part has no result
+    expected = numpy_vote(codes[:3], "sign", "majority", numel, 0, 0)
+    rogue_part = rogue_swarm.reports[0].parts[3]
+    assert rogue_part.status == "missing"
+    expected[8 * rogue_part.start:8 * rogue_part.stop] = 0.0
+    np.testing.assert_array_equal(values[0], expected)

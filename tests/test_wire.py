@@ -1,0 +1,62 @@
+"""The generated protobuf module matches proto/lioncub.proto, and framing bounds what a peer can send."""
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from google.protobuf import descriptor_pb2
+
+from lioncub_p2p.wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, WireError, lioncub_pb2, pb, read_frame, write_frame
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_generated_module_is_not_stale(tmp_path):
+    out = tmp_path / "lioncub.desc"
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'proto'}", f"--descriptor_set_out={out}",
+                    str(ROOT / "proto" / "lioncub.proto")], check=True)
+    fresh = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file[0]
+    committed = descriptor_pb2.FileDescriptorProto.FromString(lioncub_pb2.DESCRIPTOR.serialized_pb)
+    assert fresh == committed, "regenerate: python -m grpc_tools.protoc -Iproto --python_out=lioncub_p2p/wire proto/lioncub.proto"
+
+
+class _Sink:
+    def __init__(self):
+        self.data = bytearray()
+
+    def write(self, b):
+        self.data += b
+
+    async def drain(self):
+        pass
+
+
+def _reader(data: bytes) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    return reader
+
+
+def test_frame_round_trip_and_limits():
+    async def go():
+        sink = _Sink()
+        msg = pb.FetchResult(version=PROTOCOL_VERSION, round_id=b"r", part=3)
+        written = await write_frame(sink, msg)
+        assert written == len(sink.data)
+        got, nread = await read_frame(_reader(bytes(sink.data)), pb.FetchResult)
+        assert got == msg and nread == written
+        assert await read_frame(_reader(b""), pb.FetchResult) == (None, 0)
+        with pytest.raises(WireError, match="exceeds"):
+            await read_frame(_reader((MAX_FRAME_BYTES + 1).to_bytes(4, "big")), pb.FetchResult)
+        with pytest.raises(WireError, match="ended"):
+            await read_frame(_reader((10).to_bytes(4, "big") + b"abc"), pb.FetchResult)
+        with pytest.raises(WireError, match="version"):
+            sink = _Sink()
+            await write_frame(sink, pb.FetchResult(version=99))
+            await read_frame(_reader(bytes(sink.data)), pb.FetchResult)
+        with pytest.raises(WireError, match="undecodable"):
+            await read_frame(_reader((3).to_bytes(4, "big") + b"\xff\xff\xff"), pb.FetchResult)
+
+    asyncio.run(go())
