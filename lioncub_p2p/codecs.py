@@ -72,6 +72,9 @@ class SignUpload:
         """The voter's vote value per element: ±1."""
         return ops.unpack_signs(planes[0], numel)
 
+    def tally(self, nbytes: int, max_voters: int) -> VoteTally:
+        return VoteTally(self, nbytes, max_voters)
+
 
 @dataclass(frozen=True)
 class L1Upload:
@@ -119,14 +122,67 @@ class L1Upload:
         codes = unpack_planes(planes, numel).to(torch.int32).clamp(max=self.max_code)
         return (codes - self.scale_steps).float()
 
+    def tally(self, nbytes: int, max_voters: int) -> VoteTally:
+        return VoteTally(self, nbytes, max_voters)
 
-UploadCodec = SignUpload | L1Upload
+
+@dataclass(frozen=True)
+class Bf16Upload:
+    """16 bits per element: plain bfloat16 values (momentum averaging, not votes).
+
+    On the wire the values are their little-endian bytes, so a buffer of numel values is a
+    (1, 2*numel) uint8 "plane" and parts split it on 8-byte (4-value) boundaries."""
+
+    name = "bf16"
+    planes = 1
+    max_code = 1
+
+    @property
+    def bits_per_element(self) -> float:
+        return 16.0
+
+    def encode(self, values: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
+        return values.detach().reshape(-1).to(torch.bfloat16).contiguous().view(torch.uint8).unsqueeze(0)
+
+    def decode(self, planes: torch.Tensor, numel: int) -> torch.Tensor:
+        return planes.reshape(-1)[: 2 * numel].contiguous().view(torch.bfloat16).float()
+
+    def tally(self, nbytes: int, max_voters: int) -> "FloatTally":
+        return FloatTally(nbytes, max_voters)
+
+
+class FloatTally:
+    """Each voter's bf16 values of one part, kept as rows so robust rules can look at all of them."""
+
+    def __init__(self, nbytes: int, max_voters: int):
+        if nbytes % 2:
+            raise ValueError(f"a bf16 part needs an even number of bytes, got {nbytes}")
+        self.rows = torch.zeros((max_voters, nbytes // 2), dtype=torch.float32)
+
+    def add(self, voter: int, codes: torch.Tensor, offset: int) -> None:
+        if offset % 2 or codes.shape[1] % 2:
+            raise ValueError("bf16 chunks must hold whole values")
+        values = codes.reshape(-1).contiguous().view(torch.bfloat16).float()
+        if not torch.isfinite(values).all():
+            raise ValueError("non-finite value in a bf16 upload")
+        self.rows[voter, offset // 2 : offset // 2 + values.numel()] = values
+
+    def remove(self, voter: int) -> None:
+        self.rows[voter] = 0
+
+    def encode(self, result: "AverageResult", counted: list[int], *, seed: int, step: int, offset: int) -> torch.Tensor:
+        return result.aggregate(self.rows[counted]).to(torch.bfloat16).view(torch.uint8)
+
+
+UploadCodec = SignUpload | L1Upload | Bf16Upload
 
 
 def upload_codec(spec: str | UploadCodec) -> UploadCodec:
-    """"sign", "l1" (4 bits), "l1:P", or a codec instance."""
-    if isinstance(spec, (SignUpload, L1Upload)):
+    """"sign", "l1" (4 bits), "l1:P", "bf16", or a codec instance."""
+    if isinstance(spec, (SignUpload, L1Upload, Bf16Upload)):
         return spec
+    if spec == "bf16":
+        return Bf16Upload()
     name, _, bits = str(spec).partition(":")
     if name == "sign" and not bits:
         return SignUpload()
@@ -208,6 +264,28 @@ class Tally:
     def planes(self) -> torch.Tensor:
         """The tally as (nplanes, nbytes) uint8 bit planes."""
         return self._words.view(torch.uint8).view(self.nplanes, -1)[:, : self.nbytes]
+
+
+class VoteTally:
+    """A reducer's tally of one part, per voter: chunks are counted as they arrive and kept, so a voter
+    that fails midway can be taken back out (``remove``)."""
+
+    def __init__(self, codec: UploadCodec, nbytes: int, max_voters: int):
+        self.tally = Tally(codec, nbytes, max_voters)
+        self.kept: dict[int, list[tuple[int, torch.Tensor]]] = {}
+
+    def add(self, voter: int, codes: torch.Tensor, offset: int) -> None:
+        self.tally.add(codes, offset)
+        self.kept.setdefault(voter, []).append((offset, codes))
+
+    def remove(self, voter: int) -> None:
+        for offset, codes in self.kept.pop(voter, []):
+            self.tally.subtract(codes, offset)
+
+    def encode(self, result: "ResultCodec", counted: list[int], *, seed: int, step: int, offset: int) -> torch.Tensor:
+        self.kept.clear()
+        total = len(counted) * self.tally.codec.max_code
+        return result.encode(self.tally.planes(), total, 8 * self.tally.nbytes, seed=seed, step=step, offset=offset)
 
 
 def tally_of(codec: UploadCodec, uploads: list[torch.Tensor]) -> torch.Tensor:
@@ -313,12 +391,52 @@ class MeanResult:
         return (2 * tally - total) / total
 
 
-ResultCodec = MajorityResult | TernaryResult | MeanResult
-RESULTS = {"majority": MajorityResult(), "ternary": TernaryResult(), "mean": MeanResult()}
+@dataclass(frozen=True)
+class AverageResult:
+    """The average of bf16 uploads, returned in bf16 (16 bits per element).
+
+    ``trimmed=True`` drops, per element, the ``trim`` fraction of largest and of smallest values
+    (at least one of each once n >= 3) before averaging: one peer sending huge values moves the
+    result by at most the spread of the honest ones."""
+
+    trimmed: bool = False
+    trim: float = 0.2
+
+    @property
+    def name(self) -> str:
+        return "trimmed_mean" if self.trimmed else "average"
+
+    def bits_per_element(self, total: int) -> float:
+        return 16.0
+
+    def wire_size(self, numel: int, total: int) -> int:
+        return numel // 8  # numel counts bit positions of the part: its bytes are the bf16 values
+
+    def aggregate(self, rows: torch.Tensor) -> torch.Tensor:
+        n = rows.shape[0]
+        if not self.trimmed or n < 3:
+            return rows.mean(0)
+        k = max(1, int(n * self.trim))
+        if 2 * k >= n:
+            k = (n - 1) // 2
+        ordered = rows.sort(0).values
+        return ordered[k : n - k].mean(0)
+
+    def decode(self, wire: torch.Tensor, numel: int, total: int) -> torch.Tensor:
+        wire = _expect_size(wire, self.wire_size(numel, total), self.name)
+        values = wire.contiguous().view(torch.bfloat16).float()
+        if not torch.isfinite(values).all():
+            raise ValueError("non-finite value in an average result")
+        return values
+
+
+ResultCodec = MajorityResult | TernaryResult | MeanResult | AverageResult
+RESULTS = {"majority": MajorityResult(), "ternary": TernaryResult(), "mean": MeanResult(),
+           "average": AverageResult(), "trimmed_mean": AverageResult(trimmed=True)}
 
 
 def result_codec(spec: str | ResultCodec) -> ResultCodec:
-    if isinstance(spec, (MajorityResult, TernaryResult, MeanResult)):
+    if isinstance(spec, (MajorityResult, TernaryResult, MeanResult, AverageResult)):
         return spec
     if spec not in RESULTS:
         raise ValueError(f"unknown result encoding {spec!r}; use one of {sorted(RESULTS)}")
@@ -347,7 +465,8 @@ def wire_bits_per_element(upload: UploadCodec, result: ResultCodec, n: int) -> f
 
 
 __all__ = [
-    "SignUpload", "L1Upload", "UploadCodec", "upload_codec", "Tally", "tally_of", "MajorityResult",
+    "SignUpload", "L1Upload", "Bf16Upload", "UploadCodec", "upload_codec", "Tally", "VoteTally", "FloatTally",
+    "tally_of", "MajorityResult", "AverageResult",
     "TernaryResult", "MeanResult", "ResultCodec", "result_codec", "reduce_votes", "wire_bits_per_element",
     "pack_planes", "unpack_planes",
 ]

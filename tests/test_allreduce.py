@@ -235,3 +235,24 @@ def test_rogue_messages_are_rejected_and_logged(kind, rogue_swarm, caplog):
     assert rogue_part.status == "missing"
     expected[8 * rogue_part.start:8 * rogue_part.stop] = 0.0
     np.testing.assert_array_equal(values[0], expected)
+
+
+@pytest.mark.parametrize("rule", ["average", "trimmed_mean"])
+def test_bf16_average_rounds(rule, uneven_swarm):
+    """Momentum averaging rides the same butterfly: bf16 values, mean or trimmed mean per element."""
+    numel = 4 * 1001
+    g = torch.Generator().manual_seed(8)
+    values = [torch.randn(numel, generator=g) for _ in range(uneven_swarm.n)]
+    values[1][::3] = 1e30  # a peer injecting huge momenta
+    uploads = [v.to(torch.bfloat16).view(torch.uint8).unsqueeze(0) for v in values]
+    results = uneven_swarm.allreduce(uploads, upload="bf16", result=rule)
+    rows = np.stack([v.to(torch.bfloat16).double().numpy() for v in values])
+    if rule == "average":
+        expected = rows.mean(0)
+    else:  # n = 4: drop the largest and smallest value of each element
+        expected = np.sort(rows, 0)[1:-1].mean(0)
+        assert np.abs(expected).max() < 10  # bounded despite the 1e30 values
+    for update in results:
+        got = update.double().numpy()
+        np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2)
+        assert torch.equal(update, results[0])

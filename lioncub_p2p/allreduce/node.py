@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 from hivemind.p2p import P2P, PeerID
 
+from ..codecs import Bf16Upload
 from ..ops import unpack_signs
 from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
 from .reducer import PartReduction
@@ -196,7 +197,8 @@ class VoteNode:
             chunk = pb.VoteChunk(version=PROTOCOL_VERSION, round_id=spec.round_id, step=spec.step, part=j,
                                  offset=offset, length=length, upload=encoding, upload_bits=bits,
                                  result=result_wire(spec.result), codes=codes, last=offset + length == b - a)
-            state.report.bytes_up += await write_frame(writer, chunk)
+            sent = await write_frame(writer, chunk)  # not `+= await`: that reads the total before awaiting
+            state.report.bytes_up += sent
             state.report.payload_up += len(codes)
             self._emit("vote_chunk")
 
@@ -237,7 +239,8 @@ class VoteNode:
             chunk = pb.ResultChunk(version=PROTOCOL_VERSION, round_id=state.spec.round_id, part=part, offset=offset,
                                    data=wire[offset : offset + step], last=offset + step >= len(wire),
                                    voters=len(counted), counted=counted, result=result_wire(state.spec.result))
-            state.report.bytes_up += await write_frame(writer, chunk)
+            sent = await write_frame(writer, chunk)
+            state.report.bytes_up += sent
             state.report.payload_up += min(step, len(wire) - offset)
             self._emit("result_chunk")
 
@@ -250,8 +253,8 @@ class VoteNode:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[i].peer_id),
                                                                           FETCH_PROTOCOL)
             try:
-                state.report.bytes_up += await write_frame(
-                    writer, pb.FetchResult(version=PROTOCOL_VERSION, round_id=spec.round_id, part=j))
+                sent = await write_frame(writer, pb.FetchResult(version=PROTOCOL_VERSION, round_id=spec.round_id, part=j))
+                state.report.bytes_up += sent
                 return await self._read_result(reader, state, j)
             finally:
                 writer.close()
@@ -391,6 +394,8 @@ def assemble(spec: RoundSpec, outcomes: dict[int, Outcome | None]) -> tuple[torc
     Packed bits (nbytes,) if every part has a majority result, else float32 (nbytes*8,) with zeros
     where a part is missing or undecodable (every peer holding the same bytes decides the same)."""
     parts = sorted(outcomes)
+    if isinstance(spec.upload, Bf16Upload):  # values, not votes: NaN marks what the caller keeps locally
+        return _assemble_values(spec, outcomes)
     if spec.result.name == "majority" and all(outcomes[j] is not None for j in parts):
         joined = bytearray(b"".join(outcomes[j][0] for j in parts))
         return (torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.zeros(0, dtype=torch.uint8)), {}
@@ -410,3 +415,17 @@ def assemble(spec: RoundSpec, outcomes: dict[int, Outcome | None]) -> tuple[torc
         except ValueError as e:
             bad[j] = str(e)
     return update, bad
+
+
+def _assemble_values(spec: RoundSpec, outcomes: dict[int, Outcome | None]) -> tuple[torch.Tensor, dict[int, str]]:
+    values, bad = torch.full((spec.nbytes // 2,), float("nan")), {}
+    for j, outcome in outcomes.items():
+        if outcome is None:
+            continue
+        a, b = spec.bounds[j]
+        try:
+            values[a // 2 : b // 2] = spec.result.decode(torch.frombuffer(bytearray(outcome[0]), dtype=torch.uint8),
+                                                         8 * (b - a), len(outcome[1]))
+        except ValueError as e:
+            bad[j] = str(e)
+    return values, bad

@@ -6,7 +6,6 @@ import logging
 
 import torch
 
-from ..codecs import Tally
 from ..wire import WireError, pb
 from .round import RoundSpec
 
@@ -19,15 +18,14 @@ class PartReduction:
     Invariants: a voter's chunks arrive in order without gaps or repeats; the tally holds the sum
     of every chunk received from voters not dropped; a voter is counted only if its whole slice
     arrived before ``finalize``. Memory is bounded by the part: the tally, plus each voter's received
-    chunks (kept so an incomplete voter can be subtracted again)."""
+    chunks (kept so an incomplete voter can be taken out again)."""
 
     def __init__(self, spec: RoundSpec, part: int):
         self.spec, self.part = spec, part
         start, stop = spec.bounds[part]
         self.start, self.nbytes = start, stop - start
-        self.tally = Tally(spec.upload, self.nbytes, len(spec.group))
+        self.tally = spec.upload.tally(self.nbytes, len(spec.group))
         self.next_offset: dict[int, int] = {}
-        self.kept: dict[int, list[tuple[int, torch.Tensor]]] = {}
         self.complete: set[int] = set()
         self.dropped: dict[int, str] = {}
         self.all_in = asyncio.Event()
@@ -53,8 +51,10 @@ class PartReduction:
             raise WireError(f"chunk ends at {offset + length} of {self.nbytes} bytes but last={last}")
         if not last and length % 8:
             raise WireError(f"a non-final chunk of {length} bytes is not a multiple of 8")
-        self.tally.add(codes, offset)
-        self.kept.setdefault(voter, []).append((offset, codes))
+        try:
+            self.tally.add(voter, codes, offset)
+        except ValueError as e:
+            raise WireError(str(e)) from e
         self.next_offset[voter] = offset + length
         if last:
             self.complete.add(voter)
@@ -64,8 +64,7 @@ class PartReduction:
         """Leave ``voter`` out of the count (a protocol violation, a dead or late stream)."""
         if self.finalized or voter in self.complete or voter in self.dropped:
             return
-        for offset, codes in self.kept.pop(voter, []):
-            self.tally.subtract(codes, offset)
+        self.tally.remove(voter)
         self.next_offset.pop(voter, None)
         self.dropped[voter] = reason
         logger.info("round %s part %d: vote of peer %d dropped: %s", self.spec.round_id.hex()[:12], self.part, voter,
@@ -83,10 +82,8 @@ class PartReduction:
                 if voter not in self.complete:
                     self.drop(voter, "upload incomplete at the deadline")
             counted = sorted(self.complete)
-            total = len(counted) * self.spec.upload.max_code
-            wire = self.spec.result.encode(self.tally.planes(), total, 8 * self.nbytes, seed=self.spec.seed,
-                                           step=self.spec.step, offset=self.start)
-            self.kept.clear()
+            wire = self.tally.encode(self.spec.result, counted, seed=self.spec.seed, step=self.spec.step,
+                                     offset=self.start)
             self.result.set_result((wire.numpy().tobytes(), counted))
         return self.result.result()
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..codecs import MajorityResult, ResultCodec, SignUpload, UploadCodec
+from ..codecs import Bf16Upload, MajorityResult, ResultCodec, SignUpload, UploadCodec
 from ..wire import MAX_CHUNK_BYTES, WireError, pb
 from .partition import PeerSpec, part_bounds
 
@@ -36,11 +36,16 @@ class AllReduceConfig:
             raise ValueError("need 0 < upload_timeout < result_timeout")
 
 
-_RESULT_ENUM = {"majority": pb.RESULT_MAJORITY, "ternary": pb.RESULT_TERNARY, "mean": pb.RESULT_MEAN}
+_RESULT_ENUM = {"majority": pb.RESULT_MAJORITY, "ternary": pb.RESULT_TERNARY, "mean": pb.RESULT_MEAN,
+                "average": pb.RESULT_AVERAGE, "trimmed_mean": pb.RESULT_TRIMMED_MEAN}
 
 
 def upload_wire(codec: UploadCodec) -> tuple[int, int]:
-    return (pb.UPLOAD_SIGN, 1) if isinstance(codec, SignUpload) else (pb.UPLOAD_L1, codec.bits)
+    if isinstance(codec, SignUpload):
+        return pb.UPLOAD_SIGN, 1
+    if isinstance(codec, Bf16Upload):
+        return pb.UPLOAD_BF16, 16
+    return pb.UPLOAD_L1, codec.bits
 
 
 def result_wire(codec: ResultCodec) -> int:
