@@ -37,6 +37,7 @@ from hivemind.p2p import P2P, PeerID
 from ..codecs import Bf16Upload
 from ..ops import unpack_signs
 from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
+from .deadline import AdaptiveDeadline
 from .reducer import PartReduction
 from .round import AllReduceConfig, PartReport, RoundReport, RoundSpec, result_wire, upload_wire
 
@@ -64,6 +65,7 @@ class VoteNode:
     def __init__(self, p2p: P2P, config: AllReduceConfig | None = None):
         self.p2p = p2p
         self.config = config or AllReduceConfig()
+        self.deadline = AdaptiveDeadline(max_grace=self.config.upload_timeout)
         self.peer_id = p2p.peer_id.to_base58()
         self._rounds: OrderedDict[bytes, RoundState] = OrderedDict()
         self._finished: deque[bytes] = deque(maxlen=256)
@@ -147,12 +149,18 @@ class VoteNode:
             self._waiting.pop(rid).set()
 
     async def _reduce_own_part(self, state: RoundState, started: float) -> None:
+        """Finalize when every vote is in, or a grace period after the quorum, or at the upload timeout."""
         red = state.reduction
-        remaining = self.config.upload_timeout - (time.perf_counter() - started)
+        deadline = started + self.config.upload_timeout
         try:
-            await asyncio.wait_for(red.all_in.wait(), max(remaining, 0.0))
+            await asyncio.wait_for(red.quorum_in.wait(), max(deadline - time.perf_counter(), 0.0))
+            if not red.all_in.is_set():
+                grace = min(self.deadline.grace(), max(deadline - time.perf_counter(), 0.0))
+                await asyncio.wait_for(red.all_in.wait(), grace)
+            everyone = len(red.complete) == len(state.spec.group)
+            self.deadline.observe(red.last_arrival - red.quorum_time if everyone else None)
         except asyncio.TimeoutError:
-            pass
+            self.deadline.observe(None)
         wire, counted = red.finalize()
         state.report.parts[state.me].counted = list(counted)
         state.report.dropped.extend(red.dropped.items())

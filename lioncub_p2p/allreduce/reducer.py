@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import torch
 
@@ -29,6 +30,9 @@ class PartReduction:
         self.complete: set[int] = set()
         self.dropped: dict[int, str] = {}
         self.all_in = asyncio.Event()
+        self.quorum_in = asyncio.Event()
+        self.quorum = len(spec.group) // 2 + 1
+        self.last_arrival = self.quorum_time = 0.0
         self.result: asyncio.Future[tuple[bytes, list[int]]] = asyncio.get_running_loop().create_future()
 
     @property
@@ -58,6 +62,7 @@ class PartReduction:
         self.next_offset[voter] = offset + length
         if last:
             self.complete.add(voter)
+            self.last_arrival = time.perf_counter()
             self._check_all_in()
 
     def drop(self, voter: int, reason: str) -> None:
@@ -72,8 +77,14 @@ class PartReduction:
         self._check_all_in()
 
     def _check_all_in(self) -> None:
+        if len(self.complete) >= self.quorum and not self.quorum_in.is_set():
+            self.quorum_time = time.perf_counter()
+            self.quorum_in.set()
         if len(self.complete) + len(self.dropped) >= len(self.spec.group):
             self.all_in.set()
+            if not self.quorum_in.is_set():
+                self.quorum_time = time.perf_counter()
+                self.quorum_in.set()
 
     def finalize(self) -> tuple[bytes, list[int]]:
         """Count the complete voters, subtract the rest, encode the result (once)."""
