@@ -256,3 +256,18 @@ def test_bf16_average_rounds(rule, uneven_swarm):
         got = update.double().numpy()
         np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2)
         assert torch.equal(update, results[0])
+
+
+def test_slow_voter_is_not_waited_for_but_applies_the_same_update():
+    numel = 8 * 8000
+    with LocalSwarm(4) as swarm:
+        codes = _codes("sign", 4, numel, seed=9)
+        for step in range(4):  # rounds where everyone is on time teach the reducers a short grace
+            swarm.allreduce(codes, step=step)
+        grace = swarm.nodes[0].deadline.grace()
+        assert grace < 0.5
+        results = swarm.allreduce(codes, step=10, delays={2: 1.5})
+        fast = [swarm.reports[i].timings["results"] for i in (0, 1, 3)]
+        assert max(fast) < 1.5  # nobody waited for the slow peer...
+        assert all(2 not in p.counted for p in swarm.reports[0].parts if p.index != 2)
+        assert all(torch.equal(r, results[0]) for r in results)  # ...and it applies the same update

@@ -57,6 +57,8 @@ class RoundState:
     report: RoundReport
     reduction: PartReduction | None
     direct: dict[int, asyncio.Future]  # part -> Outcome | None, as received from its reducer
+    reducing: asyncio.Task | None = None
+    voted: bool = False
 
 
 class VoteNode:
@@ -85,30 +87,48 @@ class VoteNode:
 
     # -- running a round ---------------------------------------------------------------------------
 
+    def prepare_round(self, spec: RoundSpec) -> RoundState:
+        """Start reducing this peer's part of ``spec`` before this peer has voted.
+
+        A swarm prepares round s+1 as soon as round s ends, so others' votes are counted while this
+        peer still computes: a slow peer delays neither its own part nor anyone else's. Idempotent."""
+        if spec.round_id in self._rounds:
+            state = self._rounds[spec.round_id]
+            if state.spec != spec:
+                raise ValueError(f"round {spec.round_id.hex()} was prepared with another spec")
+            return state
+        me = spec.index_of(self.peer_id)
+        parts = [PartReport(j, j, a, b, "pending" if b > a else "empty") for j, (a, b) in enumerate(spec.bounds)]
+        loop = asyncio.get_running_loop()
+        state = RoundState(spec, me, RoundReport(spec.round_id.hex(), spec.step, me, parts), None,
+                           {j: loop.create_future() for j, (a, b) in enumerate(spec.bounds) if b > a})
+        if me in state.direct:
+            state.reduction = PartReduction(spec, me)
+            state.reducing = asyncio.create_task(self._reduce_own_part(state))
+        self._register(state)
+        return state
+
     async def run_round(self, spec: RoundSpec, upload: torch.Tensor) -> tuple[torch.Tensor, RoundReport]:
         """Vote with ``upload`` ((planes, nbytes) uint8 codes) and return (update, report).
 
         The update is packed uint8 (nbytes,) for a complete majority result, else float32
         (nbytes*8,) with zeros in parts nobody received."""
         started = time.perf_counter()
-        me = spec.index_of(self.peer_id)
         if upload.dtype != torch.uint8 or tuple(upload.shape) != (spec.upload.planes, spec.nbytes):
             raise ValueError(f"upload must be uint8 of shape ({spec.upload.planes}, {spec.nbytes}), "
                              f"got {upload.dtype} {tuple(upload.shape)}")
         upload = upload.cpu().contiguous()
-        parts = [PartReport(j, j, a, b, "pending" if b > a else "empty") for j, (a, b) in enumerate(spec.bounds)]
-        report = RoundReport(spec.round_id.hex(), spec.step, me, parts)
-        loop = asyncio.get_running_loop()
-        state = RoundState(spec, me, report, None, {j: loop.create_future() for j, (a, b) in enumerate(spec.bounds) if b > a})
-        if me in state.direct:
-            state.reduction = PartReduction(spec, me)
+        state = self.prepare_round(spec)
+        if state.voted:
+            raise ValueError(f"round {spec.round_id.hex()} was already run by this peer")
+        state.voted = True
+        me, report, parts = state.me, state.report, state.report.parts
+        red = state.reduction
+        if red is not None and not red.finalized:
             a, b = spec.bounds[me]
-            state.reduction.add(me, 0, upload[:, a:b].clone(), last=True)
-        self._register(state)
+            red.add(me, 0, upload[:, a:b].clone(), last=True)
 
-        tasks = []
-        if state.reduction is not None:
-            tasks.append(asyncio.create_task(self._reduce_own_part(state, started)))
+        tasks = [state.reducing] if state.reducing is not None else []
         turn = asyncio.Lock()  # uploads leave one reducer at a time, in rotated order
         n = len(spec.group)
         for k in range(1, n):
@@ -139,18 +159,23 @@ class VoteNode:
 
     def _register(self, state: RoundState) -> None:
         rid = state.spec.round_id
-        if rid in self._rounds or rid in self._finished:
+        if rid in self._finished:
             raise ValueError(f"round {rid.hex()} was already run by this peer")
         self._rounds[rid] = state
         while len(self._rounds) > self.config.keep_rounds:
-            old, _ = self._rounds.popitem(last=False)
+            old, old_state = self._rounds.popitem(last=False)
+            if old_state.reducing is not None and not old_state.reducing.done():
+                old_state.reducing.cancel()  # prepared, but no vote ever came
             self._finished.append(old)
         if rid in self._waiting:
             self._waiting.pop(rid).set()
 
-    async def _reduce_own_part(self, state: RoundState, started: float) -> None:
-        """Finalize when every vote is in, or a grace period after the quorum, or at the upload timeout."""
+    async def _reduce_own_part(self, state: RoundState) -> None:
+        """Finalize when every vote is in, or a grace period after the quorum, or ``upload_timeout``
+        after the first vote arrived."""
         red = state.reduction
+        await red.first_in.wait()
+        started = time.perf_counter()
         deadline = started + self.config.upload_timeout
         try:
             await asyncio.wait_for(red.quorum_in.wait(), max(deadline - time.perf_counter(), 0.0))
@@ -164,7 +189,7 @@ class VoteNode:
         wire, counted = red.finalize()
         state.report.parts[state.me].counted = list(counted)
         state.report.dropped.extend(red.dropped.items())
-        state.report.timings["reduce"] = time.perf_counter() - started
+        state.report.timings["reduce"] = time.perf_counter() - started  # from the first vote
         state.direct[state.me].set_result((wire, counted))
 
     async def _vote_remote(self, state: RoundState, j: int, upload: torch.Tensor, turn: asyncio.Lock,

@@ -29,6 +29,7 @@ class PartReduction:
         self.next_offset: dict[int, int] = {}
         self.complete: set[int] = set()
         self.dropped: dict[int, str] = {}
+        self.first_in = asyncio.Event()  # a first chunk arrived: the upload timeout runs from here
         self.all_in = asyncio.Event()
         self.quorum_in = asyncio.Event()
         self.quorum = len(spec.group) // 2 + 1
@@ -55,6 +56,7 @@ class PartReduction:
             raise WireError(f"chunk ends at {offset + length} of {self.nbytes} bytes but last={last}")
         if not last and length % 8:
             raise WireError(f"a non-final chunk of {length} bytes is not a multiple of 8")
+        self.first_in.set()
         try:
             self.tally.add(voter, codes, offset)
         except ValueError as e:
