@@ -125,27 +125,30 @@ class LocalSwarm:
     def allreduce(self, uploads: Sequence[torch.Tensor], *, upload: str = "sign", result: str = "majority",
                   step: int = 0, seed: int = 0, timeout: float = 120.0,
                   behaviors: dict[int, Behavior] | None = None,
-                  delays: dict[int, float] | None = None) -> list[torch.Tensor | None]:
+                  delays: dict[int, float] | None = None, tags: Sequence[bytes] | None = None
+                  ) -> list[torch.Tensor | None]:
         """One round with every live peer voting its upload; one update per peer (None if it failed).
 
         ``uploads[i]`` is peer i's codes: (planes, nbytes) uint8, or packed signs (nbytes,).
         ``behaviors[i]``, if given, replaces peer i's honest ``run_round`` for this round (a rogue
         peer in experiments); its return value is ignored and peer i's result is None.
-        ``delays[i]`` starts peer i's round that many seconds after the others (a slow peer)."""
+        ``delays[i]`` starts peer i's round that many seconds after the others (a slow peer).
+        ``tags[i]`` is the state tag peer i sends with its votes."""
         if len(uploads) != self.n:
             raise ValueError(f"{len(uploads)} uploads for {self.n} peers")
         codes = [u.reshape(1, -1) if u.dim() == 1 else u for u in uploads]
         spec = RoundSpec(round_id=f"local-{id(self)}-{next(self._rounds)}".encode(), step=step, group=self.group,
                          nbytes=codes[0].shape[1], upload=upload_codec(upload), result=result_codec(result), seed=seed)
-        outcomes = self._loop.run(self._round(spec, codes, behaviors or {}, delays or {}), timeout=timeout)
+        tags = list(tags) if tags is not None else [b""] * self.n
+        outcomes = self._loop.run(self._round(spec, codes, behaviors or {}, delays or {}, tags), timeout=timeout)
         self.reports = [o[1] if o is not None else None for o in outcomes]
         return [o[0] if o is not None else None for o in outcomes]
 
     async def _round(self, spec: RoundSpec, codes: list[torch.Tensor], behaviors: dict[int, Behavior],
-                     delays: dict[int, float]):
+                     delays: dict[int, float], tags: list[bytes]):
         async def honest(i: int):
             await asyncio.sleep(delays.get(i, 0.0))
-            return await self.nodes[i].run_round(spec, codes[i])
+            return await self.nodes[i].run_round(spec, codes[i], tags[i])
 
         live = [i for i in range(self.n) if self.alive[i]]
         for i in live:  # as a swarm does at the end of the previous round

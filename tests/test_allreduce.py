@@ -271,3 +271,11 @@ def test_slow_voter_is_not_waited_for_but_applies_the_same_update():
         assert max(fast) < 1.5  # nobody waited for the slow peer...
         assert all(2 not in p.counted for p in swarm.reports[0].parts if p.index != 2)
         assert all(torch.equal(r, results[0]) for r in results)  # ...and it applies the same update
+
+
+def test_state_tags_reach_consensus(odd_swarm):
+    codes = _codes("sign", 3, 8 * 900, seed=10)
+    odd_swarm.allreduce(codes, tags=[b"good", b"bad!", b"good"])
+    for report in odd_swarm.reports:
+        tag, votes = report.consensus_tag()
+        assert tag == b"good" and votes == 2 * 3  # two voters agree, in each of the three parts

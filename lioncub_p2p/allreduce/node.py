@@ -38,8 +38,8 @@ from ..codecs import Bf16Upload
 from ..ops import unpack_signs
 from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
 from .deadline import AdaptiveDeadline
-from .reducer import PartReduction
-from .round import AllReduceConfig, PartReport, RoundReport, RoundSpec, result_wire, upload_wire
+from .reducer import MAX_TAG_BYTES, PartReduction
+from .round import AllReduceConfig, PartReport, PartResult, RoundReport, RoundSpec, result_wire, upload_wire
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,6 @@ VOTE_PROTOCOL = "lioncub/vote/1"
 FETCH_PROTOCOL = "lioncub/fetch/1"
 NETWORK_ERRORS = (ConnectionError, asyncio.IncompleteReadError, OSError, EOFError)
 
-Outcome = tuple[bytes, list[int]]  # a part's encoded result and the counted voters
 
 
 @dataclass
@@ -56,9 +55,10 @@ class RoundState:
     me: int
     report: RoundReport
     reduction: PartReduction | None
-    direct: dict[int, asyncio.Future]  # part -> Outcome | None, as received from its reducer
+    direct: dict[int, asyncio.Future]  # part -> PartResult | None, as received from its reducer
     reducing: asyncio.Task | None = None
     voted: bool = False
+    tag: bytes = b""
 
 
 class VoteNode:
@@ -108,8 +108,11 @@ class VoteNode:
         self._register(state)
         return state
 
-    async def run_round(self, spec: RoundSpec, upload: torch.Tensor) -> tuple[torch.Tensor, RoundReport]:
+    async def run_round(self, spec: RoundSpec, upload: torch.Tensor, tag: bytes = b"") -> tuple[torch.Tensor, RoundReport]:
         """Vote with ``upload`` ((planes, nbytes) uint8 codes) and return (update, report).
+
+        ``tag`` (≤ 32 bytes, e.g. a digest of this peer's parameters) travels with the votes; each
+        reducer returns the most common tag of the voters it counted (``RoundReport.consensus_tag``).
 
         The update is packed uint8 (nbytes,) for a complete majority result, else float32
         (nbytes*8,) with zeros in parts nobody received."""
@@ -121,11 +124,14 @@ class VoteNode:
         state = self.prepare_round(spec)
         if state.voted:
             raise ValueError(f"round {spec.round_id.hex()} was already run by this peer")
-        state.voted = True
+        if len(tag) > MAX_TAG_BYTES:
+            raise ValueError(f"tag of {len(tag)} bytes exceeds {MAX_TAG_BYTES}")
+        state.voted, state.tag = True, tag
         me, report, parts = state.me, state.report, state.report.parts
         red = state.reduction
         if red is not None and not red.finalized:
             a, b = spec.bounds[me]
+            red.tags[me] = tag
             red.add(me, 0, upload[:, a:b].clone(), last=True)
 
         tasks = [state.reducing] if state.reducing is not None else []
@@ -139,14 +145,14 @@ class VoteNode:
         report.timings["results"] = time.perf_counter() - started
 
         missing = [j for j, fut in state.direct.items() if fut.result() is None]
-        outcomes: dict[int, Outcome | None] = {j: fut.result() for j, fut in state.direct.items()}
+        outcomes: dict[int, PartResult | None] = {j: fut.result() for j, fut in state.direct.items()}
         if missing:
             recovered = await asyncio.gather(*(self._recover(state, j) for j in missing))
             for j, outcome in zip(missing, recovered):
                 outcomes[j] = outcome
                 parts[j].status = "recovered" if outcome is not None else "missing"
                 if outcome is not None:
-                    parts[j].counted = list(outcome[1])
+                    parts[j].record(outcome)
             report.timings["recovery"] = time.perf_counter() - started - report.timings["results"]
         for j, outcome in outcomes.items():
             if parts[j].status == "pending":
@@ -186,11 +192,11 @@ class VoteNode:
             self.deadline.observe(red.last_arrival - red.quorum_time if everyone else None)
         except asyncio.TimeoutError:
             self.deadline.observe(None)
-        wire, counted = red.finalize()
-        state.report.parts[state.me].counted = list(counted)
+        outcome = red.finalize()
+        state.report.parts[state.me].record(outcome)
         state.report.dropped.extend(red.dropped.items())
         state.report.timings["reduce"] = time.perf_counter() - started  # from the first vote
-        state.direct[state.me].set_result((wire, counted))
+        state.direct[state.me].set_result(outcome)
 
     async def _vote_remote(self, state: RoundState, j: int, upload: torch.Tensor, turn: asyncio.Lock,
                            started: float) -> None:
@@ -198,7 +204,7 @@ class VoteNode:
         deadline = self.config.result_timeout - (time.perf_counter() - started)
         writer = None
 
-        async def exchange() -> Outcome:
+        async def exchange() -> PartResult:
             nonlocal writer
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[j].peer_id),
                                                                           VOTE_PROTOCOL)
@@ -208,10 +214,10 @@ class VoteNode:
                 report.timings["upload"] = max(report.timings["upload"], time.perf_counter() - started)
             return await self._read_result(reader, state, j)
 
-        outcome: Outcome | None = None
+        outcome: PartResult | None = None
         try:
             outcome = await asyncio.wait_for(exchange(), max(deadline, 0.0))
-            report.parts[j].counted = list(outcome[1])
+            report.parts[j].record(outcome)
         except Exception as e:  # any failure of this reducer leaves the part to recovery
             report.parts[j].note = f"no result from reducer: {type(e).__name__}: {e}"
             logger.info("round %s: part %d %s", spec.round_id.hex()[:12], j, report.parts[j].note)
@@ -229,13 +235,14 @@ class VoteNode:
             codes = upload[:, a + offset : a + offset + length].contiguous().numpy().tobytes()
             chunk = pb.VoteChunk(version=PROTOCOL_VERSION, round_id=spec.round_id, step=spec.step, part=j,
                                  offset=offset, length=length, upload=encoding, upload_bits=bits,
-                                 result=result_wire(spec.result), codes=codes, last=offset + length == b - a)
+                                 result=result_wire(spec.result), codes=codes, last=offset + length == b - a,
+                                 tag=state.tag if offset == 0 else b"")
             sent = await write_frame(writer, chunk)  # not `+= await`: that reads the total before awaiting
             state.report.bytes_up += sent
             state.report.payload_up += len(codes)
             self._emit("vote_chunk")
 
-    async def _read_result(self, reader: asyncio.StreamReader, state: RoundState, j: int) -> Outcome:
+    async def _read_result(self, reader: asyncio.StreamReader, state: RoundState, j: int) -> PartResult:
         """Read and check a part's result chunks (from its reducer or a recovering peer)."""
         spec, report = state.spec, state.report
         data, voters, counted, expected = bytearray(), None, None, None
@@ -249,7 +256,9 @@ class VoteNode:
             if msg.round_id != spec.round_id or msg.part != j or msg.result != result_wire(spec.result):
                 raise WireError("result chunk for another round, part or encoding")
             if voters is None:
-                voters, counted = msg.voters, list(msg.counted)
+                voters, counted, tag, tag_votes = msg.voters, list(msg.counted), msg.tag, msg.tag_votes
+                if len(tag) > MAX_TAG_BYTES or tag_votes > voters:
+                    raise WireError(f"result claims tag of {len(tag)} bytes with {tag_votes} of {voters} votes")
                 if not 1 <= voters <= len(spec.group) or len(counted) != voters or len(set(counted)) != voters \
                         or any(c >= len(spec.group) for c in counted):
                     raise WireError(f"result claims {voters} voters with counted={counted[:8]}")
@@ -263,26 +272,26 @@ class VoteNode:
             if msg.last:
                 if len(data) != expected:
                     raise WireError(f"result ended at {len(data)} of {expected} bytes")
-                return bytes(data), counted
+                return PartResult(bytes(data), counted, tag, tag_votes)
 
-    async def _send_result(self, writer: asyncio.StreamWriter, state: RoundState, part: int, outcome: Outcome) -> None:
-        wire, counted = outcome
-        step = self.config.chunk_bytes
+    async def _send_result(self, writer: asyncio.StreamWriter, state: RoundState, part: int, outcome: PartResult) -> None:
+        wire, step = outcome.wire, self.config.chunk_bytes
         for offset in range(0, max(len(wire), 1), step):
             chunk = pb.ResultChunk(version=PROTOCOL_VERSION, round_id=state.spec.round_id, part=part, offset=offset,
                                    data=wire[offset : offset + step], last=offset + step >= len(wire),
-                                   voters=len(counted), counted=counted, result=result_wire(state.spec.result))
+                                   voters=len(outcome.counted), counted=outcome.counted,
+                                   result=result_wire(state.spec.result), tag=outcome.tag, tag_votes=outcome.tag_votes)
             sent = await write_frame(writer, chunk)
             state.report.bytes_up += sent
             state.report.payload_up += min(step, len(wire) - offset)
             self._emit("result_chunk")
 
-    async def _recover(self, state: RoundState, j: int) -> Outcome | None:
+    async def _recover(self, state: RoundState, j: int) -> PartResult | None:
         """Ask every other reachable member for part j's result as it came from its reducer."""
         spec = state.spec
         askers = [i for i, p in enumerate(spec.group) if i not in (j, state.me) and not p.client_mode]
 
-        async def ask(i: int) -> Outcome:
+        async def ask(i: int) -> PartResult:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[i].peer_id),
                                                                           FETCH_PROTOCOL)
             try:
@@ -338,6 +347,9 @@ class VoteNode:
             if chunk.part != state.me or state.reduction is None:
                 raise WireError(f"part {chunk.part} is not reduced by this peer")
             red = state.reduction
+            if len(chunk.tag) > MAX_TAG_BYTES:
+                raise WireError(f"tag of {len(chunk.tag)} bytes")
+            red.tags.setdefault(voter, chunk.tag)
             state.report.bytes_down += nread
             await self._receive_votes(state, red, voter, chunk, reader)
             outcome = await asyncio.shield(red.result)
@@ -421,7 +433,7 @@ class VoteNode:
             writer.close()
 
 
-def assemble(spec: RoundSpec, outcomes: dict[int, Outcome | None]) -> tuple[torch.Tensor, dict[int, str]]:
+def assemble(spec: RoundSpec, outcomes: dict[int, PartResult | None]) -> tuple[torch.Tensor, dict[int, str]]:
     """The whole buffer's update from its parts, and the parts whose bytes did not decode.
 
     Packed bits (nbytes,) if every part has a majority result, else float32 (nbytes*8,) with zeros
@@ -430,35 +442,34 @@ def assemble(spec: RoundSpec, outcomes: dict[int, Outcome | None]) -> tuple[torc
     if isinstance(spec.upload, Bf16Upload):  # values, not votes: NaN marks what the caller keeps locally
         return _assemble_values(spec, outcomes)
     if spec.result.name == "majority" and all(outcomes[j] is not None for j in parts):
-        joined = bytearray(b"".join(outcomes[j][0] for j in parts))
+        joined = bytearray(b"".join(outcomes[j].wire for j in parts))
         return (torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.zeros(0, dtype=torch.uint8)), {}
     update, bad = torch.zeros(spec.nbytes * 8, dtype=torch.float32), {}
     for j in parts:
         outcome = outcomes[j]
         if outcome is None:
             continue
-        wire, counted = outcome
         a, b = spec.bounds[j]
-        raw = torch.frombuffer(bytearray(wire), dtype=torch.uint8)
+        raw = torch.frombuffer(bytearray(outcome.wire), dtype=torch.uint8)
         try:
             if spec.result.name == "majority":
                 update[8 * a : 8 * b] = unpack_signs(raw, 8 * (b - a))
             else:
-                update[8 * a : 8 * b] = spec.result.decode(raw, 8 * (b - a), len(counted) * spec.upload.max_code)
+                update[8 * a : 8 * b] = spec.result.decode(raw, 8 * (b - a), len(outcome.counted) * spec.upload.max_code)
         except ValueError as e:
             bad[j] = str(e)
     return update, bad
 
 
-def _assemble_values(spec: RoundSpec, outcomes: dict[int, Outcome | None]) -> tuple[torch.Tensor, dict[int, str]]:
+def _assemble_values(spec: RoundSpec, outcomes: dict[int, PartResult | None]) -> tuple[torch.Tensor, dict[int, str]]:
     values, bad = torch.full((spec.nbytes // 2,), float("nan")), {}
     for j, outcome in outcomes.items():
         if outcome is None:
             continue
         a, b = spec.bounds[j]
         try:
-            values[a // 2 : b // 2] = spec.result.decode(torch.frombuffer(bytearray(outcome[0]), dtype=torch.uint8),
-                                                         8 * (b - a), len(outcome[1]))
+            values[a // 2 : b // 2] = spec.result.decode(torch.frombuffer(bytearray(outcome.wire), dtype=torch.uint8),
+                                                         8 * (b - a), len(outcome.counted))
         except ValueError as e:
             bad[j] = str(e)
     return values, bad

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 import time
 
 import torch
 
 from ..wire import WireError, pb
-from .round import RoundSpec
+from .round import PartResult, RoundSpec
+
+MAX_TAG_BYTES = 32
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +37,8 @@ class PartReduction:
         self.quorum_in = asyncio.Event()
         self.quorum = len(spec.group) // 2 + 1
         self.last_arrival = self.quorum_time = 0.0
-        self.result: asyncio.Future[tuple[bytes, list[int]]] = asyncio.get_running_loop().create_future()
+        self.tags: dict[int, bytes] = {}
+        self.result: asyncio.Future[PartResult] = asyncio.get_running_loop().create_future()
 
     @property
     def finalized(self) -> bool:
@@ -88,7 +92,7 @@ class PartReduction:
                 self.quorum_time = time.perf_counter()
                 self.quorum_in.set()
 
-    def finalize(self) -> tuple[bytes, list[int]]:
+    def finalize(self) -> PartResult:
         """Count the complete voters, subtract the rest, encode the result (once)."""
         if not self.finalized:
             for voter in list(self.next_offset):
@@ -97,7 +101,9 @@ class PartReduction:
             counted = sorted(self.complete)
             wire = self.tally.encode(self.spec.result, counted, seed=self.spec.seed, step=self.spec.step,
                                      offset=self.start)
-            self.result.set_result((wire.numpy().tobytes(), counted))
+            tags = Counter(self.tags.get(v, b"") for v in counted)
+            tag, votes = min(tags.items(), key=lambda kv: (-kv[1], kv[0])) if tags else (b"", 0)
+            self.result.set_result(PartResult(wire.numpy().tobytes(), counted, tag, votes))
         return self.result.result()
 
     def codes_from(self, chunk: pb.VoteChunk) -> torch.Tensor:

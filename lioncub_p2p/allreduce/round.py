@@ -98,6 +98,16 @@ class RoundSpec:
             raise WireError(f"step {chunk.step} does not match the round's step {self.step}")
 
 
+@dataclass(frozen=True)
+class PartResult:
+    """A part's encoded result as its reducer produced it, with whom it counted and their consensus tag."""
+
+    wire: bytes
+    counted: list[int]
+    tag: bytes = b""
+    tag_votes: int = 0
+
+
 @dataclass
 class PartReport:
     index: int
@@ -107,6 +117,11 @@ class PartReport:
     status: str = "pending"  # ok | recovered | missing | empty
     counted: list[int] = field(default_factory=list)  # group indices counted in this part
     note: str = ""
+    tag: bytes = b""  # the counted voters' most common state tag, and how many sent it
+    tag_votes: int = 0
+
+    def record(self, result: PartResult) -> None:
+        self.counted, self.tag, self.tag_votes = list(result.counted), result.tag, result.tag_votes
 
 
 @dataclass
@@ -127,5 +142,15 @@ class RoundReport:
     @property
     def missing_parts(self) -> list[int]:
         return [p.index for p in self.parts if p.status == "missing"]
+
+    def consensus_tag(self) -> tuple[bytes, int]:
+        """The state tag most voters sent, summed over the parts this peer received, and its votes."""
+        votes: dict[bytes, int] = {}
+        for p in self.parts:
+            if p.status in ("ok", "recovered") and p.tag_votes:
+                votes[p.tag] = votes.get(p.tag, 0) + p.tag_votes
+        if not votes:
+            return b"", 0
+        return min(votes.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
