@@ -34,11 +34,15 @@ class Aggregator(Protocol):
 
     ``aggregate`` receives this peer's upload codes, (planes, nbytes) uint8 for the whole flat buffer,
     and returns the update every peer applies: packed uint8 (nbytes,) for a 1-bit result, or float32
-    (nbytes*8,) values in [−1, 1] for ternary and mean results."""
+    (nbytes*8,) values in [−1, 1] for ternary and mean results; or None when it replaced this peer's
+    state (parameters, momenta, step) instead, e.g. after repairing a divergence.
+
+    An aggregator may also define ``after_step(optimizer)``, called once the update is applied (the
+    place for momentum averaging, snapshots for other peers, checkpoints)."""
 
     upload: UploadCodec
 
-    def aggregate(self, upload: torch.Tensor, *, step: int) -> torch.Tensor: ...
+    def aggregate(self, upload: torch.Tensor, *, step: int) -> torch.Tensor | None: ...
 
 
 @dataclass(frozen=True)
@@ -63,11 +67,14 @@ class LionCub(torch.optim.Optimizer):
         aggregator: where directions are voted on; ``None`` trains alone as plain Lion.
         upload: "sign" (1 bit), "l1" / "l1:BITS" or a codec; ignored when the aggregator names one.
         seed: keys the shared pseudo-random bits that replace sign(0); identical on every peer.
+        lr_schedule: multiplier of every group's lr as a function of the optimizer's step, which in a
+            swarm is the swarm's global step: a peer that joins late follows the same schedule.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, aggregator: Aggregator | None = None,
-                 upload: str | UploadCodec = "sign", seed: int = 0):
+                 upload: str | UploadCodec = "sign", seed: int = 0,
+                 lr_schedule: Callable[[int], float] | None = None):
         if not lr > 0.0:
             raise ValueError(f"lr must be positive, got {lr}")
         if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
@@ -78,6 +85,7 @@ class LionCub(torch.optim.Optimizer):
         self.aggregator = aggregator
         self.upload_codec = aggregator.upload if aggregator is not None else upload_codec(upload)
         self.seed = seed
+        self.lr_schedule = lr_schedule
         self._slots: list[Slot] | None = None
 
     # -- layout ---------------------------------------------------------------------------------
@@ -129,9 +137,18 @@ class LionCub(torch.optim.Optimizer):
                 loss = closure()
         if self.aggregator is None:
             self._lion_step()
-        else:
-            self.apply_aggregate(self.aggregator.aggregate(self.compute_upload(), step=self.step_count))
+            return loss
+        update = self.aggregator.aggregate(self.compute_upload(), step=self.step_count)
+        if update is not None:
+            self.apply_aggregate(update)
+        after_step = getattr(self.aggregator, "after_step", None)
+        if after_step is not None:
+            after_step(self)
         return loss
+
+    def lr(self, group: dict) -> float:
+        """The group's step size at the current step (``lr_schedule`` applied)."""
+        return group["lr"] * (self.lr_schedule(self.step_count) if self.lr_schedule else 1.0)
 
     def _lion_step(self) -> None:
         """Plain Lion, written out: the single-peer case needs sign(0) = 0 exactly."""
@@ -142,9 +159,10 @@ class LionCub(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             m = self._momentum(p)
             c = m.mul(beta1).add_(p.grad, alpha=1 - beta1)
+            lr = self.lr(group)
             if group["weight_decay"]:
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(c.sign_(), alpha=-group["lr"])
+                p.mul_(1 - lr * group["weight_decay"])
+            p.add_(c.sign_(), alpha=-lr)
             m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
         self._advance()
 
@@ -186,7 +204,7 @@ class LionCub(torch.optim.Optimizer):
                 u = update[slot.offset : slot.offset + slot.nbytes]
             else:
                 u = update[8 * slot.offset : 8 * slot.offset + p.numel()].view_as(p)
-            ops.apply_update(p, u.to(p.device), group["lr"], group["weight_decay"])
+            ops.apply_update(p, u.to(p.device), self.lr(group), group["weight_decay"])
         self._advance()
 
     def _advance(self) -> None:

@@ -1,0 +1,390 @@
+"""Swarm: a volunteer's membership in a run, and the aggregator its LionCub optimizer votes through.
+
+    swarm = Swarm("my-run", initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/Qm..."])
+    opt = LionCub(model.parameters(), lr=3e-4, aggregator=swarm)
+    swarm.join(opt)                      # starts the run, or downloads the swarm's state
+    for x, y in data:                    # an ordinary training loop
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    swarm.shutdown()
+
+Every step: this peer votes in the round of its step with the group the DHT names for that step,
+sending a digest of its parameters along. If most voters' digest differs from its own, it diverged
+(it missed a result, or a bit flipped): it downloads the state of the next step from a member and
+carries on. After the update: momenta are averaged on the schedule (bf16, trimmed mean by default;
+a failed sync is logged and skipped), snapshots are made for peers that asked, checkpoints written.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from hivemind import DHT
+
+from ..aio import BackgroundLoop
+from ..allreduce import AllReduceConfig, PeerSpec, RoundReport, RoundSpec, VoteNode
+from ..codecs import AverageResult, Bf16Upload, result_codec, upload_codec
+from ..momentum import MomentumSchedule
+from ..optim import LionCub
+from ..wire import PROTOCOL_VERSION
+from . import checkpoint, snapshot
+from .membership import Directory, GroupHistory, GroupRecord, PeerRecord
+from .state_transfer import StateServer, download_state
+
+logger = logging.getLogger(__name__)
+
+
+class SwarmError(RuntimeError):
+    """Something a volunteer has to act on (unreachable coordinators, version mismatch, ...)."""
+
+
+@dataclass
+class SwarmConfig:
+    """Knobs of a swarm member. Timeouts are in seconds."""
+
+    run_id: str
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity_path: str | None = None
+    client_mode: bool = False  # behind NAT: dial out only, reduce nothing
+    weight: float = 1.0  # share of the reduction work (e.g. upload Mbit/s)
+    nat_probing: bool = False  # UPnP / AutoNAT probing of the real network card
+    upload: str = "sign"
+    result: str = "majority"
+    momentum: MomentumSchedule = field(default_factory=lambda: MomentumSchedule(every=20))
+    momentum_rule: str = "trimmed_mean"  # or "average"
+    allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
+    lead_steps: int = 3  # a new group takes effect this many steps after the leader decides it
+    record_ttl: float = 10.0
+    refresh_period: float = 0.5
+    full_digest_every: int = 10  # the state tag hashes every parameter byte on these steps
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    max_state_uploads: int = 2
+    join_timeout: float = 120.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.run_id or "." in self.run_id:
+            raise ValueError(f"run_id must be a non-empty name without dots, got {self.run_id!r}")
+
+
+@dataclass
+class StepStats:
+    step: int = 0
+    peers: int = 0  # voters counted in this peer's view of the round
+    group_size: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    seconds: float = 0.0  # the whole aggregate call
+    bits_per_param: float = 0.0
+    repaired: bool = False
+    momentum_synced: bool = False
+
+
+class Swarm:
+    def __init__(self, config: SwarmConfig | None = None, **kwargs):
+        self.config = config = config or SwarmConfig(**kwargs)
+        self.upload = upload_codec(config.upload)
+        self.result = result_codec(config.result)
+        self.loop = BackgroundLoop(f"swarm-{config.run_id}")
+        self.history = GroupHistory()
+        self.records: dict[str, PeerRecord] = {}
+        self.failures: Counter[str] = Counter()
+        self.optimizer: LionCub | None = None
+        self.stats = StepStats()
+        self.repairs = 0
+        self.last_report: RoundReport | None = None
+        self._synced = False
+        self._refresher: asyncio.Task | None = None
+        self._progress = (time.monotonic(), 0)  # (time, step) at the last announcement, for samples/s
+        self._published = 0.0
+        self.samples_per_step = 0  # set by the training loop, for monitors
+        self.last_loss: float | None = None
+        try:
+            self.dht = DHT(start=True, initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
+                           announce_maddrs=config.announce_maddrs or None, identity_path=config.identity_path,
+                           client_mode=config.client_mode, no_listen=config.client_mode,
+                           nat_port_map=config.nat_probing, auto_nat=config.nat_probing)
+        except Exception as e:
+            self.loop.stop()
+            raise SwarmError(f"could not start the DHT ({e}); check --initial-peers and that the coordinators "
+                             f"are reachable") from e
+        self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=30)
+        self.peer_id = self.p2p.peer_id.to_base58()
+        self.directory = Directory(self.dht, config.run_id)
+        self.node = VoteNode(self.p2p, config.allreduce)
+        self.state_server = StateServer(self.p2p, config.run_id, max_uploads=config.max_state_uploads)
+        self.loop.run(self._start_services(), timeout=30)
+
+    async def _start_services(self) -> None:
+        await self.node.start()
+        await self.state_server.start()
+
+    # -- joining ---------------------------------------------------------------------------------
+
+    def join(self, optimizer: LionCub, timeout: float | None = None) -> int:
+        """Become a voting member: resume a checkpoint, then start the run or fetch the swarm's state.
+        Returns the step training continues from."""
+        if optimizer.aggregator is not self:
+            raise ValueError("create the optimizer with aggregator=<this swarm>")
+        self.optimizer = optimizer
+        if self.config.checkpoint_dir:
+            restored = checkpoint.restore(self.config.checkpoint_dir, optimizer)
+            if restored is not None:
+                logger.info("resumed checkpoint at step %d", restored)
+        self._refresher = asyncio.run_coroutine_threadsafe(self._refresh_forever(), self.loop.loop)
+        deadline = time.monotonic() + (timeout or self.config.join_timeout)
+        self.loop.run(self._refresh_group(), timeout=30)
+        if self.history.latest is None:
+            time.sleep(1.0)  # a group record stored moments ago may not have reached us yet
+            self.loop.run(self._refresh_group(), timeout=30)
+        if self.history.latest is None:
+            self._found()
+        if self.peer_id not in self.history.latest.member_ids():
+            self._sync_from_swarm(deadline)
+        self._synced = True
+        self.loop.run(self._announce(), timeout=30)
+        self._prepare(optimizer.step_count)
+        return optimizer.step_count
+
+    def _found(self) -> None:
+        step = self.optimizer.step_count
+        record = GroupRecord(0, step, (self._my_spec(),))
+        self.loop.run(self.directory.publish_group(record, ttl=60.0), timeout=30)
+        time.sleep(0.5)  # let a concurrent founder's record land too; the DHT keeps one of them
+        self.loop.run(self._refresh_group(), timeout=30)
+        logger.info("no group found for run %s: %s", self.config.run_id,
+                    "started it" if self.peer_id in self.history.latest.member_ids() else "another peer did")
+
+    def _sync_from_swarm(self, deadline: float) -> None:
+        """Wait until the leader adds this peer to a group, then download the state of that step."""
+        logger.info("waiting to be added to the group of run %s", self.config.run_id)
+        while True:
+            latest = self.history.latest
+            if latest is not None and self.peer_id in latest.member_ids():
+                break
+            if time.monotonic() > deadline:
+                raise SwarmError("no group took this peer in time: is the run alive and its version "
+                                 f"{PROTOCOL_VERSION}?")
+            self.loop.run(self._announce(), timeout=30)
+            time.sleep(self.config.refresh_period)
+        self._download(min_step=latest.from_step, group=latest)
+
+    def _download(self, min_step: int, group: GroupRecord) -> None:
+        donors = [m.peer_id for m in group.members if m.peer_id != self.peer_id and not m.client_mode]
+        step, blob, digest = self.loop.run(download_state(
+            self.p2p, donors, self.config.run_id, min_step=min_step, max_bytes=snapshot.max_size(self.optimizer)),
+            timeout=self.config.join_timeout)
+        snapshot.load(self.optimizer, blob, expect_digest=digest)
+        logger.info("loaded the swarm's state at step %d (%.1f MB)", step, len(blob) / 1e6)
+
+    def _my_spec(self) -> PeerSpec:
+        return PeerSpec(self.peer_id, self.config.weight, self.config.client_mode)
+
+    # -- rounds ------------------------------------------------------------------------------------
+
+    def _spec(self, group: GroupRecord, step: int, kind: str = "vote") -> RoundSpec:
+        rid = hashlib.blake2b(f"{self.config.run_id}|{kind}|{step}|{group.epoch}".encode(), digest_size=16).digest()
+        if kind == "vote":
+            return RoundSpec(rid, step, group.members, self.optimizer.buffer_bytes, self.upload, self.result,
+                             self.config.seed)
+        numel = sum(m.numel() for name, m in self.optimizer.momentum_buffers() if self.config.momentum.selects(name))
+        return RoundSpec(rid, step, group.members, 2 * numel, Bf16Upload(),
+                         AverageResult(trimmed=self.config.momentum_rule == "trimmed_mean"), self.config.seed)
+
+    def _prepare(self, step: int) -> None:
+        """Let this peer's reducer count others' votes for ``step`` while it still computes."""
+        group = self.history.for_step(step)
+        if group is not None and self.peer_id in group.member_ids():
+            spec = self._spec(group, step)
+
+            def prepare() -> None:
+                try:
+                    self.node.prepare_round(spec)
+                except ValueError as e:  # already run (a repeated step after a repair): nothing to prepare
+                    logger.debug("not preparing step %d: %s", step, e)
+
+            self.loop.call_soon(prepare)
+
+    def aggregate(self, upload: torch.Tensor, *, step: int) -> torch.Tensor | None:
+        if self.optimizer is None:
+            raise SwarmError("call swarm.join(optimizer) before training")
+        started = time.perf_counter()
+        self.stats = StepStats(step=step)
+        group = self.history.for_step(step)
+        if group is None or self.peer_id not in group.member_ids():
+            logger.warning("step %d: this peer is not in the group (dropped after a stall?): rejoining", step)
+            self._rejoin()
+            return None
+        spec = self._spec(group, step)
+        tag = snapshot.state_tag(self.optimizer, full=step % self.config.full_digest_every == 0)
+        cfg = self.config.allreduce
+        timeout = cfg.result_timeout + cfg.recovery_timeout + 30
+        try:
+            update, report = self.loop.run(self.node.run_round(spec, upload, tag), timeout=timeout)
+        except Exception as e:  # never into the training loop: apply nothing; the digest repairs us next step
+            logger.warning("step %d: the vote round failed (%s: %s); applying no update", step, type(e).__name__, e)
+            self._prepare(step + 1)
+            return torch.zeros(self.optimizer.buffer_bytes * 8)
+        self._observe(spec, report, started)
+        consensus, votes = report.consensus_tag()
+        all_votes = sum(p.tag_votes for p in report.parts if p.status in ("ok", "recovered"))
+        if votes * 2 > all_votes and consensus != tag:
+            logger.warning("step %d: parameters differ from %d of %d votes: repairing from a peer", step, votes,
+                           all_votes)
+            self.repairs += 1
+            self.stats.repaired = True
+            self._download(min_step=step + 1, group=group)
+            self._prepare(self.optimizer.step_count)
+            return None
+        self._prepare(step + 1)
+        return update
+
+    def _rejoin(self) -> None:
+        self._synced = False
+        self._sync_from_swarm(time.monotonic() + self.config.join_timeout)
+        self._synced = True
+        self._prepare(self.optimizer.step_count)
+
+    def _observe(self, spec: RoundSpec, report: RoundReport, started: float) -> None:
+        self.last_report = report
+        received = [p for p in report.parts if p.status in ("ok", "recovered")]
+        counted = set().union(*(set(p.counted) for p in received)) if received else set()
+        for i, member in enumerate(spec.group):
+            if member.peer_id != self.peer_id:
+                self.failures[member.peer_id] = 0 if i in counted else self.failures[member.peer_id] + 1
+        numel = sum(s.param.numel() for s in self.optimizer.slots)
+        self.stats.peers = max((len(p.counted) for p in received), default=0)
+        self.stats.group_size = len(spec.group)
+        self.stats.bytes_up, self.stats.bytes_down = report.bytes_up, report.bytes_down
+        self.stats.bits_per_param = 8 * (report.bytes_up + report.bytes_down) / max(numel, 1)
+        self.stats.seconds = time.perf_counter() - started
+
+    def after_step(self, optimizer: LionCub) -> None:
+        step = optimizer.step_count
+        wanted = self.state_server.wanted_step()
+        if wanted is not None and wanted <= step:
+            blob, digest = snapshot.encode(optimizer)
+            self.loop.run(self.state_server.offer(step, blob, digest), timeout=30)
+        if self.config.momentum.due(step):
+            self.stats.momentum_synced = self._average_momentum(step)
+        if self.config.checkpoint_dir and self.config.checkpoint_every and step % self.config.checkpoint_every == 0:
+            checkpoint.save(self.config.checkpoint_dir, optimizer)
+
+    def _average_momentum(self, step: int) -> bool:
+        """One bf16 averaging round over the selected momenta; parts nobody received stay local."""
+        group = self.history.for_step(step - 1)
+        if group is None or self.peer_id not in group.member_ids():
+            return False
+        selected = [m for name, m in self.optimizer.momentum_buffers() if self.config.momentum.selects(name)]
+        spec = self._spec(group, step, kind="momentum")
+        flat = torch.cat([m.detach().reshape(-1).float() for m in selected])
+        try:
+            averaged, report = self.loop.run(self.node.run_round(spec, Bf16Upload().encode(flat)),
+                                             timeout=self.config.allreduce.result_timeout + 30)
+        except Exception as e:
+            logger.warning("step %d: momentum averaging failed, skipped: %s", step, e)
+            return False
+        if report.missing_parts:
+            logger.warning("step %d: momentum averaging missed parts %s; they stay local", step, report.missing_parts)
+        keep = torch.isnan(averaged)
+        averaged[keep] = flat[keep]
+        offset = 0
+        with torch.no_grad():
+            for m in selected:
+                m.copy_(averaged[offset : offset + m.numel()].view_as(m))
+                offset += m.numel()
+        return not report.missing_parts
+
+    # -- membership upkeep (background) -------------------------------------------------------------
+
+    async def _refresh_forever(self) -> None:
+        last_announce = 0.0
+        while True:
+            try:
+                await self._refresh_group()
+                self.records = await self.directory.peers()
+                if time.monotonic() - last_announce > self.config.record_ttl / 3:
+                    await self._announce()
+                    last_announce = time.monotonic()
+                await self._lead()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                logger.debug("membership refresh failed: %s", e)
+            await asyncio.sleep(self.config.refresh_period)
+
+    async def _refresh_group(self) -> None:
+        self.history.add(await self.directory.group())
+
+    async def _announce(self) -> None:
+        step = self.optimizer.step_count if self.optimizer is not None else 0
+        now, (t0, step0) = time.monotonic(), self._progress
+        rate = lambda amount: amount / max(now - t0, 1e-6)  # noqa: E731
+        record = PeerRecord(self.peer_id, self.config.weight, self.config.client_mode, step, PROTOCOL_VERSION,
+                            self._synced, samples_per_s=self.samples_per_step * rate(step - step0),
+                            bytes_up_per_s=self.stats.bytes_up / max(self.stats.seconds, 1e-6),
+                            bytes_down_per_s=self.stats.bytes_down / max(self.stats.seconds, 1e-6), loss=self.last_loss)
+        self._progress = (now, step)
+        await self.directory.announce(record, ttl=self.config.record_ttl)
+
+    async def _lead(self) -> None:
+        """If this peer leads the group, keep it equal to the live, compatible peers."""
+        latest = self.history.latest
+        if latest is None or self.optimizer is None or not self._synced:
+            return
+        alive = set(self.records) | {self.peer_id}
+        syncing = {pid for pid, r in self.records.items() if not r.synced}  # joiners: absent until they sync
+
+        def healthy(pid: str) -> bool:
+            return pid == self.peer_id or (pid in alive and (self.failures[pid] < 2 or pid in syncing))
+
+        leader = next((m.peer_id for m in latest.members if not m.client_mode and healthy(m.peer_id)), None)
+        step = self.optimizer.step_count
+        if leader != self.peer_id or step < latest.from_step:
+            return
+        keep = [m for m in latest.members if healthy(m.peer_id)]
+        known = {m.peer_id for m in latest.members}
+        new = [PeerSpec(r.peer_id, r.weight, r.client_mode) for r in self.records.values()
+               if r.peer_id not in known and r.version == PROTOCOL_VERSION]
+        desired = tuple(sorted(keep + new, key=lambda m: m.peer_id))
+        if {m.peer_id for m in desired} == known or not any(m.reduces for m in desired):
+            if time.monotonic() - self._published > 20.0:  # keep the record from expiring
+                self._published = time.monotonic()
+                await self.directory.publish_group(latest, ttl=60.0)
+            return
+        record = GroupRecord(latest.epoch + 1, step + self.config.lead_steps, desired, previous=latest)
+        if await self.directory.publish_group(record, ttl=60.0):
+            self._published = time.monotonic()
+            self.history.add(record)
+            logger.info("group epoch %d from step %d: %d members (+%d, -%d)", record.epoch, record.from_step,
+                        len(desired), len(new), len(latest.members) - len(keep))
+
+    # -- leaving -----------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Leave the run: stop serving, close the daemon. Safe to call twice."""
+        if self._refresher is not None:
+            self._refresher.cancel()
+            self._refresher = None
+        if self.loop is not None:
+            try:
+                self.loop.stop()
+            finally:
+                self.loop = None
+                self.dht.shutdown()
+
+    def __enter__(self) -> "Swarm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,143 @@
+"""A peer's training state as bytes: parameters, momenta and step. No pickle, ever.
+
+Layout: ``MAGIC | u32 header length | JSON header | parameter bytes | momentum bytes``. The header
+lists each tensor's name, dtype and shape; the receiver accepts a snapshot only if that list equals
+its own model's exactly, so a peer cannot make it allocate or reshape anything unexpected. The
+parameter section is identical on every peer at the same step (its digest proves it); momenta are
+each peer's own.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from ..optim import LionCub
+
+MAGIC = b"LCUBSNAP"
+FORMAT = 1
+MAX_HEADER_BYTES = 1 << 20
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class SnapshotError(ValueError):
+    """A snapshot that does not fit this model (or is corrupt)."""
+
+
+@dataclass
+class Layout:
+    """Names, dtypes and shapes of the tensors a snapshot of this optimizer holds, in order."""
+
+    entries: list[tuple[str, str, list[int]]]  # (name, dtype, shape); parameters first, then momenta
+
+    @classmethod
+    def of(cls, optimizer: LionCub) -> "Layout":
+        entries = []
+        for kind in ("param", "momentum"):
+            for slot in optimizer.slots:
+                dtype = str(slot.param.dtype).removeprefix("torch.")
+                entries.append((f"{kind}:{slot.name}", dtype, list(slot.param.shape)))
+        return cls(entries)
+
+    def nbytes(self, kind: str | None = None) -> int:
+        total = 0
+        for name, dtype, shape in self.entries:
+            if kind is None or name.startswith(kind + ":"):
+                total += torch.Size(shape).numel() * DTYPES[dtype].itemsize
+        return total
+
+
+def _tensors(optimizer: LionCub) -> list[torch.Tensor]:
+    return [s.param.detach() for s in optimizer.slots] + [m for _, m in optimizer.momentum_buffers()]
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def params_digest(optimizer: LionCub) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for slot in optimizer.slots:
+        h.update(_raw(slot.param))
+    return h.digest()
+
+
+def state_tag(optimizer: LionCub, *, full: bool = False, samples: int = 1 << 16) -> bytes:
+    """A 16-byte digest of the parameters: all bytes when ``full``, else ~``samples`` strided
+    elements (cheap every step; any divergence that touches a whole part of the buffer shows)."""
+    if full:
+        return params_digest(optimizer)
+    total = sum(s.param.numel() for s in optimizer.slots)
+    stride = max(1, total // samples)
+    h = hashlib.blake2b(digest_size=16)
+    for slot in optimizer.slots:
+        h.update(_raw(slot.param.detach().reshape(-1)[::stride]))
+    return h.digest()
+
+
+def encode(optimizer: LionCub) -> tuple[bytes, bytes]:
+    """(snapshot bytes, digest of the parameter section)."""
+    header = json.dumps({"format": FORMAT, "step": optimizer.step_count, "tensors": Layout.of(optimizer).entries},
+                        separators=(",", ":")).encode()
+    tensors = _tensors(optimizer)
+    nparams = len(optimizer.slots)
+    digest = hashlib.blake2b(digest_size=16)
+    body = []
+    for i, t in enumerate(tensors):
+        raw = _raw(t)
+        if i < nparams:
+            digest.update(raw)
+        body.append(raw)
+    return MAGIC + struct.pack("<I", len(header)) + header + b"".join(body), digest.digest()
+
+
+def read_header(blob: bytes | bytearray) -> tuple[dict, int]:
+    """(header, body offset) of a snapshot; raises SnapshotError."""
+    if len(blob) < len(MAGIC) + 4 or blob[: len(MAGIC)] != MAGIC:
+        raise SnapshotError("not a lioncub snapshot")
+    (length,) = struct.unpack("<I", blob[len(MAGIC) : len(MAGIC) + 4])
+    if length > MAX_HEADER_BYTES or len(blob) < len(MAGIC) + 4 + length:
+        raise SnapshotError(f"snapshot header of {length} bytes is too long or truncated")
+    try:
+        header = json.loads(bytes(blob[len(MAGIC) + 4 : len(MAGIC) + 4 + length]))
+        if header["format"] != FORMAT or not isinstance(header["step"], int) or header["step"] < 0:
+            raise SnapshotError(f"unsupported snapshot format {header.get('format')}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise SnapshotError(f"unreadable snapshot header: {e}") from e
+    return header, len(MAGIC) + 4 + length
+
+
+def max_size(optimizer: LionCub) -> int:
+    """An upper bound on this model's snapshot size, to bound a download before it starts."""
+    return len(MAGIC) + 4 + MAX_HEADER_BYTES + Layout.of(optimizer).nbytes()
+
+
+def load(optimizer: LionCub, blob: bytes | bytearray, *, expect_digest: bytes | None = None) -> int:
+    """Copy a snapshot into the optimizer's parameters and momenta; returns its step.
+
+    Checks everything before touching the model: a rejected snapshot leaves the state as it was."""
+    header, offset = read_header(blob)
+    layout = Layout.of(optimizer)
+    entries = [(n, d, list(s)) for n, d, s in header["tensors"]] if isinstance(header["tensors"], list) else None
+    if entries != layout.entries:
+        raise SnapshotError("snapshot tensors do not match this model (names, dtypes or shapes differ)")
+    if len(blob) != offset + layout.nbytes():
+        raise SnapshotError(f"snapshot body has {len(blob) - offset} bytes, expected {layout.nbytes()}")
+    if expect_digest is not None:
+        digest = hashlib.blake2b(bytes(blob[offset : offset + layout.nbytes("param")]), digest_size=16).digest()
+        if digest != expect_digest:
+            raise SnapshotError("parameter digest mismatch")
+    view = memoryview(blob)
+    with torch.no_grad():
+        for t, (name, dtype, shape) in zip(_tensors(optimizer), layout.entries):
+            size = t.numel() * t.element_size()
+            src = torch.frombuffer(bytearray(view[offset : offset + size]), dtype=DTYPES[dtype]).view(shape) \
+                if size else torch.empty(shape, dtype=DTYPES[dtype])
+            t.copy_(src)
+            offset += size
+    for group in optimizer.param_groups:
+        group["step"] = header["step"]
+    return header["step"]

@@ -1,0 +1,159 @@
+"""Serving and downloading training state between peers, chunked and resumable.
+
+A donor serves at most ``max_uploads`` downloads at once and answers "busy" beyond that, so
+newcomers spread over donors (they try donors in random order). A download that loses its donor
+resumes at the same byte from another donor whose snapshot has the same step and parameter digest.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+
+from hivemind.p2p import P2P, PeerID
+
+from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
+
+logger = logging.getLogger(__name__)
+
+STATE_PROTOCOL = "lioncub/state/1"
+CHUNK_BYTES = 256 << 10
+
+
+class StateTransferError(RuntimeError):
+    pass
+
+
+class StateServer:
+    """Hands this peer's latest snapshot to peers that ask for a step it has reached.
+
+    The training thread encodes snapshots (``offer``) only when someone waits for one
+    (``wanted_step``), at a step boundary, so a served state is always consistent."""
+
+    def __init__(self, p2p: P2P, run_id: str, *, max_uploads: int = 2, wait_timeout: float = 60.0):
+        self.p2p, self.run_id = p2p, run_id.encode()
+        self.max_uploads, self.wait_timeout = max_uploads, wait_timeout
+        self._uploads = 0
+        self._snapshot: tuple[int, bytes, bytes] | None = None  # step, blob, params digest
+        self._pending: dict[int, int] = {}  # min_step -> waiting requests
+        self._lock = threading.Lock()
+        self._offered: asyncio.Condition | None = None
+
+    async def start(self) -> None:
+        self._offered = asyncio.Condition()
+        await self.p2p.add_binary_stream_handler(STATE_PROTOCOL, self._on_stream)
+
+    def wanted_step(self) -> int | None:
+        """The lowest step someone waits for and the current snapshot does not satisfy."""
+        with self._lock:
+            have = self._snapshot[0] if self._snapshot else -1
+            waiting = [s for s, count in self._pending.items() if count and s > have]
+            return min(waiting) if waiting else None
+
+    async def offer(self, step: int, blob: bytes, digest: bytes) -> None:
+        with self._lock:
+            self._snapshot = (step, blob, digest)
+        async with self._offered:
+            self._offered.notify_all()
+
+    async def _wait_snapshot(self, min_step: int) -> tuple[int, bytes, bytes]:
+        with self._lock:
+            self._pending[min_step] = self._pending.get(min_step, 0) + 1
+        try:
+            async with self._offered:
+                await asyncio.wait_for(self._offered.wait_for(
+                    lambda: self._snapshot is not None and self._snapshot[0] >= min_step), self.wait_timeout)
+                return self._snapshot
+        finally:
+            with self._lock:
+                self._pending[min_step] -= 1
+
+    async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        busy = self._uploads >= self.max_uploads
+        self._uploads += 1
+        try:
+            req, _ = await asyncio.wait_for(read_frame(reader, pb.StateRequest, 4096), 10.0)
+            if req is None:
+                return
+            if busy:
+                raise WireError("busy: too many downloads from this donor, try another")
+            if req.run_id != self.run_id:
+                raise WireError("state request for another run")
+            step, blob, digest = await self._wait_snapshot(req.min_step)
+            if req.params_digest and req.params_digest != digest:
+                raise WireError("this donor's snapshot differs from the one being resumed")
+            if req.offset > len(blob):
+                raise WireError(f"offset {req.offset} past the snapshot's {len(blob)} bytes")
+            for offset in range(req.offset, max(len(blob), req.offset + 1), CHUNK_BYTES):
+                await write_frame(writer, pb.StateChunk(
+                    version=PROTOCOL_VERSION, step=step, total_bytes=len(blob), offset=offset,
+                    data=blob[offset : offset + CHUNK_BYTES], last=offset + CHUNK_BYTES >= len(blob),
+                    params_digest=digest))
+        except WireError as e:
+            logger.info("state request from %s refused: %s", info.peer_id, e)
+            try:
+                await write_frame(writer, pb.StateChunk(version=PROTOCOL_VERSION, error=str(e)[:200]))
+            except Exception:
+                pass
+        except (asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError, OSError) as e:
+            logger.info("state upload to %s ended: %s", info.peer_id, type(e).__name__)
+        finally:
+            self._uploads -= 1
+            writer.close()
+
+
+class _Download:
+    """What has arrived so far; the first chunk fixes the snapshot (step, digest, size) to resume."""
+
+    def __init__(self) -> None:
+        self.blob = bytearray()
+        self.step: int | None = None
+        self.digest = b""
+        self.total: int | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.total is not None and len(self.blob) == self.total
+
+
+async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: int, max_bytes: int,
+                         timeout: float = 120.0, attempts: int = 3) -> tuple[int, bytes, bytes]:
+    """(step, snapshot bytes, parameter digest) from donors tried in random order, resuming across them."""
+    if not donors:
+        raise StateTransferError("no donor to download state from")
+    progress, errors = _Download(), []
+    for donor in random.sample(donors, len(donors)) * attempts:
+        try:
+            await asyncio.wait_for(_fetch_from(p2p, donor, run_id, min_step, max_bytes, progress), timeout)
+        except Exception as e:
+            errors.append(f"{donor[:16]}: {type(e).__name__}: {e}")
+            logger.info("state download from %s stopped at %d bytes: %s", donor, len(progress.blob), e)
+            continue
+        if progress.done:
+            return progress.step, bytes(progress.blob), progress.digest
+    raise StateTransferError("state download failed: " + "; ".join(errors[-4:]))
+
+
+async def _fetch_from(p2p: P2P, donor: str, run_id: str, min_step: int, max_bytes: int, progress: _Download) -> None:
+    _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(donor), STATE_PROTOCOL)
+    try:
+        await write_frame(writer, pb.StateRequest(version=PROTOCOL_VERSION, run_id=run_id.encode(), min_step=min_step,
+                                                  offset=len(progress.blob), params_digest=progress.digest))
+        while not progress.done:
+            chunk, _ = await read_frame(reader, pb.StateChunk)
+            if chunk is None:
+                raise StateTransferError("donor closed the stream")
+            if chunk.error:
+                raise StateTransferError(f"donor refused: {chunk.error}")
+            if chunk.total_bytes > max_bytes or chunk.step < min_step:
+                raise StateTransferError(f"snapshot of {chunk.total_bytes} bytes at step {chunk.step} does not fit")
+            if progress.step is None:
+                progress.step, progress.digest, progress.total = chunk.step, chunk.params_digest, chunk.total_bytes
+            if (chunk.step, chunk.params_digest, chunk.total_bytes) != (progress.step, progress.digest, progress.total):
+                raise StateTransferError("donor's snapshot differs from the one being resumed")
+            if chunk.offset != len(progress.blob) or len(progress.blob) + len(chunk.data) > progress.total:
+                raise StateTransferError(f"chunk at {chunk.offset} after {len(progress.blob)} bytes")
+            progress.blob += chunk.data
+    finally:
+        writer.close()
