@@ -1,0 +1,1 @@
+"""Console entry points: lioncub-coordinator, lioncub-monitor, lioncub-train, lioncub-compare, lioncub-sim."""

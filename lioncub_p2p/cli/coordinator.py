@@ -1,0 +1,127 @@
+"""lioncub-coordinator: a bootstrap DHT peer for a run, optionally monitoring it.
+
+    lioncub-coordinator --run-id demo --host-maddrs /ip4/0.0.0.0/tcp/31337 --identity-path coord.key
+
+Prints its multiaddrs (give them to trainers as --initial-peers) and keeps a stable peer id across
+restarts through the identity file. With --monitor-jsonl it logs, every --monitor-period seconds,
+the peers alive, the global step, samples/s and bytes/s, and appends them as JSON lines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+from ..swarm.membership import PeerRecord
+from .common import read_peers_file, setup_logging
+
+logger = logging.getLogger("lioncub.coordinator")
+
+
+def parse_args(argv: list[str] | None = None, *, monitor_default: bool = False) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run-id", default="demo", help="the run to monitor (coordinators serve any run)")
+    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"],
+                   help="where to listen, e.g. /ip4/0.0.0.0/tcp/31337 /ip4/0.0.0.0/udp/31337/quic-v1")
+    p.add_argument("--announce-maddrs", nargs="*", default=[], help="public addresses, if behind port forwarding")
+    p.add_argument("--initial-peers", nargs="*", default=[], help="other coordinators' multiaddrs")
+    p.add_argument("--initial-peers-file", default=None, help="read initial peers from this file (waits for it)")
+    p.add_argument("--identity-path", default=None, help="private key file: keeps the peer id across restarts")
+    p.add_argument("--write-maddrs", default=None, help="write this peer's multiaddrs to this file")
+    p.add_argument("--write-maddrs-host", default=None,
+                   help="in that file, address this peer by this DNS name (e.g. its compose service name)")
+    p.add_argument("--client-mode", action="store_true", help="do not listen (a monitor behind NAT)")
+    p.add_argument("--nat-probing", action="store_true", help="UPnP/AutoNAT probing of the network card")
+    p.add_argument("--monitor-jsonl", default=None, help="append run metrics to this JSONL file")
+    p.add_argument("--monitor", action="store_true", default=monitor_default, help="log run metrics")
+    p.add_argument("--monitor-period", type=float, default=5.0)
+    p.add_argument("--duration", type=float, default=None, help="exit after this many seconds (tests)")
+    p.add_argument("--quiet", action="store_true")
+    return p.parse_args(argv)
+
+
+def run_summary(dht: DHT, run_id: str) -> dict:
+    """What the run's peer records say right now."""
+    found = dht.get(f"{run_id}.peers", latest=True)
+    records = []
+    if found is not None and isinstance(found.value, dict):
+        now = get_dht_time()
+        for pid, item in found.value.items():
+            record = PeerRecord.parse(pid, getattr(item, "value", None), getattr(item, "expiration_time", 0.0))
+            if record is not None and record.expires > now:
+                records.append(record)
+    losses = [r.loss for r in records if r.loss is not None]
+    return {"time": time.time(), "run_id": run_id, "peers_alive": len(records),
+            "peers_synced": sum(r.synced for r in records), "client_mode_peers": sum(r.client_mode for r in records),
+            "global_step": max((r.step for r in records), default=0),
+            "samples_per_s": sum(r.samples_per_s for r in records),
+            "bytes_up_per_s": sum(r.bytes_up_per_s for r in records),
+            "bytes_down_per_s": sum(r.bytes_down_per_s for r in records),
+            "mean_loss": sum(losses) / len(losses) if losses else None}
+
+
+def main(argv: list[str] | None = None, *, monitor_default: bool = False) -> None:
+    args = parse_args(argv, monitor_default=monitor_default)
+    setup_logging(args.quiet)
+    initial = args.initial_peers + read_peers_file(args.initial_peers_file)
+    if args.identity_path:
+        Path(args.identity_path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dht = DHT(start=True, initial_peers=initial, host_maddrs=args.host_maddrs,
+                  announce_maddrs=args.announce_maddrs or None, identity_path=args.identity_path,
+                  client_mode=args.client_mode, no_listen=args.client_mode, nat_port_map=args.nat_probing,
+                  auto_nat=args.nat_probing)
+    except Exception as e:
+        raise SystemExit(f"error: the DHT did not start ({e}). If --initial-peers are set, are they reachable? "
+                         f"Is another process using this identity file or port?")
+    maddrs = [] if args.client_mode else [str(m) for m in dht.get_visible_maddrs()]
+    if maddrs:
+        print("coordinator ready; trainers join with:\n  --initial-peers " + " ".join(maddrs), flush=True)
+    else:
+        print(f"monitor connected (client mode, not listening) to run {args.run_id}", flush=True)
+    if args.write_maddrs and maddrs:
+        written = maddrs
+        if args.write_maddrs_host:
+            written = [re.sub(r"^/ip[46]/[^/]+", f"/dns4/{args.write_maddrs_host}", m) for m in maddrs]
+        tmp = Path(args.write_maddrs + ".tmp")
+        tmp.write_text("\n".join(written) + "\n")
+        tmp.replace(args.write_maddrs)
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    deadline = time.monotonic() + args.duration if args.duration else None
+    monitoring = args.monitor or args.monitor_jsonl
+    try:
+        while not stop.wait(args.monitor_period if monitoring else 1.0):
+            if deadline and time.monotonic() > deadline:
+                break
+            if monitoring:
+                summary = run_summary(dht, args.run_id)
+                logger.info("run %s: %d peers alive (%d synced), step %d, %.1f samples/s, up %.2f MB/s, down %.2f MB/s",
+                            args.run_id, summary["peers_alive"], summary["peers_synced"], summary["global_step"],
+                            summary["samples_per_s"], summary["bytes_up_per_s"] / 1e6,
+                            summary["bytes_down_per_s"] / 1e6)
+                if args.monitor_jsonl:
+                    with open(args.monitor_jsonl, "a") as f:
+                        f.write(json.dumps(summary) + "\n")
+    finally:
+        dht.shutdown()
+        print("coordinator stopped", flush=True)
+
+
+def monitor_main(argv: list[str] | None = None) -> None:
+    """lioncub-monitor: a coordinator in client mode that only monitors (logs + JSONL)."""
+    main(["--client-mode"] + (argv if argv is not None else __import__("sys").argv[1:]), monitor_default=True)
+
+
+if __name__ == "__main__":
+    main()
