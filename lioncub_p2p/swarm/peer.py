@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -107,6 +108,10 @@ class Swarm:
         self._refresher: asyncio.Task | None = None
         self._progress = (time.monotonic(), 0)  # (time, step) at the last announcement, for samples/s
         self._published = 0.0
+        # Held by the training thread from aggregate() to the end of after_step(): a snapshot taken
+        # under it is a state between steps.
+        self._step_lock = threading.Lock()
+        self._in_step = False
         self.samples_per_step = 0  # set by the training loop, for monitors
         self.last_loss: float | None = None
         try:
@@ -122,7 +127,8 @@ class Swarm:
         self.peer_id = self.p2p.peer_id.to_base58()
         self.directory = Directory(self.dht, config.run_id)
         self.node = VoteNode(self.p2p, config.allreduce)
-        self.state_server = StateServer(self.p2p, config.run_id, max_uploads=config.max_state_uploads)
+        self.state_server = StateServer(self.p2p, config.run_id, max_uploads=config.max_state_uploads,
+                                        provider=self._snapshot_between_steps)
         self.loop.run(self._start_services(), timeout=30)
 
     async def _start_services(self) -> None:
@@ -215,15 +221,41 @@ class Swarm:
 
             self.loop.call_soon(prepare)
 
+    def _enter_step(self) -> None:
+        if not self._in_step:  # still held if an earlier step stopped between aggregate and after_step
+            self._step_lock.acquire()
+            self._in_step = True
+
+    def _exit_step(self) -> None:
+        if self._in_step:
+            self._in_step = False
+            self._step_lock.release()
+
+    def _snapshot_between_steps(self, min_step: int) -> tuple[int, bytes, bytes] | None:
+        """For the state server, from its worker thread: this peer's state if it is between steps."""
+        if self.optimizer is None or not self._synced or not self._step_lock.acquire(timeout=0.2):
+            return None
+        try:
+            if self.optimizer.step_count < min_step:
+                return None
+            blob, digest = snapshot.encode(self.optimizer)
+            return self.optimizer.step_count, blob, digest
+        finally:
+            self._step_lock.release()
+
     def aggregate(self, upload: torch.Tensor, *, step: int) -> torch.Tensor | None:
         if self.optimizer is None:
             raise SwarmError("call swarm.join(optimizer) before training")
+        self._enter_step()
         started = time.perf_counter()
         self.stats = StepStats(step=step)
         group = self.history.for_step(step)
         if group is None or self.peer_id not in group.member_ids():
             logger.warning("step %d: this peer is not in the group (dropped after a stall?): rejoining", step)
-            self._rejoin()
+            try:
+                self._rejoin()
+            except Exception as e:  # keep the training loop alive; the next step tries again
+                logger.warning("rejoining failed: %s", e)
             return None
         spec = self._spec(group, step)
         tag = snapshot.state_tag(self.optimizer, full=step % self.config.full_digest_every == 0)
@@ -241,9 +273,14 @@ class Swarm:
         if votes * 2 > all_votes and consensus != tag:
             logger.warning("step %d: parameters differ from %d of %d votes: repairing from a peer", step, votes,
                            all_votes)
+            try:
+                self._download(min_step=step + 1, group=group)
+            except Exception as e:  # apply nothing: still diverged, so the next round tries again
+                logger.warning("step %d: repair failed (%s); retrying next step", step, e)
+                self._prepare(step + 1)
+                return torch.zeros(self.optimizer.buffer_bytes * 8)
             self.repairs += 1
             self.stats.repaired = True
-            self._download(min_step=step + 1, group=group)
             self._prepare(self.optimizer.step_count)
             return None
         self._prepare(step + 1)
@@ -270,15 +307,18 @@ class Swarm:
         self.stats.seconds = time.perf_counter() - started
 
     def after_step(self, optimizer: LionCub) -> None:
-        step = optimizer.step_count
-        wanted = self.state_server.wanted_step()
-        if wanted is not None and wanted <= step:
-            blob, digest = snapshot.encode(optimizer)
-            self.loop.run(self.state_server.offer(step, blob, digest), timeout=30)
-        if self.config.momentum.due(step):
-            self.stats.momentum_synced = self._average_momentum(step)
-        if self.config.checkpoint_dir and self.config.checkpoint_every and step % self.config.checkpoint_every == 0:
-            checkpoint.save(self.config.checkpoint_dir, optimizer)
+        try:
+            step = optimizer.step_count
+            if self.config.momentum.due(step):
+                self.stats.momentum_synced = self._average_momentum(step)
+            wanted = self.state_server.wanted_step()
+            if wanted is not None and wanted <= step:
+                blob, digest = snapshot.encode(optimizer)
+                self.loop.run(self.state_server.offer(step, blob, digest), timeout=30)
+            if self.config.checkpoint_dir and self.config.checkpoint_every and step % self.config.checkpoint_every == 0:
+                checkpoint.save(self.config.checkpoint_dir, optimizer)
+        finally:
+            self._exit_step()
 
     def _average_momentum(self, step: int) -> bool:
         """One bf16 averaging round over the selected momenta; parts nobody received stay local."""

@@ -10,6 +10,8 @@ import asyncio
 import logging
 import random
 import threading
+import time
+from typing import Callable
 
 from hivemind.p2p import P2P, PeerID
 
@@ -29,9 +31,12 @@ class StateServer:
     """Hands this peer's latest snapshot to peers that ask for a step it has reached.
 
     The training thread encodes snapshots (``offer``) only when someone waits for one
-    (``wanted_step``), at a step boundary, so a served state is always consistent."""
+    (``wanted_step``), at a step boundary, so a served state is always consistent. A ``provider``
+    (called in a worker thread) covers a peer that is not stepping: it returns (step, blob, digest)
+    of the state between steps, or None while a step is in progress or the step is too early."""
 
-    def __init__(self, p2p: P2P, run_id: str, *, max_uploads: int = 2, wait_timeout: float = 60.0):
+    def __init__(self, p2p: P2P, run_id: str, *, max_uploads: int = 2, wait_timeout: float = 60.0,
+                 provider: Callable[[int], tuple[int, bytes, bytes] | None] | None = None):
         self.p2p, self.run_id = p2p, run_id.encode()
         self.max_uploads, self.wait_timeout = max_uploads, wait_timeout
         self._uploads = 0
@@ -39,6 +44,7 @@ class StateServer:
         self._pending: dict[int, int] = {}  # min_step -> waiting requests
         self._lock = threading.Lock()
         self._offered: asyncio.Condition | None = None
+        self.provider = provider
 
     async def start(self) -> None:
         self._offered = asyncio.Condition()
@@ -58,13 +64,26 @@ class StateServer:
             self._offered.notify_all()
 
     async def _wait_snapshot(self, min_step: int) -> tuple[int, bytes, bytes]:
+        ready = lambda: self._snapshot is not None and self._snapshot[0] >= min_step  # noqa: E731
         with self._lock:
             self._pending[min_step] = self._pending.get(min_step, 0) + 1
+        deadline = time.monotonic() + self.wait_timeout
         try:
-            async with self._offered:
-                await asyncio.wait_for(self._offered.wait_for(
-                    lambda: self._snapshot is not None and self._snapshot[0] >= min_step), self.wait_timeout)
-                return self._snapshot
+            while not ready():
+                if self.provider is not None:
+                    made = await asyncio.to_thread(self.provider, min_step)
+                    if made is not None:
+                        await self.offer(*made)
+                        continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise asyncio.TimeoutError(f"no snapshot of step {min_step} within {self.wait_timeout} s")
+                async with self._offered:
+                    try:
+                        await asyncio.wait_for(self._offered.wait_for(ready), min(remaining, 0.5))
+                    except asyncio.TimeoutError:
+                        pass
+            return self._snapshot
         finally:
             with self._lock:
                 self._pending[min_step] -= 1

@@ -1,0 +1,239 @@
+"""Swarm pieces: membership records, snapshots, checkpoints, state transfer, repair, restart."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+from hivemind.p2p import P2P
+from torch import nn
+
+from lioncub_p2p import LionCub, MomentumSchedule
+from lioncub_p2p.aio import BackgroundLoop
+from lioncub_p2p.allreduce import AllReduceConfig, PeerSpec
+from lioncub_p2p.sim.tasks import digits_task
+from lioncub_p2p.swarm import Swarm, SwarmConfig, checkpoint, snapshot
+from lioncub_p2p.swarm import state_transfer
+from lioncub_p2p.swarm.membership import GroupHistory, GroupRecord, PeerRecord
+from lioncub_p2p.wire import PROTOCOL_VERSION
+
+
+# -- membership records (pure) ---------------------------------------------------------------------
+
+def test_peer_record_round_trip_and_garbage():
+    record = PeerRecord("peerA", 2.0, True, 7, PROTOCOL_VERSION, True, 10.0, 1.0, 2.0, 0.5)
+    parsed = PeerRecord.parse("peerA", record.to_value(), 99.0)
+    assert parsed.weight == 2.0 and parsed.client_mode and parsed.step == 7 and parsed.expires == 99.0
+    for bad in ({"weight": "x"}, {"weight": -1, "client_mode": 0, "step": 0, "version": 1, "synced": 1}, [1, 2], None):
+        assert PeerRecord.parse("peerA", bad, 99.0) is None
+    assert PeerRecord.parse(123, record.to_value(), 99.0) is None
+
+
+def test_group_record_parse_rejects_malformed():
+    g = GroupRecord(3, 40, (PeerSpec("a"), PeerSpec("b", 2.0), PeerSpec("c", 1.0, True)),
+                    previous=GroupRecord(2, 10, (PeerSpec("a"),)))
+    parsed = GroupRecord.parse(g.to_value())
+    assert parsed == g and parsed.previous == g.previous
+    value = g.to_value()
+    for broken in ({**value, "members": []}, {**value, "members": [["a", 1, False], ["a", 1, False]]},
+                   {**value, "members": [["a", 1, True]]}, {**value, "epoch": "x"}, "garbage"):
+        assert GroupRecord.parse(broken) is None
+
+
+def test_group_history_picks_the_group_of_a_step():
+    history = GroupHistory()
+    first = GroupRecord(0, 0, (PeerSpec("a"),))
+    second = GroupRecord(1, 12, (PeerSpec("a"), PeerSpec("b")), previous=first)
+    history.add(second)  # the previous group arrives nested in the newest record
+    assert history.for_step(5) == first and history.for_step(12) == second and history.for_step(100) == second
+    assert history.latest == second and history.for_step(-1) is None
+
+
+# -- snapshots and checkpoints ------------------------------------------------------------------------
+
+def _opt(seed=0, hidden=16):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, hidden), nn.ReLU(), nn.Linear(hidden, 3))
+    opt = LionCub(model.named_parameters(), lr=1e-2)
+    for _ in range(3):
+        nn.functional.cross_entropy(model(torch.randn(4, 5)), torch.tensor([0, 1, 2, 0])).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_snapshot_round_trip_and_rejections():
+    _, src = _opt(0)
+    _, dst = _opt(1)
+    blob, digest = snapshot.encode(src)
+    assert snapshot.load(dst, blob, expect_digest=digest) == 3
+    for (_, a), (_, b) in zip(src.momentum_buffers(), dst.momentum_buffers()):
+        assert torch.equal(a, b)
+    assert snapshot.params_digest(dst) == digest
+    _, other_shape = _opt(0, hidden=17)
+    before = [p.clone() for p in (s.param for s in other_shape.slots)]
+    with pytest.raises(snapshot.SnapshotError, match="do not match"):
+        snapshot.load(other_shape, blob)
+    assert all(torch.equal(a, s.param) for a, s in zip(before, other_shape.slots))  # untouched
+    with pytest.raises(snapshot.SnapshotError):
+        snapshot.load(dst, blob[:-1])
+    with pytest.raises(snapshot.SnapshotError, match="digest"):
+        snapshot.load(dst, blob, expect_digest=b"x" * 16)
+    with pytest.raises(snapshot.SnapshotError, match="not a lioncub"):
+        snapshot.load(dst, b"\x80\x04pickle")
+
+
+def test_checkpoint_is_atomic_and_restores(tmp_path):
+    _, src = _opt(0)
+    path = checkpoint.save(tmp_path, src)
+    assert path.exists() and not list(tmp_path.glob(".*.tmp"))
+    _, dst = _opt(5)
+    assert checkpoint.restore(tmp_path, dst) == 3
+    assert snapshot.params_digest(dst) == snapshot.params_digest(src)
+    assert checkpoint.restore(tmp_path / "missing", dst) is None
+
+
+# -- state transfer between real daemons ---------------------------------------------------------------
+
+class _DyingServer(state_transfer.StateServer):
+    """Serves two chunks of each download, then drops the stream (a donor that dies mid-transfer)."""
+
+    async def _on_stream(self, info, reader, writer):
+        original = writer.write
+        sent = {"n": 0}
+
+        def write(data):
+            sent["n"] += 1
+            if sent["n"] > 4:  # header+body of two frames
+                writer.close()
+                raise ConnectionResetError("donor died")
+            original(data)
+
+        writer.write = write
+        await super()._on_stream(info, reader, writer)
+
+
+class _RecordingServer(state_transfer.StateServer):
+    offsets: list[int]
+
+    async def _on_stream(self, info, reader, writer):
+        async def read_and_record(*a, **k):
+            msg, n = await original(*a, **k)
+            if msg is not None:
+                self.offsets.append(msg.offset)
+            return msg, n
+
+        original = state_transfer.read_frame
+        state_transfer.read_frame = read_and_record
+        try:
+            await super()._on_stream(info, reader, writer)
+        finally:
+            state_transfer.read_frame = original
+
+
+def test_download_resumes_from_another_donor_and_respects_busy(monkeypatch):
+    monkeypatch.setattr(state_transfer, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(state_transfer.random, "sample", lambda seq, k: list(seq))  # try donors in order
+    _, donor_opt = _opt(0, hidden=512)
+    blob, digest = snapshot.encode(donor_opt)
+    loop = BackgroundLoop()
+
+    async def setup():
+        peers = []
+        for _ in range(3):
+            init = [str(m) for p in peers for m in await p.get_visible_maddrs()]
+            peers.append(await P2P.create(initial_peers=init, nat_port_map=False, auto_nat=False))
+        dying = _DyingServer(peers[0], "run")
+        recording = _RecordingServer(peers[1], "run", max_uploads=1)
+        recording.offsets = []
+        for server in (dying, recording):
+            await server.start()
+            await server.offer(3, blob, digest)
+        return peers, dying, recording
+
+    peers, dying, recording = loop.run(setup(), timeout=60)
+    try:
+        donors = [peers[0].peer_id.to_base58(), peers[1].peer_id.to_base58()]
+        step, got, got_digest = loop.run(state_transfer.download_state(
+            peers[2], donors, "run", min_step=3, max_bytes=len(blob) + 10), timeout=60)
+        assert (step, got, got_digest) == (3, blob, digest)
+        assert recording.offsets and recording.offsets[0] > 0  # resumed where the dying donor stopped
+        with pytest.raises(state_transfer.StateTransferError):  # a step nobody has reached in time
+            recording.wait_timeout = dying.wait_timeout = 0.5
+            loop.run(state_transfer.download_state(peers[2], donors, "run", min_step=50, max_bytes=len(blob) + 10,
+                                                   attempts=1), timeout=60)
+    finally:
+        async def shutdown():
+            await asyncio.gather(*(p.shutdown() for p in peers))
+
+        loop.run(shutdown(), timeout=30)
+        loop.stop()
+
+
+# -- a swarm in threads: repair and restart ---------------------------------------------------------------
+
+FAST = AllReduceConfig(upload_timeout=2, result_timeout=4, join_timeout=2, recovery_timeout=1)
+
+
+def _train_swarm(configs, steps, *, perturb=None, hidden=64):
+    """Run one Swarm per config in its own thread until the global step reaches ``steps``."""
+    task = digits_task(0, hidden=hidden)
+    first = Swarm(configs[0])
+    maddrs = [str(m) for m in first.dht.get_visible_maddrs()]
+    swarms = [first] + [Swarm(c.__class__(**{**c.__dict__, "initial_peers": maddrs})) for c in configs[1:]]
+    out, errors = {}, []
+
+    def run(i, swarm):
+        try:
+            model = task.make_model(seed=i)
+            opt = LionCub(model.parameters(), lr=1e-3, weight_decay=0.1, aggregator=swarm)
+            out.setdefault("start", {})[i] = swarm.join(opt)
+            x, y = task.shard(i, len(swarms))
+            gen = torch.Generator().manual_seed(i)
+            while opt.step_count < steps:
+                if perturb and perturb[0] == i and opt.step_count == perturb[1]:
+                    with torch.no_grad():
+                        next(model.parameters()).add_(1e-3)  # a bit flip's worth of divergence
+                idx = torch.randint(0, len(x), (32,), generator=gen)
+                nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+                opt.step()
+                opt.zero_grad()
+                time.sleep(0.02)
+            out[i] = (opt.step_count, snapshot.params_digest(opt), swarm.repairs)
+        except Exception as e:  # surfaced by the assertions below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, s)) for i, s in enumerate(swarms)]
+    try:
+        for t in threads:
+            t.start()
+            time.sleep(0.3)
+        for t in threads:
+            t.join(120)
+    finally:
+        for s in swarms:
+            s.shutdown()
+    assert not errors, errors
+    return out
+
+
+def test_diverged_peer_repairs_itself_within_a_round():
+    configs = [SwarmConfig("repair", allreduce=FAST, momentum=MomentumSchedule(every=5)) for _ in range(3)]
+    out = _train_swarm(configs, 30, perturb=(2, 15))
+    assert {out[i][0] for i in range(3)} == {30}
+    assert len({out[i][1] for i in range(3)}) == 1  # identical parameters at the end
+    assert out[2][2] >= 1 and out[0][2] == out[1][2] == 0  # only the diverged peer repaired
+
+
+def test_swarm_restarts_from_checkpoints(tmp_path):
+    def configs():
+        return [SwarmConfig("restart", allreduce=FAST, checkpoint_dir=str(tmp_path / f"p{i}"), checkpoint_every=5)
+                for i in range(2)]
+
+    first = _train_swarm(configs(), 10)
+    assert first[0][1] == first[1][1]
+    second = _train_swarm(configs(), 15)  # new processes' worth of state: DHTs, daemons, models
+    assert second["start"][0] >= 10  # the founder resumed its checkpoint instead of step 0
+    assert second[0][1] == second[1][1] and second[0][0] == 15
