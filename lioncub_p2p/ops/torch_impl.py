@@ -10,7 +10,8 @@ import torch
 from .bitslice import compare_planes, count_planes, planes_to_counts
 from .randbits import random_bits_at, random_bits_packed
 
-CHUNK = 1 << 18  # elements per chunk; a multiple of 8 so chunks start on byte boundaries
+CHUNK = 1 << 20  # elements per chunk (a multiple of 8, so chunks start on byte boundaries); 4 MiB of
+# float32 keeps a chunk's temporaries in the last-level cache (measured: 1.84x vs 1.38x clone at 1 << 18)
 
 _PACK_MAGIC = 0x0102040810204080  # gathers byte j's low bit of an int64 to bit 56+j
 
