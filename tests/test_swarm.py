@@ -237,3 +237,12 @@ def test_swarm_restarts_from_checkpoints(tmp_path):
     second = _train_swarm(configs(), 15)  # new processes' worth of state: DHTs, daemons, models
     assert second["start"][0] >= 10  # the founder resumed its checkpoint instead of step 0
     assert second[0][1] == second[1][1] and second[0][0] == 15
+
+
+def test_state_tag_samples_and_full_digest_differ_only_in_coverage():
+    _, opt = _opt(0, hidden=300)  # more elements than one sample per slot: strided views of 1 element too
+    sampled, full = snapshot.state_tag(opt, samples=7), snapshot.state_tag(opt, full=True)
+    assert len(sampled) == len(full) == 16 and full == snapshot.params_digest(opt)
+    with torch.no_grad():
+        opt.slots[0].param.view(-1)[0] += 1.0  # an element every sample includes (index 0)
+    assert snapshot.state_tag(opt, samples=7) != sampled and snapshot.state_tag(opt, full=True) != full

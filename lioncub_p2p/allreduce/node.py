@@ -76,6 +76,9 @@ class VoteNode:
         # Observers of progress ("vote_chunk" / "result_chunk" after each chunk is written), for
         # metrics and for tests that inject faults at a precise moment.
         self.on_event: list[Callable[[str], None]] = []
+        # The newest group epoch this peer knows, sent with every result so peers behind learn of a
+        # group change within one round (set by the swarm).
+        self.group_epoch = 0
 
     def _emit(self, event: str) -> None:
         for callback in self.on_event:
@@ -128,6 +131,7 @@ class VoteNode:
             raise ValueError(f"tag of {len(tag)} bytes exceeds {MAX_TAG_BYTES}")
         state.voted, state.tag = True, tag
         me, report, parts = state.me, state.report, state.report.parts
+        report.started = started
         red = state.reduction
         if red is not None and not red.finalized:
             a, b = spec.bounds[me]
@@ -253,6 +257,8 @@ class VoteNode:
             report.bytes_down += nread
             if msg.error:
                 raise WireError(f"peer refused: {msg.error}")
+            report.timings.setdefault("first_result", time.perf_counter() - report.started)
+            report.group_epoch = max(report.group_epoch, msg.group_epoch)
             if msg.round_id != spec.round_id or msg.part != j or msg.result != result_wire(spec.result):
                 raise WireError("result chunk for another round, part or encoding")
             if voters is None:
@@ -280,7 +286,8 @@ class VoteNode:
             chunk = pb.ResultChunk(version=PROTOCOL_VERSION, round_id=state.spec.round_id, part=part, offset=offset,
                                    data=wire[offset : offset + step], last=offset + step >= len(wire),
                                    voters=len(outcome.counted), counted=outcome.counted,
-                                   result=result_wire(state.spec.result), tag=outcome.tag, tag_votes=outcome.tag_votes)
+                                   result=result_wire(state.spec.result), tag=outcome.tag, tag_votes=outcome.tag_votes,
+                                   group_epoch=self.group_epoch)
             sent = await write_frame(writer, chunk)
             state.report.bytes_up += sent
             state.report.payload_up += min(step, len(wire) - offset)

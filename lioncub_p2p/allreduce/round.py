@@ -138,6 +138,8 @@ class RoundReport:
     payload_down: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     dropped: list[tuple[int, str]] = field(default_factory=list)  # (voter, reason) in parts this peer reduced
+    started: float = 0.0  # perf_counter when this peer began voting; timings are seconds from here
+    group_epoch: int = 0  # the newest group epoch any reducer mentioned
 
     @property
     def missing_parts(self) -> list[int]:

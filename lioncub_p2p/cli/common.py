@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 def setup_logging(quiet: bool = False) -> None:
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+    """INFO to stderr; ``quiet`` only matters to progress bars (the tools print log lines instead)."""
+    logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

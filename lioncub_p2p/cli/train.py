@@ -41,6 +41,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--hidden", type=int, default=256, help="hidden width of the example MLP")
+    p.add_argument("--method", default="lioncub", choices=["lioncub", "dlion", "hivemind-fp32", "hivemind-fp16"],
+                   help="lioncub: butterfly vote; dlion: all-gather of votes; hivemind-*: full-precision "
+                        "gradient averaging with hivemind's DecentralizedAverager (baselines)")
+    p.add_argument("--group-size", type=int, default=0, help="hivemind baselines: peers per averaging group")
+    p.add_argument("--max-seconds", type=float, default=0.0, help="also stop after this many seconds of training")
+    p.add_argument("--eval-every", type=int, default=0, help="log test loss every this many steps")
+    p.add_argument("--wait-peers", type=int, default=0, help="start training once this many peers are in the group")
+    p.add_argument("--final-eval", default=None, help="write final test loss/accuracy (JSON) here")
     p.add_argument("--upload", default="sign", help="sign | l1:BITS")
     p.add_argument("--result", default="majority", help="majority | ternary | mean")
     p.add_argument("--momentum-every", type=int, default=20, help="momentum averaging period (0: never)")
@@ -62,12 +70,17 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)  # volunteers share machines; the example is small
     task = digits_task(seed=0, hidden=args.hidden)
     model = task.make_model(seed=args.seed)
+    if args.method.startswith("hivemind"):
+        from ..sim.baselines import train_with_hivemind_averager
+
+        return train_with_hivemind_averager(args, task, model)
     allreduce = AllReduceConfig(upload_timeout=args.upload_timeout, result_timeout=args.result_timeout,
                                 join_timeout=min(5.0, args.upload_timeout), recovery_timeout=min(5.0, args.upload_timeout))
     config = SwarmConfig(args.run_id, initial_peers=args.initial_peers + read_peers_file(args.initial_peers_file),
                          host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs,
                          identity_path=args.identity_path, client_mode=args.client_mode, weight=args.weight,
                          upload=args.upload, result=args.result, allreduce=allreduce,
+                         transport="allgather" if args.method == "dlion" else "butterfly",
                          momentum=MomentumSchedule(every=args.momentum_every), checkpoint_dir=args.checkpoint_dir,
                          checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0)
     try:
@@ -79,6 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     metrics = open(args.metrics_jsonl, "a") if args.metrics_jsonl else None
     try:
         start_step = swarm.join(optimizer)
+        if args.wait_peers:
+            swarm.wait_for_peers(args.wait_peers)
+            start_step = optimizer.step_count
         logger.info("training from step %d as %s%s", start_step, swarm.peer_id, " (client mode)" * args.client_mode)
         train(args, task, model, optimizer, swarm, metrics)
     except KeyboardInterrupt:
@@ -100,7 +116,8 @@ def train(args, task, model, optimizer: LionCub, swarm: Swarm, metrics) -> None:
     gen = torch.Generator().manual_seed(int.from_bytes(swarm.peer_id.encode()[-6:], "big"))
     swarm.samples_per_step = args.batch
     bar = None if args.quiet else tqdm(total=args.steps, initial=optimizer.step_count, unit="step", dynamic_ncols=True)
-    while optimizer.step_count < args.steps:
+    started = time.monotonic()
+    while optimizer.step_count < args.steps and not (args.max_seconds and time.monotonic() - started > args.max_seconds):
         t0 = time.perf_counter()
         idx = torch.randint(0, len(x), (args.batch,), generator=gen)
         loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
@@ -116,8 +133,10 @@ def train(args, task, model, optimizer: LionCub, swarm: Swarm, metrics) -> None:
         swarm.last_loss = loss.item()
         record = dict(step=before, loss=loss.item(), peers=stats.peers, group=stats.group_size,
                       bytes_up=stats.bytes_up, bytes_down=stats.bytes_down, bits_per_param=stats.bits_per_param,
-                      compute_s=t1 - t0, step_s=t2 - t1, repaired=stats.repaired, momentum_synced=stats.momentum_synced,
-                      time=time.time())
+                      compute_s=t1 - t0, step_s=t2 - t1, wait_s=stats.wait_s, repaired=stats.repaired,
+                      momentum_synced=stats.momentum_synced, time=time.time())
+        if args.eval_every and optimizer.step_count % args.eval_every == 0:
+            record["eval_loss"] = task.evaluate(model)[0]
         if metrics:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
@@ -132,8 +151,14 @@ def train(args, task, model, optimizer: LionCub, swarm: Swarm, metrics) -> None:
                         stats.group_size, stats.bits_per_param)
     if bar is not None:
         bar.close()
+    finish(args, task, model, optimizer.step_count)
+
+
+def finish(args, task, model, step: int) -> None:
     loss, acc = task.evaluate(model)
-    print(f"finished at step {optimizer.step_count}: test loss {loss:.3f}, accuracy {acc:.1f}%", flush=True)
+    print(f"finished at step {step}: test loss {loss:.3f}, accuracy {acc:.1f}%", flush=True)
+    if args.final_eval:
+        Path(args.final_eval).write_text(json.dumps({"step": step, "eval_loss": loss, "eval_accuracy": acc}))
 
 
 if __name__ == "__main__":

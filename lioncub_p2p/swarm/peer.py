@@ -31,6 +31,7 @@ from hivemind import DHT
 
 from ..aio import BackgroundLoop
 from ..allreduce import AllReduceConfig, PeerSpec, RoundReport, RoundSpec, VoteNode
+from ..allreduce.allgather import GatherNode
 from ..codecs import AverageResult, Bf16Upload, result_codec, upload_codec
 from ..momentum import MomentumSchedule
 from ..optim import LionCub
@@ -60,6 +61,7 @@ class SwarmConfig:
     nat_probing: bool = False  # UPnP / AutoNAT probing of the real network card
     upload: str = "sign"
     result: str = "majority"
+    transport: str = "butterfly"  # or "allgather": D-Lion's all-gather of every vote (a baseline)
     momentum: MomentumSchedule = field(default_factory=lambda: MomentumSchedule(every=20))
     momentum_rule: str = "trimmed_mean"  # or "average"
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
@@ -76,6 +78,8 @@ class SwarmConfig:
     def __post_init__(self) -> None:
         if not self.run_id or "." in self.run_id:
             raise ValueError(f"run_id must be a non-empty name without dots, got {self.run_id!r}")
+        if self.transport not in ("butterfly", "allgather"):
+            raise ValueError(f"transport must be butterfly or allgather, got {self.transport!r}")
 
 
 @dataclass
@@ -86,6 +90,7 @@ class StepStats:
     bytes_up: int = 0
     bytes_down: int = 0
     seconds: float = 0.0  # the whole aggregate call
+    wait_s: float = 0.0  # of which idle: own uploads done, no result byte yet (waiting for others)
     bits_per_param: float = 0.0
     repaired: bool = False
     momentum_synced: bool = False
@@ -112,6 +117,7 @@ class Swarm:
         # under it is a state between steps.
         self._step_lock = threading.Lock()
         self._in_step = False
+        self._idle = True  # not stepping yet (joining, waiting for peers): group changes can take effect at once
         self.samples_per_step = 0  # set by the training loop, for monitors
         self.last_loss: float | None = None
         try:
@@ -127,12 +133,15 @@ class Swarm:
         self.peer_id = self.p2p.peer_id.to_base58()
         self.directory = Directory(self.dht, config.run_id)
         self.node = VoteNode(self.p2p, config.allreduce)
+        self.gather = GatherNode(self.p2p, config.allreduce) if config.transport == "allgather" else None
         self.state_server = StateServer(self.p2p, config.run_id, max_uploads=config.max_state_uploads,
                                         provider=self._snapshot_between_steps)
         self.loop.run(self._start_services(), timeout=30)
 
     async def _start_services(self) -> None:
         await self.node.start()
+        if self.gather is not None:
+            await self.gather.start()
         await self.state_server.start()
 
     # -- joining ---------------------------------------------------------------------------------
@@ -162,6 +171,19 @@ class Swarm:
         self._prepare(optimizer.step_count)
         return optimizer.step_count
 
+    def wait_for_peers(self, count: int, timeout: float = 300.0) -> None:
+        """Block until the group has ``count`` members holding the swarm's state (all start together)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            latest = self.history.latest
+            synced = {pid for pid, r in self.records.items() if r.synced} | {self.peer_id}
+            if (latest is not None and len(latest.members) >= count and latest.from_step <= self.optimizer.step_count
+                    and all(m.peer_id in synced for m in latest.members)):
+                return
+            if time.monotonic() > deadline:
+                raise SwarmError(f"only {len(latest.members) if latest else 0} of {count} peers joined in time")
+            time.sleep(self.config.refresh_period)
+
     def _found(self) -> None:
         step = self.optimizer.step_count
         record = GroupRecord(0, step, (self._my_spec(),))
@@ -187,9 +209,13 @@ class Swarm:
 
     def _download(self, min_step: int, group: GroupRecord) -> None:
         donors = [m.peer_id for m in group.members if m.peer_id != self.peer_id and not m.client_mode]
+        have = (self.optimizer.step_count, snapshot.params_digest(self.optimizer))
         step, blob, digest = self.loop.run(download_state(
-            self.p2p, donors, self.config.run_id, min_step=min_step, max_bytes=snapshot.max_size(self.optimizer)),
-            timeout=self.config.join_timeout)
+            self.p2p, donors, self.config.run_id, min_step=min_step, max_bytes=snapshot.max_size(self.optimizer),
+            have=have), timeout=self.config.join_timeout)
+        if not blob:
+            logger.info("this peer already holds the swarm's state (step 0, same initialization)")
+            return
         snapshot.load(self.optimizer, blob, expect_digest=digest)
         logger.info("loaded the swarm's state at step %d (%.1f MB)", step, len(blob) / 1e6)
 
@@ -210,7 +236,7 @@ class Swarm:
     def _prepare(self, step: int) -> None:
         """Let this peer's reducer count others' votes for ``step`` while it still computes."""
         group = self.history.for_step(step)
-        if group is not None and self.peer_id in group.member_ids():
+        if group is not None and self.peer_id in group.member_ids() and self.gather is None:
             spec = self._spec(group, step)
 
             def prepare() -> None:
@@ -247,6 +273,7 @@ class Swarm:
         if self.optimizer is None:
             raise SwarmError("call swarm.join(optimizer) before training")
         self._enter_step()
+        self._idle = False
         started = time.perf_counter()
         self.stats = StepStats(step=step)
         group = self.history.for_step(step)
@@ -262,12 +289,18 @@ class Swarm:
         cfg = self.config.allreduce
         timeout = cfg.result_timeout + cfg.recovery_timeout + 30
         try:
-            update, report = self.loop.run(self.node.run_round(spec, upload, tag), timeout=timeout)
+            node = self.gather or self.node
+            update, report = self.loop.run(node.run_round(spec, upload, tag), timeout=timeout)
         except Exception as e:  # never into the training loop: apply nothing; the digest repairs us next step
             logger.warning("step %d: the vote round failed (%s: %s); applying no update", step, type(e).__name__, e)
             self._prepare(step + 1)
             return torch.zeros(self.optimizer.buffer_bytes * 8)
         self._observe(spec, report, started)
+        if report.group_epoch > self.history.latest.epoch:  # a group change we have not seen: fetch it now
+            try:
+                self.loop.run(self._refresh_group(), timeout=10)
+            except Exception as e:
+                logger.info("group refresh failed: %s", e)
         consensus, votes = report.consensus_tag()
         all_votes = sum(p.tag_votes for p in report.parts if p.status in ("ok", "recovered"))
         if votes * 2 > all_votes and consensus != tag:
@@ -305,6 +338,9 @@ class Swarm:
         self.stats.bytes_up, self.stats.bytes_down = report.bytes_up, report.bytes_down
         self.stats.bits_per_param = 8 * (report.bytes_up + report.bytes_down) / max(numel, 1)
         self.stats.seconds = time.perf_counter() - started
+        timings = report.timings
+        if "first_result" in timings:
+            self.stats.wait_s = max(timings["first_result"] - timings.get("upload", 0.0), 0.0)
 
     def after_step(self, optimizer: LionCub) -> None:
         try:
@@ -365,6 +401,8 @@ class Swarm:
 
     async def _refresh_group(self) -> None:
         self.history.add(await self.directory.group())
+        if self.history.latest is not None:
+            self.node.group_epoch = self.history.latest.epoch
 
     async def _announce(self) -> None:
         step = self.optimizer.step_count if self.optimizer is not None else 0
@@ -402,10 +440,13 @@ class Swarm:
                 self._published = time.monotonic()
                 await self.directory.publish_group(latest, ttl=60.0)
             return
-        record = GroupRecord(latest.epoch + 1, step + self.config.lead_steps, desired, previous=latest)
+        ahead = max([step] + [r.step for r in self.records.values() if r.peer_id in known])  # the fastest member
+        lead = 0 if self._idle and ahead == step else self.config.lead_steps  # nobody steps yet: at once
+        record = GroupRecord(latest.epoch + 1, ahead + lead, desired, previous=latest)
         if await self.directory.publish_group(record, ttl=60.0):
             self._published = time.monotonic()
             self.history.add(record)
+            self.node.group_epoch = record.epoch
             logger.info("group epoch %d from step %d: %d members (+%d, -%d)", record.epoch, record.from_step,
                         len(desired), len(new), len(latest.members) - len(keep))
 

@@ -55,7 +55,11 @@ def _tensors(optimizer: LionCub) -> list[torch.Tensor]:
 
 
 def _raw(t: torch.Tensor) -> bytes:
-    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    # clone, not contiguous(): a strided single element counts as contiguous yet cannot be viewed as bytes
+    flat = t.detach().cpu().reshape(-1)
+    if flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).numpy().tobytes()
 
 
 def params_digest(optimizer: LionCub) -> bytes:

@@ -100,6 +100,11 @@ class StateServer:
             if req.run_id != self.run_id:
                 raise WireError("state request for another run")
             step, blob, digest = await self._wait_snapshot(req.min_step)
+            if step == 0 and req.have_step == 0 and req.have_digest == digest and req.offset == 0:
+                # a fresh run where both started from the same initialization: momenta are zero on both
+                await write_frame(writer, pb.StateChunk(version=PROTOCOL_VERSION, step=0, total_bytes=0, last=True,
+                                                        params_digest=digest))
+                return
             if req.params_digest and req.params_digest != digest:
                 raise WireError("this donor's snapshot differs from the one being resumed")
             if req.offset > len(blob):
@@ -137,14 +142,18 @@ class _Download:
 
 
 async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: int, max_bytes: int,
-                         timeout: float = 120.0, attempts: int = 3) -> tuple[int, bytes, bytes]:
-    """(step, snapshot bytes, parameter digest) from donors tried in random order, resuming across them."""
+                         timeout: float = 120.0, attempts: int = 3, have: tuple[int, bytes] | None = None
+                         ) -> tuple[int, bytes, bytes]:
+    """(step, snapshot bytes, parameter digest) from donors tried in random order, resuming across them.
+
+    ``have`` = (step, parameter digest) of the requester's own state; a donor at step 0 with the
+    same parameters answers with an empty snapshot (b""): keep your state."""
     if not donors:
         raise StateTransferError("no donor to download state from")
     progress, errors = _Download(), []
     for donor in random.sample(donors, len(donors)) * attempts:
         try:
-            await asyncio.wait_for(_fetch_from(p2p, donor, run_id, min_step, max_bytes, progress), timeout)
+            await asyncio.wait_for(_fetch_from(p2p, donor, run_id, min_step, max_bytes, progress, have), timeout)
         except Exception as e:
             errors.append(f"{donor[:16]}: {type(e).__name__}: {e}")
             logger.info("state download from %s stopped at %d bytes: %s", donor, len(progress.blob), e)
@@ -154,11 +163,14 @@ async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: 
     raise StateTransferError("state download failed: " + "; ".join(errors[-4:]))
 
 
-async def _fetch_from(p2p: P2P, donor: str, run_id: str, min_step: int, max_bytes: int, progress: _Download) -> None:
+async def _fetch_from(p2p: P2P, donor: str, run_id: str, min_step: int, max_bytes: int, progress: _Download,
+                      have: tuple[int, bytes] | None) -> None:
     _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(donor), STATE_PROTOCOL)
     try:
+        have_step, have_digest = have if have is not None and not progress.blob else (0, b"")
         await write_frame(writer, pb.StateRequest(version=PROTOCOL_VERSION, run_id=run_id.encode(), min_step=min_step,
-                                                  offset=len(progress.blob), params_digest=progress.digest))
+                                                  offset=len(progress.blob), params_digest=progress.digest,
+                                                  have_step=have_step, have_digest=have_digest))
         while not progress.done:
             chunk, _ = await read_frame(reader, pb.StateChunk)
             if chunk is None:

@@ -1,0 +1,122 @@
+"""D-Lion's vote as its public code does it: every peer gathers every other peer's packed signs.
+
+A baseline for the simulator, not a recommendation: each peer sends its whole buffer to each of
+the n−1 others and receives theirs, (n−1)·d bits each way per step against the butterfly's
+2·(n−1)/n·d, then takes the majority locally. It reuses the vote round's messages (``part`` = the
+sender's group index) and checks, but has no recovery: a peer that misses an upload votes without it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from ..ops import majority_vote
+from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
+from .round import AllReduceConfig, PartReport, RoundReport, RoundSpec, result_wire, upload_wire
+
+logger = logging.getLogger(__name__)
+GATHER_PROTOCOL = "lioncub/gather/1"
+
+
+class GatherNode:
+    def __init__(self, p2p: P2P, config: AllReduceConfig | None = None):
+        self.p2p, self.config = p2p, config or AllReduceConfig()
+        self.peer_id = p2p.peer_id.to_base58()
+        self._inbox: dict[bytes, dict[int, torch.Tensor]] = {}
+        self._arrived: dict[bytes, asyncio.Event] = {}
+        self._specs: dict[bytes, RoundSpec] = {}
+        self._bytes_down: dict[bytes, int] = {}
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(GATHER_PROTOCOL, self._on_stream)
+
+    def _round(self, spec: RoundSpec) -> None:
+        rid = spec.round_id
+        self._specs.setdefault(rid, spec)
+        self._inbox.setdefault(rid, {})
+        self._arrived.setdefault(rid, asyncio.Event())
+        self._bytes_down.setdefault(rid, 0)
+        for old in list(self._specs)[: -self.config.keep_rounds]:
+            for table in (self._specs, self._inbox, self._arrived, self._bytes_down):
+                table.pop(old, None)
+
+    async def run_round(self, spec: RoundSpec, upload: torch.Tensor, tag: bytes = b"") -> tuple[torch.Tensor, RoundReport]:
+        started = time.perf_counter()
+        me = spec.index_of(self.peer_id)
+        self._round(spec)
+        report = RoundReport(spec.round_id.hex(), spec.step, me, [PartReport(0, me, 0, spec.nbytes)])
+        inbox, arrived = self._inbox[spec.round_id], self._arrived[spec.round_id]
+        inbox[me] = upload[0].cpu().contiguous()
+        self._check(spec.round_id)
+        others = [i for i in range(len(spec.group)) if i != me]
+        sends = [asyncio.create_task(self._send(spec, me, i, upload[0], report)) for i in others]
+        try:
+            await asyncio.wait_for(arrived.wait(), self.config.upload_timeout)
+        except asyncio.TimeoutError:
+            logger.info("gather round %s: %d of %d uploads", spec.round_id.hex()[:12], len(inbox), len(spec.group))
+        await asyncio.gather(*sends, return_exceptions=True)
+        counted = sorted(inbox)
+        update = majority_vote(torch.stack([inbox[i] for i in counted]), seed=spec.seed, step=spec.step)
+        report.parts[0].status, report.parts[0].counted = "ok", counted
+        report.bytes_down = self._bytes_down[spec.round_id]
+        report.timings["total"] = time.perf_counter() - started
+        return update, report
+
+    def _check(self, rid: bytes) -> None:
+        if rid in self._specs and len(self._inbox[rid]) >= len(self._specs[rid].group):
+            self._arrived[rid].set()
+
+    async def _send(self, spec: RoundSpec, me: int, to: int, buffer: torch.Tensor, report: RoundReport) -> None:
+        encoding, bits = upload_wire(spec.upload)
+        try:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[to].peer_id),
+                                                                          GATHER_PROTOCOL)
+            data = buffer.numpy().tobytes()
+            for offset in range(0, max(len(data), 1), self.config.chunk_bytes):
+                chunk = data[offset : offset + self.config.chunk_bytes]
+                sent = await write_frame(writer, pb.VoteChunk(
+                    version=PROTOCOL_VERSION, round_id=spec.round_id, step=spec.step, part=me, offset=offset,
+                    length=len(chunk), upload=encoding, upload_bits=bits, result=result_wire(spec.result), codes=chunk,
+                    last=offset + self.config.chunk_bytes >= len(data)))
+                report.bytes_up += sent
+            writer.close()
+        except Exception as e:
+            logger.info("gather round %s: upload to %d failed: %s", spec.round_id.hex()[:12], to, e)
+
+    async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            data, rid, sender = bytearray(), None, None
+            while True:
+                chunk, nread = await asyncio.wait_for(read_frame(reader, pb.VoteChunk), self.config.join_timeout)
+                if chunk is None:
+                    raise WireError("stream ended before the last chunk")
+                if rid is None:
+                    rid = chunk.round_id
+                    for _ in range(int(self.config.join_timeout / 0.01)):  # the round may not have started here
+                        if rid in self._specs:
+                            break
+                        await asyncio.sleep(0.01)
+                    spec = self._specs.get(rid)
+                    if spec is None:
+                        raise WireError("unknown round")
+                    sender = spec.index_of(info.peer_id.to_base58())
+                if chunk.round_id != rid or chunk.part != sender or chunk.offset != len(data):
+                    raise WireError("chunk out of place")
+                if len(data) + len(chunk.codes) > spec.nbytes:
+                    raise WireError("upload larger than the buffer")
+                data += chunk.codes
+                self._bytes_down[rid] = self._bytes_down.get(rid, 0) + nread
+                if chunk.last:
+                    break
+            if len(data) != spec.nbytes:
+                raise WireError(f"upload of {len(data)} bytes, expected {spec.nbytes}")
+            self._inbox[rid][sender] = torch.frombuffer(data, dtype=torch.uint8)
+            self._check(rid)
+        except Exception as e:
+            logger.info("gather upload from %s rejected: %s", info.peer_id, e)
+        finally:
+            writer.close()

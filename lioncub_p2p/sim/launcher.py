@@ -1,0 +1,398 @@
+"""lioncub-sim: n local peers as separate processes (the volunteers' own code), uneven links, and the
+methods side by side: same model, data, peers, links and seed.
+
+    lioncub-sim --links 100,50,20,10 --methods lioncub lioncub-l1 hivemind-fp32 hivemind-fp16 dlion
+
+Each method starts a coordinator and n ``lioncub-train`` processes (in their network namespaces as
+root, else on 127.0.0.1 with no shaping: the report says which), applies the flakiness schedule,
+and reads the peers' metrics. Bytes on the wire are read from each peer's interface counters in
+namespace mode (everything, TCP and libp2p included), else from what the protocol counted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .links import LinkProfile, NamespaceNetwork, namespaces_available, parse_links
+
+logger = logging.getLogger("lioncub.sim")
+
+
+@dataclass(frozen=True)
+class Method:
+    label: str
+    trainer_args: tuple[str, ...]
+
+
+METHODS = {
+    "lioncub": Method("Lion Cub 1-bit majority, momentum avg/25",
+                      ("--method", "lioncub", "--upload", "sign", "--result", "majority", "--momentum-every", "25")),
+    "lioncub-l1": Method("Lion Cub L1 4-bit, majority, momentum avg/25",
+                         ("--method", "lioncub", "--upload", "l1:4", "--result", "majority", "--momentum-every", "25")),
+    "hivemind-fp32": Method("full-precision Lion, hivemind averager fp32", ("--method", "hivemind-fp32",)),
+    "hivemind-fp16": Method("full-precision Lion, hivemind averager fp16", ("--method", "hivemind-fp16",)),
+    "dlion": Method("D-Lion all-gather of 1-bit votes", ("--method", "dlion", "--momentum-every", "0")),
+}
+
+
+@dataclass
+class MethodResult:
+    method: str
+    label: str
+    rounds: int
+    wall_s: float
+    step_s: float  # mean time per step: wall time / steps (periodic momentum syncs included)
+    median_step_s: float  # median gap between consecutive steps of a peer
+    compute_s: float
+    communication_s: float
+    waiting_s: float
+    bytes_up_per_step: float  # per peer
+    bytes_down_per_step: float
+    bits_per_param: float
+    final_train_loss: float
+    final_eval_loss: float
+    final_eval_accuracy: float
+    eval_loss_at_common_step: float | None = None
+    speedup_vs_fp32: float | None = None
+    divergence_events: int = 0
+    peers_finished: int = 0
+    bytes_source: str = ""
+    curves: dict = field(default_factory=dict)  # per peer 0: time, step, loss, eval points
+
+
+class Simulation:
+    def __init__(self, profiles: list[LinkProfile], *, shaping: str, workdir: Path, hidden: int, batch: int,
+                 steps: int, seconds: float, lr: float, eval_every: int, timeouts: tuple[float, float]):
+        self.profiles, self.workdir = profiles, workdir
+        self.hidden, self.batch, self.steps, self.seconds, self.lr = hidden, batch, steps, seconds, lr
+        self.eval_every, self.timeouts = eval_every, timeouts
+        self.net: NamespaceNetwork | None = None
+        self.notes: list[str] = []
+        if shaping in ("auto", "netns"):
+            ok, why = namespaces_available()
+            if ok:
+                self.net = NamespaceNetwork(profiles)
+                self.net.setup()
+                self.notes += self.net.notes
+            elif shaping == "netns":
+                raise SystemExit(f"error: network namespaces unavailable: {why}")
+            else:
+                self.notes.append(f"links NOT shaped ({why}): peers run on 127.0.0.1 at full speed")
+        else:
+            self.notes.append("links NOT shaped (--shaping none): peers run on 127.0.0.1 at full speed")
+        self.shaping = "netns" if self.net else "none"
+        self.procs: list[subprocess.Popen] = []
+
+    def close(self) -> None:
+        for proc in self.procs:
+            _kill_group(proc)
+        self.procs.clear()
+        if self.net is not None:
+            self.net.teardown()
+            self.net = None
+
+    def _spawn(self, who: int | str, argv: list[str], log: Path) -> subprocess.Popen:
+        prefix = self.net.exec_prefix(who) if self.net else []
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        proc = subprocess.Popen(prefix + [sys.executable, "-m", *argv], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def _host(self, who: int | str) -> str:
+        return f"/ip4/{self.net.address(who)}/tcp/0" if self.net else "/ip4/127.0.0.1/tcp/0"
+
+    def run(self, name: str) -> MethodResult:
+        method = METHODS[name]
+        out = self.workdir / name
+        out.mkdir(parents=True, exist_ok=True)
+        maddrs = out / "coordinator.maddrs"
+        self._spawn("c", ["lioncub_p2p.cli.coordinator", "--run-id", name, "--host-maddrs", self._host("c"),
+                          "--write-maddrs", str(maddrs), "--quiet"], out / "coordinator.log")
+        deadline = time.monotonic() + 60
+        while not maddrs.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        n = len(self.profiles)
+        started = time.monotonic()
+        peers = [self._start_peer(name, method, i, out, maddrs) for i in range(n)]
+        counters = self._follow(name, method, peers, out, maddrs)
+        logger.info("%s: %.0f s from launch to the last peer's exit", name, time.monotonic() - started)
+        for proc in self.procs:
+            _kill_group(proc)
+        self.procs.clear()
+        return summarize(name, method, out, n, counters, self.hidden)
+
+    def _start_peer(self, name: str, method: Method, i: int, out: Path, maddrs: Path) -> subprocess.Popen:
+        profile = self.profiles[i]
+        argv = ["lioncub_p2p.cli.train", "--run-id", name, "--initial-peers-file", str(maddrs),
+                "--host-maddrs", self._host(i), "--weight", str(profile.up_mbit), "--steps", str(self.steps),
+                "--max-seconds", str(self.seconds), "--hidden", str(self.hidden), "--batch", str(self.batch),
+                "--lr", str(self.lr), "--seed", "0", "--group-size", str(len(self.profiles)), "--quiet",
+                "--eval-every", str(self.eval_every), "--upload-timeout", str(self.timeouts[0]),
+                "--result-timeout", str(self.timeouts[1]), "--metrics-jsonl", str(out / f"peer{i}.jsonl"),
+                "--wait-peers", str(len(self.profiles)) if not method.trainer_args[1].startswith("hivemind") else "0",
+                "--final-eval", str(out / f"peer{i}.eval.json"), *method.trainer_args]
+        return self._spawn(i, argv, out / f"peer{i}.log")
+
+    def _follow(self, name: str, method: Method, peers: list[subprocess.Popen], out: Path, maddrs: Path):
+        """Wait for the peers, applying each profile's flakiness schedule as the swarm progresses.
+
+        Returns each peer's interface byte counters over the training phase (from the moment every
+        peer logged its first step to the first peer's exit), or None without namespaces."""
+        done_by = time.monotonic() + self.seconds + 180
+        stalled, left, back = set(), set(), set()
+        first = last = None
+        ended_at, kill_at = None, float("inf")
+        while time.monotonic() < done_by and any(p.poll() is None for p in peers):
+            if ended_at is None and any(p.poll() == 0 for p in peers):
+                ended_at = time.monotonic()  # the budget is up: the others stop too, cleanly (SIGINT)
+            if ended_at is not None and time.monotonic() - ended_at > 3:
+                for p in peers:
+                    if p.poll() is None:
+                        _signal_group(p, signal.SIGINT)
+                ended_at, kill_at = float("inf"), time.monotonic() + 10
+            if ended_at == float("inf") and time.monotonic() > kill_at:
+                for p in peers:  # stuck in a lockstep round with a peer that already left
+                    _kill_group(p)
+            steps = [_last_step(out / f"peer{i}.jsonl") for i in range(len(peers))]
+            step = max(steps, default=-1)
+            if self.net is not None and first is None and min(steps) >= 0:
+                first = ([self.net.wire_bytes(i) for i in range(len(peers))], steps)
+            if self.net is not None and first is not None and last is None and any(p.poll() is not None for p in peers):
+                last = ([self.net.wire_bytes(i) for i in range(len(peers))], steps)
+            for i, profile in enumerate(self.profiles):
+                if profile.stall_at is not None and step >= profile.stall_at and i not in stalled:
+                    stalled.add(i)
+                    _signal_group(peers[i], signal.SIGSTOP)
+                    time.sleep(0)  # resumed below once its time is up
+                    peers[i].resume_at = time.monotonic() + profile.stall_s  # type: ignore[attr-defined]
+                if i in stalled and getattr(peers[i], "resume_at", 0) and time.monotonic() > peers[i].resume_at:
+                    _signal_group(peers[i], signal.SIGCONT)
+                    peers[i].resume_at = 0  # type: ignore[attr-defined]
+                if profile.leave_at is not None and step >= profile.leave_at and i not in left:
+                    left.add(i)
+                    _kill_group(peers[i])
+                if profile.rejoin_at is not None and i in left and i not in back and step >= profile.rejoin_at:
+                    back.add(i)
+                    peers[i] = self._start_peer(name, method, i, out, maddrs)
+            time.sleep(0.2)
+        if first is None or last is None:
+            return None
+        return [((b[0] - a[0]) / max(s1 - s0, 1), (b[1] - a[1]) / max(s1 - s0, 1))
+                for a, b, s0, s1 in zip(first[0], last[0], first[1], last[1])]
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    _signal_group(proc, signal.SIGCONT)
+    _signal_group(proc, signal.SIGKILL)
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _last_step(path: Path) -> int:
+    try:
+        lines = path.read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else -1
+    except (FileNotFoundError, ValueError, KeyError, IndexError):
+        return -1
+
+
+def _jsonl(path: Path) -> list[dict]:
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                pass
+    return rows
+
+
+def summarize(name: str, method: Method, out: Path, n: int, counters, hidden: int) -> MethodResult:
+    numel = 64 * hidden + hidden + hidden * hidden + hidden + hidden * 10 + 10
+    per_peer = [_jsonl(out / f"peer{i}.jsonl") for i in range(n)]
+    rows = [r for peer in per_peer for r in peer]
+    gaps = [b["time"] - a["time"] for peer in per_peer for a, b in zip(peer, peer[1:]) if b["step"] == a["step"] + 1]
+    steps = [peer[-1]["step"] + 1 for peer in per_peer if peer]
+    rounds = int(statistics.median(steps)) if steps else 0
+    med = lambda values: statistics.median(values) if values else float("nan")  # noqa: E731
+    if counters is not None:
+        up, down = [c[0] for c in counters], [c[1] for c in counters]
+        source = "interface counters during training (all traffic: votes, momentum, DHT, TCP)"
+    else:
+        up = [med([r.get("bytes_up", 0) for r in peer]) for peer in per_peer]
+        down = [med([r.get("bytes_down", 0) for r in peer]) for peer in per_peer]
+        source = "protocol counters" if "bytes_up" in (rows[0] if rows else {}) else "not measured (hivemind, unshaped)"
+    evals = []
+    for i, peer in enumerate(per_peer):  # the final evaluation, else the peer's last logged one
+        path = out / f"peer{i}.eval.json"
+        if path.exists():
+            evals.append(json.loads(path.read_text()))
+        elif any("eval_loss" in r for r in peer):
+            last = [r for r in peer if "eval_loss" in r][-1]
+            evals.append({"eval_loss": last["eval_loss"], "eval_accuracy": float("nan")})
+    first = per_peer[0] if per_peer and per_peer[0] else (rows[:1] if rows else [])
+    t0 = first[0]["time"] if first else 0.0
+    curves = {"time": [r["time"] - t0 for r in first], "step": [r["step"] for r in first],
+              "loss": [r["loss"] for r in first],
+              "eval_step": [r["step"] + 1 for r in first if "eval_loss" in r],
+              "eval_loss": [r["eval_loss"] for r in first if "eval_loss" in r]}
+    comm = [r["step_s"] - r.get("wait_s", 0.0) for r in rows]
+    return MethodResult(
+        method=name, label=method.label, rounds=rounds,
+        wall_s=(first[-1]["time"] - t0) if first else 0.0,
+        step_s=(first[-1]["time"] - t0) / max(len(first) - 1, 1) if first else float("nan"), median_step_s=med(gaps),
+        compute_s=med([r["compute_s"] for r in rows]),
+        communication_s=med(comm), waiting_s=med([r.get("wait_s", 0.0) for r in rows]),
+        bytes_up_per_step=med(up), bytes_down_per_step=med(down),
+        bits_per_param=8 * (med(up) + med(down)) / numel,
+        final_train_loss=statistics.mean([r["loss"] for r in first[-10:]]) if first else float("nan"),
+        final_eval_loss=statistics.mean([e["eval_loss"] for e in evals]) if evals else float("nan"),
+        final_eval_accuracy=statistics.mean([e["eval_accuracy"] for e in evals]) if evals else float("nan"),
+        divergence_events=sum(bool(r.get("repaired")) for r in rows), peers_finished=len(evals),
+        bytes_source=source, curves=curves)
+
+
+def compare(results: list[MethodResult]) -> None:
+    """Fill the cross-method columns: speedup against fp32, eval loss at the largest common step."""
+    fp32 = next((r for r in results if r.method == "hivemind-fp32"), None)
+    common = common_step(results)
+    for r in results:
+        if fp32 is not None and r.step_s == r.step_s and r.step_s > 0:
+            r.speedup_vs_fp32 = fp32.step_s / r.step_s
+        at = [loss for step, loss in zip(r.curves["eval_step"], r.curves["eval_loss"]) if step <= common]
+        r.eval_loss_at_common_step = at[-1] if at else None
+
+
+def common_step(results: list[MethodResult]) -> int:
+    """The largest step at which every method that logged evaluations has one."""
+    return min((max(r.curves["eval_step"]) for r in results if r.curves["eval_step"]), default=0)
+
+
+def table(results: list[MethodResult], common_step: int) -> str:
+    rows = [f"| method | rounds | s/step (median) | compute / comm / wait s (medians) | MB up+down per step | bits/param | "
+            f"eval loss @ step {common_step} | final eval loss (acc %) | speedup vs fp32 | repairs |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        at = f"{r.eval_loss_at_common_step:.3f}" if r.eval_loss_at_common_step is not None else "-"
+        speed = f"{r.speedup_vs_fp32:.1f}x" if r.speedup_vs_fp32 else "-"
+        rows.append(f"| {r.label} | {r.rounds} | {r.step_s:.3f} ({r.median_step_s:.3f}) | {r.compute_s:.3f} / {r.communication_s:.3f} / "
+                    f"{r.waiting_s:.3f} | {(r.bytes_up_per_step + r.bytes_down_per_step) / 1e6:.3f} | "
+                    f"{r.bits_per_param:.2f} | {at} | {r.final_eval_loss:.3f} ({r.final_eval_accuracy:.1f}) | "
+                    f"{speed} | {r.divergence_events} |")
+    return "\n".join(rows)
+
+
+def plot(results: list[MethodResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_time, ax_step) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in results:
+        ax_time.plot(r.curves["time"], _smooth(r.curves["loss"]), label=r.label)
+        ax_step.plot(r.curves["step"], _smooth(r.curves["loss"]), label=r.label)
+    ax_time.set(xlabel="wall-clock seconds", ylabel="train loss (peer 0, smoothed)", yscale="log")
+    ax_step.set(xlabel="step", ylabel="train loss (peer 0, smoothed)", yscale="log")
+    ax_step.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _smooth(values: list[float], k: int = 5) -> list[float]:
+    return [statistics.mean(values[max(0, i - k + 1) : i + 1]) for i in range(len(values))]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--links", default="100,50,20,10", help="per-peer Mbit/s: '100,50' or up/down '100/20,50/50'")
+    p.add_argument("--profile", default=None, help="YAML file: peers: [{up: 100, down: 100, loss: 0.5, ...}, ...]")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--hidden", type=int, default=1024, help="MLP width: 1024 -> 1.1M parameters, 2300 -> 5.5M")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=100000, help="stop each method at this step...")
+    p.add_argument("--seconds", type=float, default=35.0, help="...or after this many seconds of training")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--upload-timeout", type=float, default=10.0)
+    p.add_argument("--result-timeout", type=float, default=30.0)
+    p.add_argument("--shaping", choices=["auto", "netns", "none"], default="auto")
+    p.add_argument("--out", type=Path, default=Path("runs/sim"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[MethodResult]:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.profile:
+        spec = yaml.safe_load(Path(args.profile).read_text())
+        profiles = [LinkProfile.from_dict(p) for p in spec["peers"]]
+    else:
+        profiles = parse_links(args.links)
+    args.out.mkdir(parents=True, exist_ok=True)
+    sim = Simulation(profiles, shaping=args.shaping, workdir=args.out, hidden=args.hidden, batch=args.batch,
+                     steps=args.steps, seconds=args.seconds, lr=args.lr, eval_every=args.eval_every,
+                     timeouts=(args.upload_timeout, args.result_timeout))
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    results = []
+    try:
+        links = ", ".join(f"{p.up_mbit:g}/{p.down_mbit:g}" for p in profiles)
+        print(f"{len(profiles)} peers, links (up/down Mbit/s): {links}; shaping: {sim.shaping}; "
+              f"model: MLP {args.hidden} wide on digits", flush=True)
+        for note in sim.notes:
+            print(f"  note: {note}", flush=True)
+        for name in args.methods:
+            print(f"running {name} ...", flush=True)
+            results.append(sim.run(name))
+            r = results[-1]
+            print(f"  {r.rounds} rounds, {r.step_s:.3f} s/step, final eval loss {r.final_eval_loss:.3f}", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted: cleaning up", flush=True)
+    finally:
+        sim.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not results:
+        return results
+    compare(results)
+    common = common_step(results)
+    print("\n" + table(results, common))
+    report = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "shaping": sim.shaping, "notes": sim.notes, "profiles": [asdict(p) for p in profiles],
+              "results": [asdict(r) for r in results]}
+    (args.out / "report.json").write_text(json.dumps(report, indent=2))
+    (args.out / "report.md").write_text(table(results, common) + "\n")
+    plot(results, args.out / "loss.png")
+    print(f"\nreport: {args.out / 'report.json'}\nplot:   {args.out / 'loss.png'}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

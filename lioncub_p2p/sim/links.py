@@ -1,0 +1,170 @@
+"""Uneven links on one machine: per-peer profiles and the network namespaces that enforce them.
+
+As root, each peer gets its own network namespace joined to a bridge namespace by a veth pair, on
+private addresses (10.77.0.0/24) that exist only inside those namespaces and have no route out.
+The kernel enforces the caps: a ``tbf`` qdisc on the peer's end of its veth (upload) and on the
+bridge's end (download); random loss is an nftables rule on the peer's input (when ``nft`` is
+installed). This kernel has no ``netem``, so added latency is not applied in namespaces (the
+report says so). Everything created is removed by ``teardown`` (also on errors and Ctrl+C: the
+simulator calls it from ``finally``), and names carry the creating process id so parallel runs
+never collide.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+SUBNET = "10.77.0"
+
+
+@dataclass
+class LinkProfile:
+    """One peer's link and its flakiness schedule (rounds count the peer's own steps)."""
+
+    up_mbit: float = 100.0
+    down_mbit: float = 100.0
+    delay_ms: float = 0.0
+    loss_pct: float = 0.0
+    leave_at: int | None = None  # killed at this round...
+    rejoin_at: int | None = None  # ...and started again when the swarm reaches this round
+    stall_at: int | None = None  # frozen (SIGSTOP) at this round...
+    stall_s: float = 0.0  # ...for this many seconds
+
+    def __post_init__(self) -> None:
+        if self.up_mbit <= 0 or self.down_mbit <= 0:
+            raise ValueError(f"link rates must be positive, got up {self.up_mbit}, down {self.down_mbit}")
+        if not 0 <= self.loss_pct < 100 or self.delay_ms < 0:
+            raise ValueError(f"loss must be in [0, 100) and delay >= 0, got {self.loss_pct}, {self.delay_ms}")
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> "LinkProfile":
+        aliases = {"up": "up_mbit", "down": "down_mbit", "mbit": None, "delay": "delay_ms", "loss": "loss_pct"}
+        kwargs: dict[str, Any] = {}
+        for key, v in value.items():
+            if key == "mbit":
+                kwargs["up_mbit"] = kwargs["down_mbit"] = float(v)
+            elif aliases.get(key, key) in cls.__dataclass_fields__:
+                kwargs[aliases.get(key, key)] = v
+            else:
+                raise ValueError(f"unknown link profile field {key!r}")
+        return cls(**kwargs)
+
+
+def parse_links(text: str) -> list[LinkProfile]:
+    """"100,50,20,10" (symmetric Mbit/s) or "100/20,50" (up/down) -> profiles."""
+    profiles = []
+    for item in text.split(","):
+        up, _, down = item.strip().partition("/")
+        profiles.append(LinkProfile(float(up), float(down or up)))
+    return profiles
+
+
+def namespaces_available() -> tuple[bool, str]:
+    """Whether this process can build namespaces with caps, and why not."""
+    if os.geteuid() != 0:
+        return False, "not root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return False, f"`{tool}` (iproute2) is not installed"
+    probe = f"lcprobe{os.getpid()}"
+    ok = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return (True, "") if ok else (False, "`ip netns add` failed (no permission in this container?)")
+
+
+@dataclass
+class NamespaceNetwork:
+    """A bridge namespace, one namespace per peer, and one for the coordinator (unshaped)."""
+
+    profiles: list[LinkProfile]
+    prefix: str = field(default_factory=lambda: f"lcs{os.getpid() % 100000}")
+    notes: list[str] = field(default_factory=list)
+    _created: list[str] = field(default_factory=list)
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.prefix}br"
+
+    def namespace(self, peer: int | str) -> str:
+        return f"{self.prefix}p{peer}"
+
+    def address(self, peer: int | str) -> str:
+        return f"{SUBNET}.2" if peer == "c" else f"{SUBNET}.{10 + int(peer)}"
+
+    def exec_prefix(self, peer: int | str) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace(peer)]
+
+    def _run(self, *cmd: str, ns: str | None = None) -> None:
+        full = (["ip", "netns", "exec", ns] if ns else []) + list(cmd)
+        result = subprocess.run(full, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(full)} failed: {result.stderr.strip()}")
+
+    def setup(self) -> None:
+        try:
+            self._run("ip", "netns", "add", self.bridge)
+            self._created.append(self.bridge)
+            self._run("ip", "link", "add", "br0", "type", "bridge", ns=self.bridge)
+            self._run("ip", "link", "set", "br0", "up", ns=self.bridge)
+            self._run("ip", "link", "set", "lo", "up", ns=self.bridge)
+            for peer in ["c"] + list(range(len(self.profiles))):
+                self._add_peer(peer)
+        except Exception:
+            self.teardown()
+            raise
+
+    def _add_peer(self, peer: int | str) -> None:
+        ns, host_end, peer_end = self.namespace(peer), f"{self.prefix}h{peer}", f"{self.prefix}v{peer}"
+        self._run("ip", "netns", "add", ns)
+        self._created.append(ns)
+        self._run("ip", "link", "add", host_end, "type", "veth", "peer", "name", peer_end)
+        self._run("ip", "link", "set", host_end, "netns", self.bridge)
+        self._run("ip", "link", "set", peer_end, "netns", ns)
+        self._run("ip", "link", "set", host_end, "master", "br0", ns=self.bridge)
+        self._run("ip", "link", "set", host_end, "up", ns=self.bridge)
+        self._run("ip", "link", "set", peer_end, "name", "eth0", ns=ns)
+        self._run("ip", "addr", "add", f"{self.address(peer)}/24", "dev", "eth0", ns=ns)
+        self._run("ip", "link", "set", "eth0", "up", ns=ns)
+        self._run("ip", "link", "set", "lo", "up", ns=ns)
+        if peer == "c":
+            return
+        profile = self.profiles[int(peer)]
+        tbf = ["tbf", "rate", f"{profile.up_mbit}mbit", "burst", "64kb", "latency", "200ms"]
+        self._run("tc", "qdisc", "replace", "dev", "eth0", "root", *tbf, ns=ns)
+        tbf[2] = f"{profile.down_mbit}mbit"
+        self._run("tc", "qdisc", "replace", "dev", host_end, "root", *tbf, ns=self.bridge)
+        if profile.loss_pct:
+            if shutil.which("nft"):
+                per_mille = int(round(profile.loss_pct * 10))
+                self._run("nft", "add", "table", "inet", "sim", ns=ns)
+                self._run("nft", "add", "chain", "inet", "sim", "in", "{ type filter hook input priority 0 ; }", ns=ns)
+                self._run("nft", "add", "rule", "inet", "sim", "in", "iifname", "eth0", "numgen", "random", "mod",
+                          "1000", "<", str(per_mille), "drop", ns=ns)
+            else:
+                self.notes.append(f"peer {peer}: loss {profile.loss_pct}% not applied (install nftables)")
+        if profile.delay_ms:
+            self.notes.append(f"peer {peer}: delay {profile.delay_ms} ms not applied (no netem in this kernel)")
+
+    def wire_bytes(self, peer: int) -> tuple[int, int]:
+        """(sent, received) bytes on the peer's interface so far: what really crossed its link."""
+        out = subprocess.run(["ip", "netns", "exec", self.namespace(peer), "cat", "/sys/class/net/eth0/statistics/tx_bytes",
+                              "/sys/class/net/eth0/statistics/rx_bytes"], capture_output=True, text=True)
+        tx, rx = (int(v) for v in out.stdout.split())
+        return tx, rx
+
+    def teardown(self) -> None:
+        """Delete every namespace created (their interfaces and qdiscs go with them)."""
+        for ns in reversed(self._created):
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self._created.clear()

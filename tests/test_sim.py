@@ -1,0 +1,67 @@
+"""The simulator: link profiles, and a short comparison in network namespaces (root) with caps that hold."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from lioncub_p2p.sim.links import LinkProfile, NamespaceNetwork, namespaces_available, parse_links
+from lioncub_p2p.sim.launcher import main as sim_main
+
+
+def test_link_profiles_from_flags_and_yaml_fields():
+    assert [(p.up_mbit, p.down_mbit) for p in parse_links("100,50/20")] == [(100, 100), (50, 20)]
+    p = LinkProfile.from_dict({"up": 10, "down": 5, "delay": 20, "loss": 0.5, "leave_at": 3, "rejoin_at": 9})
+    assert (p.up_mbit, p.down_mbit, p.delay_ms, p.loss_pct, p.leave_at, p.rejoin_at) == (10, 5, 20, 0.5, 3, 9)
+    assert LinkProfile.from_dict({"mbit": 7}).down_mbit == 7
+    with pytest.raises(ValueError, match="unknown"):
+        LinkProfile.from_dict({"bandwidth": 3})
+    with pytest.raises(ValueError):
+        LinkProfile(up_mbit=0)
+
+
+ROOT_OK, WHY = namespaces_available()
+
+
+@pytest.mark.skipif(not ROOT_OK, reason=f"network namespaces unavailable: {WHY}")
+def test_namespace_caps_hold_and_everything_is_removed():
+    net = NamespaceNetwork(parse_links("20,5"))
+    net.setup()
+    try:
+        namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert net.namespace(0) in namespaces and net.bridge in namespaces
+        # push bytes from peer 1 (5 Mbit/s up) to peer 0 with plain sockets and time them
+        server = subprocess.Popen(net.exec_prefix(0) + ["python3", "-c", (
+            "import socket,time;s=socket.socket();s.bind(('0.0.0.0',5001));s.listen();c,_=s.accept();"
+            "n=0;t=None\nwhile True:\n d=c.recv(65536)\n if not d: break\n t=t or time.time();n+=len(d)\n"
+            "print(n*8/(time.time()-t)/1e6)")], stdout=subprocess.PIPE, text=True)
+        client = subprocess.run(net.exec_prefix(1) + ["python3", "-c", (
+            "import socket,time;time.sleep(0.5);s=socket.create_connection(('%s',5001));"
+            "s.sendall(b'x'*1500000);s.close()" % net.address(0))], timeout=60)
+        mbit = float(server.communicate(timeout=60)[0])
+        assert client.returncode == 0 and 3.5 < mbit < 5.5, mbit  # the 5 Mbit/s upload cap, ~96% as goodput
+    finally:
+        net.teardown()
+    assert net.namespace(0) not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+@pytest.mark.timeout(400)
+def test_short_comparison_writes_report_and_plot(tmp_path):
+    """Runs everywhere: shaped in namespaces as root, else on loopback with the report saying so."""
+    results = sim_main(["--links", "50,20,10", "--methods", "lioncub", "dlion", "hivemind-fp16", "--hidden", "256",
+                        "--seconds", "8", "--eval-every", "2", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report["results"]) == 3
+    by = {r.method: r for r in results}
+    assert all(r.rounds >= 3 and r.peers_finished == 3 for r in results)
+    if ROOT_OK:  # bits on the wire, read from the interfaces: the vote moves far fewer than fp16
+        assert report["shaping"] == "netns"
+        assert by["lioncub"].bits_per_param * 3 < by["hivemind-fp16"].bits_per_param
+    else:
+        assert report["shaping"] == "none" and any("NOT shaped" in n for n in report["notes"])
+    assert (tmp_path / "loss.png").stat().st_size > 10_000
+    assert "| method |" in (tmp_path / "report.md").read_text()
+    assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+                if ns.startswith(f"lcs{os.getpid() % 100000}")]
