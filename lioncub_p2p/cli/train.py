@@ -133,7 +133,8 @@ def train(args, task, model, optimizer: LionCub, swarm: Swarm, metrics) -> None:
         swarm.last_loss = loss.item()
         record = dict(step=before, loss=loss.item(), peers=stats.peers, group=stats.group_size,
                       bytes_up=stats.bytes_up, bytes_down=stats.bytes_down, bits_per_param=stats.bits_per_param,
-                      compute_s=t1 - t0, step_s=t2 - t1, wait_s=stats.wait_s, repaired=stats.repaired,
+                      compute_s=t1 - t0, step_s=t2 - t1, wait_s=stats.wait_s, round_s=stats.round_s,
+                      aggregate_s=stats.seconds, repaired=stats.repaired,
                       momentum_synced=stats.momentum_synced, time=time.time())
         if args.eval_every and optimizer.step_count % args.eval_every == 0:
             record["eval_loss"] = task.evaluate(model)[0]

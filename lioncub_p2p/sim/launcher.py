@@ -43,7 +43,10 @@ METHODS = {
     "hivemind-fp32": Method("full-precision Lion, hivemind averager fp32", ("--method", "hivemind-fp32",)),
     "hivemind-fp16": Method("full-precision Lion, hivemind averager fp16", ("--method", "hivemind-fp16",)),
     "dlion": Method("D-Lion all-gather of 1-bit votes", ("--method", "dlion", "--momentum-every", "0")),
+    "lioncub-nosync": Method("Lion Cub 1-bit majority, no momentum sync",
+                             ("--method", "lioncub", "--upload", "sign", "--result", "majority", "--momentum-every", "0")),
 }
+DEFAULT_METHODS = ["lioncub", "lioncub-l1", "hivemind-fp32", "hivemind-fp16", "dlion"]
 
 
 @dataclass
@@ -57,6 +60,7 @@ class MethodResult:
     compute_s: float
     communication_s: float
     waiting_s: float
+    round_s: float  # median time of the vote round alone (our methods), inside the optimizer step
     bytes_up_per_step: float  # per peer
     bytes_down_per_step: float
     bits_per_param: float
@@ -264,6 +268,7 @@ def summarize(name: str, method: Method, out: Path, n: int, counters, hidden: in
         step_s=(first[-1]["time"] - t0) / max(len(first) - 1, 1) if first else float("nan"), median_step_s=med(gaps),
         compute_s=med([r["compute_s"] for r in rows]),
         communication_s=med(comm), waiting_s=med([r.get("wait_s", 0.0) for r in rows]),
+        round_s=med([r["round_s"] for r in rows if "round_s" in r]),
         bytes_up_per_step=med(up), bytes_down_per_step=med(down),
         bits_per_param=8 * (med(up) + med(down)) / numel,
         final_train_loss=statistics.mean([r["loss"] for r in first[-10:]]) if first else float("nan"),
@@ -329,11 +334,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--links", default="100,50,20,10", help="per-peer Mbit/s: '100,50' or up/down '100/20,50/50'")
     p.add_argument("--profile", default=None, help="YAML file: peers: [{up: 100, down: 100, loss: 0.5, ...}, ...]")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
     p.add_argument("--hidden", type=int, default=1024, help="MLP width: 1024 -> 1.1M parameters, 2300 -> 5.5M")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=100000, help="stop each method at this step...")
-    p.add_argument("--seconds", type=float, default=35.0, help="...or after this many seconds of training")
+    p.add_argument("--seconds", type=float, default=25.0, help="...or after this many seconds of training")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--upload-timeout", type=float, default=10.0)

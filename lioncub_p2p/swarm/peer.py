@@ -90,6 +90,7 @@ class StepStats:
     bytes_up: int = 0
     bytes_down: int = 0
     seconds: float = 0.0  # the whole aggregate call
+    round_s: float = 0.0  # the vote round alone (votes, reduction, results)
     wait_s: float = 0.0  # of which idle: own uploads done, no result byte yet (waiting for others)
     bits_per_param: float = 0.0
     repaired: bool = False
@@ -109,7 +110,7 @@ class Swarm:
         self.stats = StepStats()
         self.repairs = 0
         self.last_report: RoundReport | None = None
-        self._synced = False
+        self.__synced = False
         self._refresher: asyncio.Task | None = None
         self._progress = (time.monotonic(), 0)  # (time, step) at the last announcement, for samples/s
         self._published = 0.0
@@ -136,7 +137,19 @@ class Swarm:
         self.gather = GatherNode(self.p2p, config.allreduce) if config.transport == "allgather" else None
         self.state_server = StateServer(self.p2p, config.run_id, max_uploads=config.max_state_uploads,
                                         provider=self._snapshot_between_steps)
+        self._synced = False  # the state server serves only once this peer holds the swarm's state
         self.loop.run(self._start_services(), timeout=30)
+
+    @property
+    def _synced(self) -> bool:
+        """This peer holds the swarm's state: it may vote, serve snapshots and say so in its record."""
+        return self.__synced
+
+    @_synced.setter
+    def _synced(self, value: bool) -> None:
+        self.__synced = value
+        if hasattr(self, "state_server"):
+            self.state_server.serving = value
 
     async def _start_services(self) -> None:
         await self.node.start()
@@ -209,6 +222,8 @@ class Swarm:
 
     def _download(self, min_step: int, group: GroupRecord) -> None:
         donors = [m.peer_id for m in group.members if m.peer_id != self.peer_id and not m.client_mode]
+        synced = [pid for pid in donors if pid in self.records and self.records[pid].synced]
+        donors = synced or donors  # peers that are joining themselves hold nothing to give
         have = (self.optimizer.step_count, snapshot.params_digest(self.optimizer))
         step, blob, digest = self.loop.run(download_state(
             self.p2p, donors, self.config.run_id, min_step=min_step, max_bytes=snapshot.max_size(self.optimizer),
@@ -339,6 +354,7 @@ class Swarm:
         self.stats.bits_per_param = 8 * (report.bytes_up + report.bytes_down) / max(numel, 1)
         self.stats.seconds = time.perf_counter() - started
         timings = report.timings
+        self.stats.round_s = timings.get("total", 0.0)
         if "first_result" in timings:
             self.stats.wait_s = max(timings["first_result"] - timings.get("upload", 0.0), 0.0)
 

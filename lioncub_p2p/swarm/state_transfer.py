@@ -45,6 +45,7 @@ class StateServer:
         self._lock = threading.Lock()
         self._offered: asyncio.Condition | None = None
         self.provider = provider
+        self.serving = True  # False while this peer holds no state of the swarm (joining): refuse at once
 
     async def start(self) -> None:
         self._offered = asyncio.Condition()
@@ -97,6 +98,8 @@ class StateServer:
                 return
             if busy:
                 raise WireError("busy: too many downloads from this donor, try another")
+            if not self.serving:
+                raise WireError("this peer is joining and holds no state yet")
             if req.run_id != self.run_id:
                 raise WireError("state request for another run")
             step, blob, digest = await self._wait_snapshot(req.min_step)
