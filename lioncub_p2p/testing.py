@@ -21,6 +21,7 @@ from hivemind.p2p import P2P
 
 from .aio import BackgroundLoop
 from .allreduce import AllReduceConfig, PeerSpec, RoundReport, RoundSpec, VoteNode
+from .allreduce.reducer import PartReduction
 from .codecs import result_codec, upload_codec
 
 Behavior = Callable[[VoteNode, RoundSpec, torch.Tensor], Awaitable[object]]
@@ -125,20 +126,21 @@ class LocalSwarm:
     def allreduce(self, uploads: Sequence[torch.Tensor], *, upload: str = "sign", result: str = "majority",
                   step: int = 0, seed: int = 0, timeout: float = 120.0,
                   behaviors: dict[int, Behavior] | None = None,
-                  delays: dict[int, float] | None = None, tags: Sequence[bytes] | None = None
-                  ) -> list[torch.Tensor | None]:
+                  delays: dict[int, float] | None = None, tags: Sequence[bytes] | None = None,
+                  audit: bool = False) -> list[torch.Tensor | None]:
         """One round with every live peer voting its upload; one update per peer (None if it failed).
 
         ``uploads[i]`` is peer i's codes: (planes, nbytes) uint8, or packed signs (nbytes,).
         ``behaviors[i]``, if given, replaces peer i's honest ``run_round`` for this round (a rogue
         peer in experiments); its return value is ignored and peer i's result is None.
         ``delays[i]`` starts peer i's round that many seconds after the others (a slow peer).
-        ``tags[i]`` is the state tag peer i sends with its votes."""
+        ``tags[i]`` is the state tag peer i sends with its votes; ``audit`` makes it an audit round."""
         if len(uploads) != self.n:
             raise ValueError(f"{len(uploads)} uploads for {self.n} peers")
         codes = [u.reshape(1, -1) if u.dim() == 1 else u for u in uploads]
         spec = RoundSpec(round_id=f"local-{id(self)}-{next(self._rounds)}".encode(), step=step, group=self.group,
-                         nbytes=codes[0].shape[1], upload=upload_codec(upload), result=result_codec(result), seed=seed)
+                         nbytes=codes[0].shape[1], upload=upload_codec(upload), result=result_codec(result), seed=seed,
+                         audit=audit)
         tags = list(tags) if tags is not None else [b""] * self.n
         outcomes = self._loop.run(self._round(spec, codes, behaviors or {}, delays or {}, tags), timeout=timeout)
         self.reports = [o[1] if o is not None else None for o in outcomes]
@@ -165,3 +167,12 @@ class LocalSwarm:
             node.on_event.clear()
         self._tasks = {}
         return outcomes
+
+
+class LyingReduction(PartReduction):
+    """A reducer that returns its part's result with every bit flipped, to everyone (experiments, tests)."""
+
+    def __init__(self, spec: RoundSpec, part: int):
+        super().__init__(spec, part)
+        honest = self.tally.encode
+        self.tally.encode = lambda *args, **kwargs: ~honest(*args, **kwargs)

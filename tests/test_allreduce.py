@@ -279,3 +279,28 @@ def test_state_tags_reach_consensus(odd_swarm):
     for report in odd_swarm.reports:
         tag, votes = report.consensus_tag()
         assert tag == b"good" and votes == 2 * 3  # two voters agree, in each of the three parts
+
+
+def test_audit_rounds_catch_a_lying_reducer():
+    """Audited rounds reduce a sampled part twice; a liar is caught whenever its part is drawn."""
+    from lioncub_p2p.testing import LyingReduction
+
+    numel = 8 * 2000
+    with LocalSwarm(4) as swarm:
+        liar = 1
+        swarm.nodes[liar].reduction_factory = LyingReduction
+        codes = _codes("sign", 4, numel, seed=11)
+        drawn = caught = 0
+        for step in range(12):
+            results = swarm.allreduce(codes, step=step, audit=True)
+            part, auditor, verdict = swarm.reports[0].audit
+            if liar in (part, auditor):
+                drawn += 1
+                caught += verdict == "mismatch"
+                if verdict == "mismatch":  # the disputed part is applied as zero by everyone
+                    a, b = 8 * swarm.reports[0].parts[part].start, 8 * swarm.reports[0].parts[part].stop
+                    assert all(np.all(as_values(r, numel)[a:b] == 0) for r in results)
+            else:
+                assert verdict == "ok"
+            assert all(torch.equal(r, results[0]) for r in results)  # the liar lies to everyone alike
+        assert drawn >= 3 and caught == drawn  # detection rate 100% when the liar's part or audit is drawn

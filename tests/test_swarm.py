@@ -246,3 +246,27 @@ def test_state_tag_samples_and_full_digest_differ_only_in_coverage():
     with torch.no_grad():
         opt.slots[0].param.view(-1)[0] += 1.0  # an element every sample includes (index 0)
     assert snapshot.state_tag(opt, samples=7) != sampled and snapshot.state_tag(opt, full=True) != full
+
+
+def test_run_secret_keeps_outsiders_out():
+    secret = dict(allreduce=FAST, run_secret="s3cret", join_timeout=8.0)
+    out = _train_swarm([SwarmConfig("admit", **secret), SwarmConfig("admit", **secret)], 12)
+    assert out[0][1] == out[1][1]
+    # an outsider with the wrong secret is never taken into the group: it gives up with a clear error
+    task = digits_task(0, hidden=64)
+    first = Swarm(SwarmConfig("admit2", **secret))
+    try:
+        maddrs = [str(m) for m in first.dht.get_visible_maddrs()]
+        model = task.make_model(0)
+        first.join(LionCub(model.parameters(), aggregator=first))
+        outsider = Swarm(SwarmConfig("admit2", initial_peers=maddrs, allreduce=FAST, run_secret="wrong",
+                                     join_timeout=6.0))
+        try:
+            with pytest.raises(Exception, match="run-secret"):
+                outsider.join(LionCub(task.make_model(0).parameters(), aggregator=outsider))
+        finally:
+            outsider.shutdown()
+        time.sleep(1.0)
+        assert outsider.peer_id not in first.history.latest.member_ids()
+    finally:
+        first.shutdown()

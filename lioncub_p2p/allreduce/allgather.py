@@ -16,6 +16,7 @@ from hivemind.p2p import P2P, PeerID
 
 from ..ops import majority_vote
 from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
+from .admission import OPEN, Admission
 from .round import AllReduceConfig, PartReport, RoundReport, RoundSpec, result_wire, upload_wire
 
 logger = logging.getLogger(__name__)
@@ -23,8 +24,8 @@ GATHER_PROTOCOL = "lioncub/gather/1"
 
 
 class GatherNode:
-    def __init__(self, p2p: P2P, config: AllReduceConfig | None = None):
-        self.p2p, self.config = p2p, config or AllReduceConfig()
+    def __init__(self, p2p: P2P, config: AllReduceConfig | None = None, admission: Admission = OPEN):
+        self.p2p, self.config, self.admission = p2p, config or AllReduceConfig(), admission
         self.peer_id = p2p.peer_id.to_base58()
         self._inbox: dict[bytes, dict[int, torch.Tensor]] = {}
         self._arrived: dict[bytes, asyncio.Event] = {}
@@ -81,7 +82,8 @@ class GatherNode:
                 sent = await write_frame(writer, pb.VoteChunk(
                     version=PROTOCOL_VERSION, round_id=spec.round_id, step=spec.step, part=me, offset=offset,
                     length=len(chunk), upload=encoding, upload_bits=bits, result=result_wire(spec.result), codes=chunk,
-                    last=offset + self.config.chunk_bytes >= len(data)))
+                    last=offset + self.config.chunk_bytes >= len(data),
+                    token=self.admission.token(self.peer_id) if offset == 0 else b""))
                 report.bytes_up += sent
             writer.close()
         except Exception as e:
@@ -95,6 +97,9 @@ class GatherNode:
                 if chunk is None:
                     raise WireError("stream ended before the last chunk")
                 if rid is None:
+                    refused = self.admission.reason(info.peer_id.to_base58(), chunk.token)
+                    if refused:
+                        raise WireError(f"not admitted: {refused}")
                     rid = chunk.round_id
                     for _ in range(int(self.config.join_timeout / 0.01)):  # the round may not have started here
                         if rid in self._specs:
@@ -117,6 +122,6 @@ class GatherNode:
             self._inbox[rid][sender] = torch.frombuffer(data, dtype=torch.uint8)
             self._check(rid)
         except Exception as e:
-            logger.info("gather upload from %s rejected: %s", info.peer_id, e)
+            logger.warning("gather upload from %s rejected: %s", info.peer_id, e)
         finally:
             writer.close()

@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -37,6 +37,7 @@ from hivemind.p2p import P2P, PeerID
 from ..codecs import Bf16Upload
 from ..ops import unpack_signs
 from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
+from .admission import OPEN, Admission
 from .deadline import AdaptiveDeadline
 from .reducer import MAX_TAG_BYTES, PartReduction
 from .round import AllReduceConfig, PartReport, PartResult, RoundReport, RoundSpec, result_wire, upload_wire
@@ -57,16 +58,22 @@ class RoundState:
     reduction: PartReduction | None
     direct: dict[int, asyncio.Future]  # part -> PartResult | None, as received from its reducer
     reducing: asyncio.Task | None = None
+    auditing: asyncio.Task | None = None
     voted: bool = False
     tag: bytes = b""
+    audit_reduction: PartReduction | None = None  # this peer audits the sampled part
+    no_recovery: set = field(default_factory=set)  # parts applied as zero on purpose (audit mismatch)
+    audit_result: asyncio.Future | None = None  # the auditor's result for the sampled part
 
 
 class VoteNode:
     """Runs vote rounds for one peer. Create inside the event loop that owns ``p2p``; call ``start``."""
 
-    def __init__(self, p2p: P2P, config: AllReduceConfig | None = None):
+    def __init__(self, p2p: P2P, config: AllReduceConfig | None = None, admission: Admission = OPEN):
         self.p2p = p2p
         self.config = config or AllReduceConfig()
+        self.admission = admission
+        self.reduction_factory = PartReduction  # what reduces a part (simulations swap in lying reducers)
         self.deadline = AdaptiveDeadline(max_grace=self.config.upload_timeout)
         self.peer_id = p2p.peer_id.to_base58()
         self._rounds: OrderedDict[bytes, RoundState] = OrderedDict()
@@ -106,8 +113,14 @@ class VoteNode:
         state = RoundState(spec, me, RoundReport(spec.round_id.hex(), spec.step, me, parts), None,
                            {j: loop.create_future() for j, (a, b) in enumerate(spec.bounds) if b > a})
         if me in state.direct:
-            state.reduction = PartReduction(spec, me)
-            state.reducing = asyncio.create_task(self._reduce_own_part(state))
+            state.reduction = self.reduction_factory(spec, me)
+            state.reducing = asyncio.create_task(self._reduce_part(state, state.reduction, state.direct[me]))
+        if spec.audit_pair is not None:
+            part, auditor = spec.audit_pair
+            state.audit_result = loop.create_future()
+            if auditor == me:
+                state.audit_reduction = self.reduction_factory(spec, part)
+                state.auditing = asyncio.create_task(self._reduce_part(state, state.audit_reduction, state.audit_result))
         self._register(state)
         return state
 
@@ -132,23 +145,28 @@ class VoteNode:
         state.voted, state.tag = True, tag
         me, report, parts = state.me, state.report, state.report.parts
         report.started = started
-        red = state.reduction
-        if red is not None and not red.finalized:
-            a, b = spec.bounds[me]
-            red.tags[me] = tag
-            red.add(me, 0, upload[:, a:b].clone(), last=True)
+        for red in (state.reduction, state.audit_reduction):
+            if red is not None and not red.finalized:
+                a, b = spec.bounds[red.part]
+                red.tags[me] = tag
+                red.add(me, 0, upload[:, a:b].clone(), last=True)
 
-        tasks = [state.reducing] if state.reducing is not None else []
+        tasks = [t for t in (state.reducing, state.auditing) if t is not None]
         turn = asyncio.Lock()  # uploads leave one reducer at a time, in rotated order
         n = len(spec.group)
         for k in range(1, n):
             j = (me + k) % n
             if j in state.direct:
-                tasks.append(asyncio.create_task(self._vote_remote(state, j, upload, turn, started)))
+                tasks.append(asyncio.create_task(self._vote_remote(state, j, j, upload, turn, started, state.direct[j])))
+        if spec.audit_pair is not None and spec.audit_pair[1] != me:
+            part, auditor = spec.audit_pair
+            tasks.append(asyncio.create_task(self._vote_remote(state, auditor, part, upload, turn, started,
+                                                               state.audit_result)))
         await asyncio.gather(*tasks)
+        self._check_audit(state)
         report.timings["results"] = time.perf_counter() - started
 
-        missing = [j for j, fut in state.direct.items() if fut.result() is None]
+        missing = [j for j, fut in state.direct.items() if fut.result() is None and j not in state.no_recovery]
         outcomes: dict[int, PartResult | None] = {j: fut.result() for j, fut in state.direct.items()}
         if missing:
             recovered = await asyncio.gather(*(self._recover(state, j) for j in missing))
@@ -160,7 +178,7 @@ class VoteNode:
             report.timings["recovery"] = time.perf_counter() - started - report.timings["results"]
         for j, outcome in outcomes.items():
             if parts[j].status == "pending":
-                parts[j].status = "ok"
+                parts[j].status = "ok" if outcome is not None else "missing"
         update, undecodable = assemble(spec, outcomes)
         for j, reason in undecodable.items():
             parts[j].status, parts[j].note = "missing", f"undecodable result: {reason}"
@@ -174,16 +192,38 @@ class VoteNode:
         self._rounds[rid] = state
         while len(self._rounds) > self.config.keep_rounds:
             old, old_state = self._rounds.popitem(last=False)
-            if old_state.reducing is not None and not old_state.reducing.done():
-                old_state.reducing.cancel()  # prepared, but no vote ever came
+            for task in (old_state.reducing, old_state.auditing):
+                if task is not None and not task.done():
+                    task.cancel()  # prepared, but no vote ever came
             self._finished.append(old)
         if rid in self._waiting:
             self._waiting.pop(rid).set()
 
-    async def _reduce_own_part(self, state: RoundState) -> None:
+    def _check_audit(self, state: RoundState) -> None:
+        """Compare the audited part's result from its reducer with the auditor's. Different bytes from
+        the same counted voters mean one of the two lies: nobody can tell which from here, so the part
+        is applied as zero and both are reported (the swarm excludes a peer caught with several partners)."""
+        if state.spec.audit_pair is None:
+            return
+        part, auditor = state.spec.audit_pair
+        direct, audit = state.direct[part].result(), state.audit_result.result()
+        if direct is None or audit is None or direct.counted != audit.counted:
+            verdict = "inconclusive"
+        elif direct.wire == audit.wire:
+            verdict = "ok"
+        else:
+            verdict = "mismatch"
+            state.direct[part] = asyncio.get_running_loop().create_future()
+            state.direct[part].set_result(None)
+            state.report.parts[part].note = f"audit mismatch with auditor {auditor}: applied as zero"
+            state.no_recovery.add(part)
+            logger.warning("round %s: part %d's result differs from auditor %d's: one of them lies",
+                           state.spec.round_id.hex()[:12], part, auditor)
+        state.report.audit = (part, auditor, verdict)
+
+    async def _reduce_part(self, state: RoundState, red: PartReduction, result: asyncio.Future) -> None:
         """Finalize when every vote is in, or a grace period after the quorum, or ``upload_timeout``
         after the first vote arrived."""
-        red = state.reduction
         await red.first_in.wait()
         started = time.perf_counter()
         deadline = started + self.config.upload_timeout
@@ -196,22 +236,26 @@ class VoteNode:
             self.deadline.observe(red.last_arrival - red.quorum_time if everyone else None)
         except asyncio.TimeoutError:
             self.deadline.observe(None)
+        self._emit("finalize")
         outcome = red.finalize()
-        state.report.parts[state.me].record(outcome)
-        state.report.dropped.extend(red.dropped.items())
-        state.report.timings["reduce"] = time.perf_counter() - started  # from the first vote
-        state.direct[state.me].set_result(outcome)
+        if red is state.reduction:
+            state.report.parts[state.me].record(outcome)
+            state.report.dropped.extend(red.dropped.items())
+            state.report.timings["reduce"] = time.perf_counter() - started  # from the first vote
+        result.set_result(outcome)
 
-    async def _vote_remote(self, state: RoundState, j: int, upload: torch.Tensor, turn: asyncio.Lock,
-                           started: float) -> None:
+    async def _vote_remote(self, state: RoundState, reducer: int, j: int, upload: torch.Tensor, turn: asyncio.Lock,
+                           started: float, target: asyncio.Future) -> None:
+        """Send part j to ``reducer`` (its own reducer, or the auditor) and put its result in ``target``."""
         spec, report = state.spec, state.report
         deadline = self.config.result_timeout - (time.perf_counter() - started)
         writer = None
+        audit = reducer != j
 
         async def exchange() -> PartResult:
             nonlocal writer
-            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[j].peer_id),
-                                                                          VOTE_PROTOCOL)
+            _, reader, writer = await self.p2p.call_binary_stream_handler(
+                PeerID.from_base58(spec.group[reducer].peer_id), VOTE_PROTOCOL)
             async with turn:
                 await self._send_votes(writer, state, j, upload)
                 report.timings.setdefault("upload", 0.0)
@@ -221,14 +265,17 @@ class VoteNode:
         outcome: PartResult | None = None
         try:
             outcome = await asyncio.wait_for(exchange(), max(deadline, 0.0))
-            report.parts[j].record(outcome)
+            if not audit:
+                report.parts[j].record(outcome)
         except Exception as e:  # any failure of this reducer leaves the part to recovery
-            report.parts[j].note = f"no result from reducer: {type(e).__name__}: {e}"
-            logger.info("round %s: part %d %s", spec.round_id.hex()[:12], j, report.parts[j].note)
+            note = f"no result from {'auditor' if audit else 'reducer'} {reducer}: {type(e).__name__}: {e}"
+            if not audit:
+                report.parts[j].note = note
+            logger.info("round %s: part %d %s", spec.round_id.hex()[:12], j, note)
         finally:
             if writer is not None:
                 writer.close()
-            state.direct[j].set_result(outcome)
+            target.set_result(outcome)
 
     async def _send_votes(self, writer: asyncio.StreamWriter, state: RoundState, j: int, upload: torch.Tensor) -> None:
         spec = state.spec
@@ -240,7 +287,8 @@ class VoteNode:
             chunk = pb.VoteChunk(version=PROTOCOL_VERSION, round_id=spec.round_id, step=spec.step, part=j,
                                  offset=offset, length=length, upload=encoding, upload_bits=bits,
                                  result=result_wire(spec.result), codes=codes, last=offset + length == b - a,
-                                 tag=state.tag if offset == 0 else b"")
+                                 tag=state.tag if offset == 0 else b"",
+                                 token=self.admission.token(self.peer_id) if offset == 0 else b"")
             sent = await write_frame(writer, chunk)  # not `+= await`: that reads the total before awaiting
             state.report.bytes_up += sent
             state.report.payload_up += len(codes)
@@ -302,7 +350,8 @@ class VoteNode:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[i].peer_id),
                                                                           FETCH_PROTOCOL)
             try:
-                sent = await write_frame(writer, pb.FetchResult(version=PROTOCOL_VERSION, round_id=spec.round_id, part=j))
+                sent = await write_frame(writer, pb.FetchResult(version=PROTOCOL_VERSION, round_id=spec.round_id, part=j,
+                                                                token=self.admission.token(self.peer_id)))
                 state.report.bytes_up += sent
                 return await self._read_result(reader, state, j)
             finally:
@@ -348,19 +397,25 @@ class VoteNode:
             chunk, nread = await asyncio.wait_for(read_frame(reader, pb.VoteChunk), self.config.join_timeout)
             if chunk is None:
                 return
+            refused = self.admission.reason(info.peer_id.to_base58(), chunk.token)
+            if refused:
+                raise WireError(f"not admitted: {refused}")
             state = await self._find_round(chunk.round_id)
             spec = state.spec
             voter = spec.index_of(info.peer_id.to_base58())
-            if chunk.part != state.me or state.reduction is None:
+            if chunk.part == state.me and state.reduction is not None:
+                red = state.reduction
+            elif state.audit_reduction is not None and chunk.part == state.audit_reduction.part:
+                red = state.audit_reduction
+            else:
                 raise WireError(f"part {chunk.part} is not reduced by this peer")
-            red = state.reduction
             if len(chunk.tag) > MAX_TAG_BYTES:
                 raise WireError(f"tag of {len(chunk.tag)} bytes")
             red.tags.setdefault(voter, chunk.tag)
             state.report.bytes_down += nread
             await self._receive_votes(state, red, voter, chunk, reader)
             outcome = await asyncio.shield(red.result)
-            await self._send_result(writer, state, state.me, outcome)
+            await self._send_result(writer, state, red.part, outcome)
         except WireError as e:
             self._refuse(state, red, voter, info, str(e))
             await self._try_send_error(writer, state, state.me if state else 0, str(e))
@@ -379,7 +434,7 @@ class VoteNode:
         limit = spec.upload.planes * red.nbytes  # a late voter's bytes are read (not counted) up to this
         received = 0
         while True:
-            if chunk.round_id != spec.round_id or chunk.part != state.me:
+            if chunk.round_id != spec.round_id or chunk.part != red.part:
                 raise WireError("chunk for another round or part on the same stream")
             spec.check_vote_header(chunk)
             codes = red.codes_from(chunk)
@@ -419,6 +474,9 @@ class VoteNode:
             req, _ = await asyncio.wait_for(read_frame(reader, pb.FetchResult, 1024), self.config.join_timeout)
             if req is None:
                 return
+            refused = self.admission.reason(info.peer_id.to_base58(), req.token)
+            if refused:
+                raise WireError(f"not admitted: {refused}")
             state = self._rounds.get(req.round_id)
             if state is None:
                 raise WireError("unknown round")
@@ -431,6 +489,7 @@ class VoteNode:
                 raise WireError(f"part {req.part} was not received from its reducer here")
             await self._send_result(writer, state, req.part, outcome)
         except WireError as e:
+            logger.warning("refused a result request from %s: %s", info.peer_id, e)
             await self._try_send_error(writer, state, 0, str(e))
         except (asyncio.TimeoutError, *NETWORK_ERRORS):
             pass

@@ -1,6 +1,7 @@
 """What every peer of a round must agree on, the knobs, and the round's report."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from ..codecs import Bf16Upload, MajorityResult, ResultCodec, SignUpload, UploadCodec
@@ -63,6 +64,7 @@ class RoundSpec:
     upload: UploadCodec = field(default_factory=SignUpload)
     result: ResultCodec = field(default_factory=MajorityResult)
     seed: int = 0
+    audit: bool = False  # also reduce one sampled part at a second reducer and compare (lying reducers)
 
     def __post_init__(self) -> None:
         ids = [p.peer_id for p in self.group]
@@ -76,6 +78,18 @@ class RoundSpec:
     @property
     def bounds(self) -> list[tuple[int, int]]:
         return self._bounds  # type: ignore[attr-defined]
+
+    @property
+    def audit_pair(self) -> tuple[int, int] | None:
+        """(audited part, auditor) of an audit round: a part drawn from the round id, and the next
+        reducer after it. Every peer derives the same pair; None when fewer than two parts."""
+        if not self.audit:
+            return None
+        parts = [j for j, (a, b) in enumerate(self.bounds) if b > a]
+        if len(parts) < 2:
+            return None
+        k = int.from_bytes(hashlib.blake2b(self.round_id, digest_size=4).digest(), "big") % len(parts)
+        return parts[k], parts[(k + 1) % len(parts)]
 
     def index_of(self, peer_id: str) -> int:
         if peer_id not in self._index:  # type: ignore[attr-defined]
@@ -140,6 +154,7 @@ class RoundReport:
     dropped: list[tuple[int, str]] = field(default_factory=list)  # (voter, reason) in parts this peer reduced
     started: float = 0.0  # perf_counter when this peer began voting; timings are seconds from here
     group_epoch: int = 0  # the newest group epoch any reducer mentioned
+    audit: tuple[int, int, str] | None = None  # (part, auditor, "ok" | "mismatch" | "inconclusive")
 
     @property
     def missing_parts(self) -> list[int]:

@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--identity-path", default=None)
     p.add_argument("--client-mode", action="store_true", help="behind NAT: dial out only")
     p.add_argument("--weight", type=float, default=1.0, help="share of reduction work (e.g. your upload Mbit/s)")
+    p.add_argument("--run-secret", default=None, help="the run's shared secret, if it has one (admission)")
+    p.add_argument("--allow-peers", nargs="*", default=[], help="admit only these peer ids")
     p.add_argument("--steps", type=int, default=1000, help="stop at this global step")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     config = SwarmConfig(args.run_id, initial_peers=args.initial_peers + read_peers_file(args.initial_peers_file),
                          host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs,
                          identity_path=args.identity_path, client_mode=args.client_mode, weight=args.weight,
+                         run_secret=args.run_secret, allow_peers=args.allow_peers,
                          upload=args.upload, result=args.result, allreduce=allreduce,
                          transport="allgather" if args.method == "dlion" else "butterfly",
                          momentum=MomentumSchedule(every=args.momentum_every), checkpoint_dir=args.checkpoint_dir,

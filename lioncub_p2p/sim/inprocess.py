@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..codecs import reduce_votes, result_codec, upload_codec, wire_bits_per_element
+from ..codecs import pack_planes, reduce_votes, result_codec, unpack_planes, upload_codec, wire_bits_per_element
 from ..momentum import MomentumSchedule, average_in_process
 from ..optim import LionCub
 from .tasks import Task, digits_task
@@ -60,13 +60,33 @@ class Outcome:
     seconds: float
 
 
+BYZANTINE = ("random", "invert", "ones")
+
+
+def corrupt(upload: torch.Tensor, codec, behavior: str, gen: torch.Generator) -> torch.Tensor:
+    """What a bad voter sends instead of its honest codes (planes, nbytes)."""
+    if behavior == "random":
+        return torch.randint(0, 256, upload.shape, dtype=torch.uint8, generator=gen)
+    if behavior == "ones":
+        return torch.full_like(upload, 255)
+    if behavior == "invert":
+        if codec.planes == 1:
+            return ~upload
+        codes = unpack_planes(upload, upload.shape[1] * 8).to(torch.int32).clamp(max=codec.max_code)
+        return pack_planes(codec.max_code - codes, codec.planes)
+    raise ValueError(f"unknown bad-voter behavior {behavior!r}; use one of {BYZANTINE}")
+
+
 def _batch(x: torch.Tensor, y: torch.Tensor, size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     idx = torch.randint(0, len(x), (size,), generator=gen)
     return x[idx], y[idx]
 
 
 def run_method(method: Method, task: Task, *, workers: int = 4, steps: int = 300, batch: int = 32,
-               lr: float = 3e-4, weight_decay: float = 0.1, seed: int = 0) -> Outcome:
+               lr: float = 3e-4, weight_decay: float = 0.1, seed: int = 0,
+               byzantine: dict[int, str] | None = None) -> Outcome:
+    """Train with ``workers`` simulated peers; ``byzantine[i]`` makes worker i send corrupt votes
+    ("random" bits, "invert"ed votes, all "ones") while training honestly on its shard."""
     start = time.perf_counter()
     shards = [task.shard(i, workers) for i in range(workers)]
     gens = [torch.Generator().manual_seed(seed * 1000 + i) for i in range(workers)]
@@ -94,6 +114,8 @@ def run_method(method: Method, task: Task, *, workers: int = 4, steps: int = 300
             opt.zero_grad()
             loss_fn(model(xb), yb).backward()
             uploads.append(opt.compute_upload())
+        for i, behavior in (byzantine or {}).items():
+            uploads[i] = corrupt(uploads[i], up, behavior, gens[i])
         wire = reduce_votes(uploads, up, res, numel=nbytes * 8, seed=seed, step=step)
         update = res.decode(wire, nbytes * 8, workers * up.max_code)
         for opt in opts:

@@ -265,7 +265,9 @@ def summarize(name: str, method: Method, out: Path, n: int, counters, hidden: in
     return MethodResult(
         method=name, label=method.label, rounds=rounds,
         wall_s=(first[-1]["time"] - t0) if first else 0.0,
-        step_s=(first[-1]["time"] - t0) / max(len(first) - 1, 1) if first else float("nan"), median_step_s=med(gaps),
+        # the last step is disturbed by peers leaving when the budget is up: it is left out
+        step_s=(first[-2]["time"] - t0) / max(len(first) - 2, 1) if len(first) > 2 else float("nan"),
+        median_step_s=med(gaps),
         compute_s=med([r["compute_s"] for r in rows]),
         communication_s=med(comm), waiting_s=med([r.get("wait_s", 0.0) for r in rows]),
         round_s=med([r["round_s"] for r in rows if "round_s" in r]),

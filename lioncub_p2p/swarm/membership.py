@@ -42,6 +42,7 @@ class PeerRecord:
     bytes_up_per_s: float = 0.0
     bytes_down_per_s: float = 0.0
     loss: float | None = None
+    token: bytes = b""  # admission token (see allreduce/admission.py)
     expires: float = 0.0
 
     def to_value(self) -> dict[str, Any]:
@@ -59,7 +60,8 @@ class PeerRecord:
                          samples_per_s=float(value.get("samples_per_s", 0.0)),
                          bytes_up_per_s=float(value.get("bytes_up_per_s", 0.0)),
                          bytes_down_per_s=float(value.get("bytes_down_per_s", 0.0)),
-                         loss=None if value.get("loss") is None else float(value["loss"]), expires=float(expires))
+                         loss=None if value.get("loss") is None else float(value["loss"]),
+                         token=bytes(value.get("token", b""))[:64], expires=float(expires))
         except (KeyError, TypeError, ValueError):
             return None
         return record if record.weight >= 0 and record.step >= 0 else None
@@ -71,6 +73,11 @@ class GroupRecord:
     from_step: int
     members: tuple[PeerSpec, ...]
     previous: "GroupRecord | None" = field(default=None, compare=False)
+    proof: bytes = field(default=b"", compare=False)  # the leader's HMAC of content() with the run secret
+
+    def content(self) -> bytes:
+        """What the proof covers: epoch, first step and members, canonically."""
+        return repr((self.epoch, self.from_step, [(m.peer_id, m.weight, m.client_mode) for m in self.members])).encode()
 
     def to_value(self) -> dict[str, Any]:
         def plain(g: GroupRecord) -> dict[str, Any]:
@@ -79,6 +86,7 @@ class GroupRecord:
 
         value = plain(self)
         value["previous"] = plain(self.previous) if self.previous is not None else None
+        value["proof"] = self.proof
         return value
 
     @classmethod
@@ -93,7 +101,8 @@ class GroupRecord:
             previous = None
             if not nested and value.get("previous") is not None:
                 previous = cls.parse(value["previous"], nested=True)
-            return cls(int(value["epoch"]), int(value["from_step"]), specs, previous)
+            proof = bytes(value.get("proof", b""))[:64] if not nested else b""
+            return cls(int(value["epoch"]), int(value["from_step"]), specs, previous, proof)
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -104,10 +113,12 @@ class GroupRecord:
 class Directory:
     """The run's records in the DHT. Methods are coroutines for the swarm's event loop."""
 
-    def __init__(self, dht: DHT, run_id: str):
+    def __init__(self, dht: DHT, run_id: str, group_namespace: str = ""):
         self.dht = dht
         self.peers_key = f"{run_id}.peers"
-        self.group_key = f"{run_id}.group"
+        # runs with a secret keep their group record under a key derived from it: a peer with another
+        # secret can neither read nor overwrite it (it would only find, or found, a group of its own)
+        self.group_key = f"{run_id}.group" + (f".{group_namespace}" if group_namespace else "")
 
     async def announce(self, record: PeerRecord, ttl: float) -> None:
         await self.dht.store(self.peers_key, record.to_value(), get_dht_time() + ttl, subkey=record.peer_id,

@@ -31,6 +31,7 @@ from hivemind import DHT
 
 from ..aio import BackgroundLoop
 from ..allreduce import AllReduceConfig, PeerSpec, RoundReport, RoundSpec, VoteNode
+from ..allreduce.admission import Admission
 from ..allreduce.allgather import GatherNode
 from ..codecs import AverageResult, Bf16Upload, result_codec, upload_codec
 from ..momentum import MomentumSchedule
@@ -69,10 +70,13 @@ class SwarmConfig:
     record_ttl: float = 10.0
     refresh_period: float = 0.5
     full_digest_every: int = 10  # the state tag hashes every parameter byte on these steps
+    audit_every: int = 5  # every this many rounds one sampled part is reduced twice (0: never)
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     max_state_uploads: int = 2
     join_timeout: float = 120.0
+    run_secret: str | None = None  # admission: only peers knowing it vote, reduce, serve state, average
+    allow_peers: list[str] = field(default_factory=list)  # admission: only these peer ids (if given)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -104,8 +108,10 @@ class Swarm:
         self.result = result_codec(config.result)
         self.loop = BackgroundLoop(f"swarm-{config.run_id}")
         self.history = GroupHistory()
+        self._refused: set[str] = set()  # peers (and "group") already warned about
         self.records: dict[str, PeerRecord] = {}
         self.failures: Counter[str] = Counter()
+        self.disputes: dict[str, set[str]] = {}  # peer -> the peers whose results disagreed with its own
         self.optimizer: LionCub | None = None
         self.stats = StepStats()
         self.repairs = 0
@@ -132,11 +138,14 @@ class Swarm:
                              f"are reachable") from e
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=30)
         self.peer_id = self.p2p.peer_id.to_base58()
-        self.directory = Directory(self.dht, config.run_id)
-        self.node = VoteNode(self.p2p, config.allreduce)
-        self.gather = GatherNode(self.p2p, config.allreduce) if config.transport == "allgather" else None
+        self.admission = Admission(config.run_id, config.run_secret.encode() if config.run_secret else None,
+                                   frozenset(config.allow_peers))
+        namespace = hashlib.blake2b(config.run_secret.encode(), digest_size=6).hexdigest() if config.run_secret else ""
+        self.directory = Directory(self.dht, config.run_id, namespace)
+        self.node = VoteNode(self.p2p, config.allreduce, self.admission)
+        self.gather = GatherNode(self.p2p, config.allreduce, self.admission) if config.transport == "allgather" else None
         self.state_server = StateServer(self.p2p, config.run_id, max_uploads=config.max_state_uploads,
-                                        provider=self._snapshot_between_steps)
+                                        provider=self._snapshot_between_steps, admission=self.admission)
         self._synced = False  # the state server serves only once this peer holds the swarm's state
         self.loop.run(self._start_services(), timeout=30)
 
@@ -176,6 +185,7 @@ class Swarm:
             time.sleep(1.0)  # a group record stored moments ago may not have reached us yet
             self.loop.run(self._refresh_group(), timeout=30)
         if self.history.latest is None:
+            self._check_not_locked_out()
             self._found()
         if self.peer_id not in self.history.latest.member_ids():
             self._sync_from_swarm(deadline)
@@ -197,9 +207,18 @@ class Swarm:
                 raise SwarmError(f"only {len(latest.members) if latest else 0} of {count} peers joined in time")
             time.sleep(self.config.refresh_period)
 
+    def _check_not_locked_out(self) -> None:
+        """Peers of this run are around but none shares our secret: founding a group of our own would
+        only train alone. Say so."""
+        self.records = self.loop.run(self.directory.peers(), timeout=30)
+        others = [r for pid, r in self.records.items() if pid != self.peer_id]
+        if others and not self.admission.open and not any(self.admission.admits(r.peer_id, r.token) for r in others):
+            raise SwarmError(f"{len(others)} peers of run {self.config.run_id} are online but none shares this "
+                             f"peer's run secret: check --run-secret (or the allow-list)")
+
     def _found(self) -> None:
         step = self.optimizer.step_count
-        record = GroupRecord(0, step, (self._my_spec(),))
+        record = self._signed(GroupRecord(0, step, (self._my_spec(),)))
         self.loop.run(self.directory.publish_group(record, ttl=60.0), timeout=30)
         time.sleep(0.5)  # let a concurrent founder's record land too; the DHT keeps one of them
         self.loop.run(self._refresh_group(), timeout=30)
@@ -214,8 +233,8 @@ class Swarm:
             if latest is not None and self.peer_id in latest.member_ids():
                 break
             if time.monotonic() > deadline:
-                raise SwarmError("no group took this peer in time: is the run alive and its version "
-                                 f"{PROTOCOL_VERSION}?")
+                raise SwarmError("no group took this peer in time. Is the run alive? Is --run-secret the run's? "
+                                 f"Does the run speak protocol version {PROTOCOL_VERSION} (upgrade lioncub-p2p if not)?")
             self.loop.run(self._announce(), timeout=30)
             time.sleep(self.config.refresh_period)
         self._download(min_step=latest.from_step, group=latest)
@@ -227,7 +246,7 @@ class Swarm:
         have = (self.optimizer.step_count, snapshot.params_digest(self.optimizer))
         step, blob, digest = self.loop.run(download_state(
             self.p2p, donors, self.config.run_id, min_step=min_step, max_bytes=snapshot.max_size(self.optimizer),
-            have=have), timeout=self.config.join_timeout)
+            have=have, token=self.admission.token(self.peer_id)), timeout=self.config.join_timeout)
         if not blob:
             logger.info("this peer already holds the swarm's state (step 0, same initialization)")
             return
@@ -242,8 +261,9 @@ class Swarm:
     def _spec(self, group: GroupRecord, step: int, kind: str = "vote") -> RoundSpec:
         rid = hashlib.blake2b(f"{self.config.run_id}|{kind}|{step}|{group.epoch}".encode(), digest_size=16).digest()
         if kind == "vote":
+            audit = bool(self.config.audit_every) and step % self.config.audit_every == 0
             return RoundSpec(rid, step, group.members, self.optimizer.buffer_bytes, self.upload, self.result,
-                             self.config.seed)
+                             self.config.seed, audit=audit and self.gather is None)
         numel = sum(m.numel() for name, m in self.optimizer.momentum_buffers() if self.config.momentum.selects(name))
         return RoundSpec(rid, step, group.members, 2 * numel, Bf16Upload(),
                          AverageResult(trimmed=self.config.momentum_rule == "trimmed_mean"), self.config.seed)
@@ -340,8 +360,16 @@ class Swarm:
         self._synced = True
         self._prepare(self.optimizer.step_count)
 
+    def suspects(self) -> set[str]:
+        """Peers caught in audit mismatches with at least two different partners: lying reducers."""
+        return {pid for pid, partners in self.disputes.items() if len(partners) >= 2}
+
     def _observe(self, spec: RoundSpec, report: RoundReport, started: float) -> None:
         self.last_report = report
+        if report.audit is not None and report.audit[2] == "mismatch":
+            reducer, auditor = (spec.group[i].peer_id for i in report.audit[:2])
+            self.disputes.setdefault(reducer, set()).add(auditor)
+            self.disputes.setdefault(auditor, set()).add(reducer)
         received = [p for p in report.parts if p.status in ("ok", "recovered")]
         counted = set().union(*(set(p.counted) for p in received)) if received else set()
         for i, member in enumerate(spec.group):
@@ -416,7 +444,14 @@ class Swarm:
             await asyncio.sleep(self.config.refresh_period)
 
     async def _refresh_group(self) -> None:
-        self.history.add(await self.directory.group())
+        record = await self.directory.group()
+        if record is not None and not self.admission.verifies(record.content(), record.proof):
+            if "group" not in self._refused:
+                self._refused.add("group")
+                logger.warning("ignoring a group record of run %s not signed with this run's secret",
+                               self.config.run_id)
+            record = None
+        self.history.add(record)
         if self.history.latest is not None:
             self.node.group_epoch = self.history.latest.epoch
 
@@ -427,7 +462,8 @@ class Swarm:
         record = PeerRecord(self.peer_id, self.config.weight, self.config.client_mode, step, PROTOCOL_VERSION,
                             self._synced, samples_per_s=self.samples_per_step * rate(step - step0),
                             bytes_up_per_s=self.stats.bytes_up / max(self.stats.seconds, 1e-6),
-                            bytes_down_per_s=self.stats.bytes_down / max(self.stats.seconds, 1e-6), loss=self.last_loss)
+                            bytes_down_per_s=self.stats.bytes_down / max(self.stats.seconds, 1e-6), loss=self.last_loss,
+                            token=self.admission.token(self.peer_id))
         self._progress = (now, step)
         await self.directory.announce(record, ttl=self.config.record_ttl)
 
@@ -439,7 +475,11 @@ class Swarm:
         alive = set(self.records) | {self.peer_id}
         syncing = {pid for pid, r in self.records.items() if not r.synced}  # joiners: absent until they sync
 
+        suspects = self.suspects()
+
         def healthy(pid: str) -> bool:
+            if pid in suspects:
+                return False
             return pid == self.peer_id or (pid in alive and (self.failures[pid] < 2 or pid in syncing))
 
         leader = next((m.peer_id for m in latest.members if not m.client_mode and healthy(m.peer_id)), None)
@@ -449,7 +489,7 @@ class Swarm:
         keep = [m for m in latest.members if healthy(m.peer_id)]
         known = {m.peer_id for m in latest.members}
         new = [PeerSpec(r.peer_id, r.weight, r.client_mode) for r in self.records.values()
-               if r.peer_id not in known and r.version == PROTOCOL_VERSION]
+               if r.peer_id not in known and r.version == PROTOCOL_VERSION and self._admits(r)]
         desired = tuple(sorted(keep + new, key=lambda m: m.peer_id))
         if {m.peer_id for m in desired} == known or not any(m.reduces for m in desired):
             if time.monotonic() - self._published > 20.0:  # keep the record from expiring
@@ -458,13 +498,24 @@ class Swarm:
             return
         ahead = max([step] + [r.step for r in self.records.values() if r.peer_id in known])  # the fastest member
         lead = 0 if self._idle and ahead == step else self.config.lead_steps  # nobody steps yet: at once
-        record = GroupRecord(latest.epoch + 1, ahead + lead, desired, previous=latest)
+        record = self._signed(GroupRecord(latest.epoch + 1, ahead + lead, desired, previous=latest))
         if await self.directory.publish_group(record, ttl=60.0):
             self._published = time.monotonic()
             self.history.add(record)
             self.node.group_epoch = record.epoch
             logger.info("group epoch %d from step %d: %d members (+%d, -%d)", record.epoch, record.from_step,
                         len(desired), len(new), len(latest.members) - len(keep))
+
+    def _signed(self, record: GroupRecord) -> GroupRecord:
+        return GroupRecord(record.epoch, record.from_step, record.members, record.previous,
+                           self.admission.sign(record.content()))
+
+    def _admits(self, record: PeerRecord) -> bool:
+        refused = self.admission.reason(record.peer_id, record.token)
+        if refused and record.peer_id not in self._refused:
+            self._refused.add(record.peer_id)
+            logger.warning("peer %s asked to join but is refused: %s", record.peer_id, refused)
+        return refused is None
 
     # -- leaving -----------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from typing import Callable
 
 from hivemind.p2p import P2P, PeerID
 
+from ..allreduce.admission import OPEN, Admission
 from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ class StateServer:
     of the state between steps, or None while a step is in progress or the step is too early."""
 
     def __init__(self, p2p: P2P, run_id: str, *, max_uploads: int = 2, wait_timeout: float = 60.0,
-                 provider: Callable[[int], tuple[int, bytes, bytes] | None] | None = None):
+                 provider: Callable[[int], tuple[int, bytes, bytes] | None] | None = None,
+                 admission: Admission = OPEN):
         self.p2p, self.run_id = p2p, run_id.encode()
         self.max_uploads, self.wait_timeout = max_uploads, wait_timeout
         self._uploads = 0
@@ -45,6 +47,7 @@ class StateServer:
         self._lock = threading.Lock()
         self._offered: asyncio.Condition | None = None
         self.provider = provider
+        self.admission = admission
         self.serving = True  # False while this peer holds no state of the swarm (joining): refuse at once
 
     async def start(self) -> None:
@@ -96,6 +99,9 @@ class StateServer:
             req, _ = await asyncio.wait_for(read_frame(reader, pb.StateRequest, 4096), 10.0)
             if req is None:
                 return
+            refused = self.admission.reason(info.peer_id.to_base58(), req.token)
+            if refused:
+                raise WireError(f"not admitted: {refused}")
             if busy:
                 raise WireError("busy: too many downloads from this donor, try another")
             if not self.serving:
@@ -118,7 +124,7 @@ class StateServer:
                     data=blob[offset : offset + CHUNK_BYTES], last=offset + CHUNK_BYTES >= len(blob),
                     params_digest=digest))
         except WireError as e:
-            logger.info("state request from %s refused: %s", info.peer_id, e)
+            logger.warning("state request from %s refused: %s", info.peer_id, e)
             try:
                 await write_frame(writer, pb.StateChunk(version=PROTOCOL_VERSION, error=str(e)[:200]))
             except Exception:
@@ -145,8 +151,8 @@ class _Download:
 
 
 async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: int, max_bytes: int,
-                         timeout: float = 120.0, attempts: int = 3, have: tuple[int, bytes] | None = None
-                         ) -> tuple[int, bytes, bytes]:
+                         timeout: float = 120.0, attempts: int = 3, have: tuple[int, bytes] | None = None,
+                         token: bytes = b"") -> tuple[int, bytes, bytes]:
     """(step, snapshot bytes, parameter digest) from donors tried in random order, resuming across them.
 
     ``have`` = (step, parameter digest) of the requester's own state; a donor at step 0 with the
@@ -156,7 +162,7 @@ async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: 
     progress, errors = _Download(), []
     for donor in random.sample(donors, len(donors)) * attempts:
         try:
-            await asyncio.wait_for(_fetch_from(p2p, donor, run_id, min_step, max_bytes, progress, have), timeout)
+            await asyncio.wait_for(_fetch_from(p2p, donor, run_id, min_step, max_bytes, progress, have, token), timeout)
         except Exception as e:
             errors.append(f"{donor[:16]}: {type(e).__name__}: {e}")
             logger.info("state download from %s stopped at %d bytes: %s", donor, len(progress.blob), e)
@@ -167,13 +173,13 @@ async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: 
 
 
 async def _fetch_from(p2p: P2P, donor: str, run_id: str, min_step: int, max_bytes: int, progress: _Download,
-                      have: tuple[int, bytes] | None) -> None:
+                      have: tuple[int, bytes] | None, token: bytes) -> None:
     _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(donor), STATE_PROTOCOL)
     try:
         have_step, have_digest = have if have is not None and not progress.blob else (0, b"")
         await write_frame(writer, pb.StateRequest(version=PROTOCOL_VERSION, run_id=run_id.encode(), min_step=min_step,
                                                   offset=len(progress.blob), params_digest=progress.digest,
-                                                  have_step=have_step, have_digest=have_digest))
+                                                  have_step=have_step, have_digest=have_digest, token=token))
         while not progress.done:
             chunk, _ = await read_frame(reader, pb.StateChunk)
             if chunk is None:

@@ -1,0 +1,140 @@
+"""Soak: many rounds of a real swarm (DHT, libp2p daemons) with random churn, in one process.
+
+Peers train the digits example in threads. A fault schedule drawn from the seed makes peers leave
+(shut down mid-run), new peers join (download state and catch up), one peer stall (its training
+loop freezes for seconds), and parameters flip (a perturbed peer must notice and repair itself).
+At the end every peer still in the run must hold bitwise identical parameters.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..allreduce import AllReduceConfig
+from ..momentum import MomentumSchedule
+from ..optim import LionCub
+from ..swarm import Swarm, SwarmConfig, snapshot
+from .tasks import digits_task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SoakReport:
+    rounds: int = 0
+    seconds: float = 0.0
+    faults: dict[str, int] = field(default_factory=lambda: {"leave": 0, "join": 0, "stall": 0, "bit_flip": 0})
+    repairs: int = 0
+    rejoins: int = 0
+    peers_at_end: int = 0
+    identical_at_end: bool = False
+    unrepaired: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class _Peer:
+    def __init__(self, index: int, config: SwarmConfig, task, steps: int):
+        self.index, self.task, self.steps = index, task, steps
+        self.swarm = Swarm(config)
+        self.stop = threading.Event()
+        self.stall_for = 0.0
+        self.flip = False
+        self.digest: bytes | None = None
+        self.step = 0
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, name=f"soak-peer{index}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            model = self.task.make_model(seed=0)
+            opt = LionCub(model.parameters(), lr=1e-3, weight_decay=0.1, aggregator=self.swarm)
+            self.swarm.join(opt)
+            x, y = self.task.shard(self.index % 4, 4)
+            gen = torch.Generator().manual_seed(self.index)
+            while opt.step_count < self.steps and not self.stop.is_set():
+                if self.stall_for:
+                    time.sleep(self.stall_for)
+                    self.stall_for = 0.0
+                if self.flip:
+                    with torch.no_grad():
+                        next(model.parameters()).view(-1)[0] += 0.5  # a flipped exponent bit's worth
+                    self.flip = False
+                idx = torch.randint(0, len(x), (32,), generator=gen)
+                nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+                opt.step()
+                opt.zero_grad()
+                self.step = opt.step_count
+            if opt.step_count >= self.steps:
+                self.digest = snapshot.params_digest(opt)
+        except Exception as e:  # reported, and it fails the soak
+            self.error = f"peer {self.index}: {type(e).__name__}: {e}"
+            logger.exception("soak peer %d failed", self.index)
+
+
+def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: int = 25, hidden: int = 64,
+             timeout: float = 600.0) -> SoakReport:
+    rng = random.Random(seed)
+    task = digits_task(0, hidden=hidden)
+    allreduce = AllReduceConfig(upload_timeout=2.0, result_timeout=4.0, join_timeout=2.0, recovery_timeout=1.0)
+    base = dict(allreduce=allreduce, momentum=MomentumSchedule(every=10), record_ttl=6.0)
+    report, started = SoakReport(), time.monotonic()
+    first = _Peer(0, SwarmConfig("soak", **base), task, rounds)
+    maddrs = [str(m) for m in first.swarm.dht.get_visible_maddrs()]
+    config = lambda: SwarmConfig("soak", initial_peers=maddrs, **base)  # noqa: E731
+    team = [first] + [_Peer(i, config(), task, rounds) for i in range(1, peers)]
+    for p in team:
+        p.thread.start()
+        time.sleep(0.2)
+    next_index, next_fault, gone = peers, fault_every, []
+    try:
+        while time.monotonic() - started < timeout:
+            alive = [p for p in team if p.thread.is_alive()]
+            if not alive:
+                break
+            step = max(p.step for p in alive)
+            if step >= next_fault and step < rounds - fault_every:
+                next_fault += fault_every
+                kind = rng.choice(["leave", "stall", "bit_flip"])
+                victim = rng.choice([p for p in alive if p is not first])  # keep the bootstrap peer up
+                report.faults[kind] += 1
+                if kind == "leave":  # it leaves; a newcomer takes its place
+                    victim.stop.set()
+                    victim.thread.join(30)
+                    victim.swarm.shutdown()
+                    team.remove(victim)
+                    gone.append(victim)
+                    newcomer = _Peer(next_index, config(), task, rounds)
+                    next_index += 1
+                    team.append(newcomer)
+                    newcomer.thread.start()
+                    report.faults["join"] += 1
+                elif kind == "stall":
+                    victim.stall_for = 6.0
+                else:
+                    victim.flip = True
+                logger.info("soak: step %d, %s on peer %d", step, kind, victim.index)
+            time.sleep(0.1)
+        for p in team:
+            p.thread.join(max(timeout - (time.monotonic() - started), 1.0))
+    finally:
+        for p in team:
+            p.stop.set()
+            report.repairs += p.swarm.repairs
+            p.swarm.shutdown()
+        for p in gone:
+            report.repairs += p.swarm.repairs
+    report.seconds = time.monotonic() - started
+    report.rounds = max((p.step for p in team), default=0)
+    finished = [p for p in team if p.digest is not None]
+    report.peers_at_end = len(finished)
+    report.identical_at_end = len(finished) == len(team) and len({p.digest for p in finished}) == 1
+    majority = max({p.digest for p in finished}, key=lambda d: sum(p.digest == d for p in finished)) if finished else None
+    report.unrepaired = sum(p.digest != majority for p in finished) + len(team) - len(finished)
+    report.errors = [p.error for p in team + gone if p.error]
+    return report
