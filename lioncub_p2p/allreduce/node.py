@@ -358,6 +358,8 @@ class VoteNode:
                 writer.close()
 
         pending = {asyncio.create_task(asyncio.wait_for(ask(i), self.config.recovery_timeout)) for i in askers}
+        for task in pending:  # answers that come after the first good one are not needed, nor their errors
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -489,7 +491,8 @@ class VoteNode:
                 raise WireError(f"part {req.part} was not received from its reducer here")
             await self._send_result(writer, state, req.part, outcome)
         except WireError as e:
-            logger.warning("refused a result request from %s: %s", info.peer_id, e)
+            (logger.warning if "not admitted" in str(e) else logger.info)(
+                "refused a result request from %s: %s", info.peer_id, e)
             await self._try_send_error(writer, state, 0, str(e))
         except (asyncio.TimeoutError, *NETWORK_ERRORS):
             pass

@@ -58,6 +58,7 @@ class Outcome:
     bits_per_element_per_step: float
     replicas_identical: bool
     seconds: float
+    curve: list = field(default_factory=list)  # (step, mean training loss over workers)
 
 
 BYZANTINE = ("random", "invert", "ones")
@@ -77,43 +78,42 @@ def corrupt(upload: torch.Tensor, codec, behavior: str, gen: torch.Generator) ->
     raise ValueError(f"unknown bad-voter behavior {behavior!r}; use one of {BYZANTINE}")
 
 
-def _batch(x: torch.Tensor, y: torch.Tensor, size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    idx = torch.randint(0, len(x), (size,), generator=gen)
-    return x[idx], y[idx]
-
-
 def run_method(method: Method, task: Task, *, workers: int = 4, steps: int = 300, batch: int = 32,
                lr: float = 3e-4, weight_decay: float = 0.1, seed: int = 0,
                byzantine: dict[int, str] | None = None) -> Outcome:
     """Train with ``workers`` simulated peers; ``byzantine[i]`` makes worker i send corrupt votes
     ("random" bits, "invert"ed votes, all "ones") while training honestly on its shard."""
     start = time.perf_counter()
-    shards = [task.shard(i, workers) for i in range(workers)]
     gens = [torch.Generator().manual_seed(seed * 1000 + i) for i in range(workers)]
     base = task.make_model(seed)
-    loss_fn = nn.functional.cross_entropy
+    curve: list[tuple[int, float]] = []
     if method.upload is None:
         opt = LionCub(base.parameters(), lr=lr, weight_decay=weight_decay)
-        for _ in range(steps):
-            batches = [_batch(x, y, batch, g) for (x, y), g in zip(shards, gens)]
+        for step in range(steps):
+            batches = [task.sample(i, workers, batch, g) for i, g in enumerate(gens)]
             xb, yb = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
             opt.zero_grad()
-            loss_fn(base(xb), yb).backward()  # equal shard batches: the mean of the workers' gradients
+            loss = task.loss(base, xb, yb)  # equal shard batches: the mean of the workers' gradients
+            loss.backward()
             opt.step()
+            curve.append((step, loss.item()))
         loss, acc = task.evaluate(base)
-        return Outcome(method.name, steps, workers, acc, loss, 64.0, True, time.perf_counter() - start)
+        return Outcome(method.name, steps, workers, acc, loss, 64.0, True, time.perf_counter() - start, curve)
 
     up, res = upload_codec(method.upload), result_codec(method.result)
     replicas = [copy.deepcopy(base) for _ in range(workers)]
     opts = [LionCub(m.parameters(), lr=lr, weight_decay=weight_decay, upload=up, seed=seed) for m in replicas]
     nbytes, syncs = opts[0].buffer_bytes, 0
     for step in range(steps):
-        uploads = []
-        for model, opt, (x, y), g in zip(replicas, opts, shards, gens):
-            xb, yb = _batch(x, y, batch, g)
+        uploads, losses = [], []
+        for i, (model, opt, g) in enumerate(zip(replicas, opts, gens)):
+            xb, yb = task.sample(i, workers, batch, g)
             opt.zero_grad()
-            loss_fn(model(xb), yb).backward()
+            loss = task.loss(model, xb, yb)
+            loss.backward()
+            losses.append(loss.item())
             uploads.append(opt.compute_upload())
+        curve.append((step, sum(losses) / len(losses)))
         for i, behavior in (byzantine or {}).items():
             uploads[i] = corrupt(uploads[i], up, behavior, gens[i])
         wire = reduce_votes(uploads, up, res, numel=nbytes * 8, seed=seed, step=step)
@@ -126,7 +126,7 @@ def run_method(method: Method, task: Task, *, workers: int = 4, steps: int = 300
     identical = all(torch.equal(a, b) for m in replicas[1:] for a, b in zip(replicas[0].parameters(), m.parameters()))
     loss, acc = task.evaluate(replicas[0])
     bits = wire_bits_per_element(up, res, workers) + MOMENTUM_SYNC_BITS * syncs / steps
-    return Outcome(method.name, steps, workers, acc, loss, bits, identical, time.perf_counter() - start)
+    return Outcome(method.name, steps, workers, acc, loss, bits, identical, time.perf_counter() - start, curve)
 
 
 def format_table(outcomes: list[Outcome]) -> str:

@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -120,7 +121,8 @@ class Simulation:
     def run(self, name: str) -> MethodResult:
         method = METHODS[name]
         out = self.workdir / name
-        out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(out, ignore_errors=True)  # metrics files are appended to: start clean
+        out.mkdir(parents=True)
         maddrs = out / "coordinator.maddrs"
         self._spawn("c", ["lioncub_p2p.cli.coordinator", "--run-id", name, "--host-maddrs", self._host("c"),
                           "--write-maddrs", str(maddrs), "--quiet"], out / "coordinator.log")
@@ -265,8 +267,7 @@ def summarize(name: str, method: Method, out: Path, n: int, counters, hidden: in
     return MethodResult(
         method=name, label=method.label, rounds=rounds,
         wall_s=(first[-1]["time"] - t0) if first else 0.0,
-        # the last step is disturbed by peers leaving when the budget is up: it is left out
-        step_s=(first[-2]["time"] - t0) / max(len(first) - 2, 1) if len(first) > 2 else float("nan"),
+        step_s=_mean_step(first, per_peer),
         median_step_s=med(gaps),
         compute_s=med([r["compute_s"] for r in rows]),
         communication_s=med(comm), waiting_s=med([r.get("wait_s", 0.0) for r in rows]),
@@ -278,6 +279,16 @@ def summarize(name: str, method: Method, out: Path, n: int, counters, hidden: in
         final_eval_accuracy=statistics.mean([e["eval_accuracy"] for e in evals]) if evals else float("nan"),
         divergence_events=sum(bool(r.get("repaired")) for r in rows), peers_finished=len(evals),
         bytes_source=source, curves=curves)
+
+
+def _mean_step(first: list[dict], per_peer: list[list[dict]]) -> float:
+    """Wall time per step of peer 0 while every peer was still training: once the first peer stops
+    (its budget is up), the rounds that follow wait for it and are not representative."""
+    ends = [peer[-1]["time"] for peer in per_peer if peer]
+    window = [r for r in first if r["time"] < min(ends)] if ends else []
+    if len(window) < 2:
+        return float("nan")
+    return (window[-1]["time"] - window[0]["time"]) / (len(window) - 1)
 
 
 def compare(results: list[MethodResult]) -> None:

@@ -75,6 +75,7 @@ class _Peer:
         except Exception as e:  # reported, and it fails the soak
             self.error = f"peer {self.index}: {type(e).__name__}: {e}"
             logger.exception("soak peer %d failed", self.index)
+            self.swarm.shutdown()  # a crashed volunteer's machine goes away with it
 
 
 def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: int = 25, hidden: int = 64,

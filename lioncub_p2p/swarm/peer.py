@@ -44,6 +44,9 @@ from .state_transfer import StateServer, download_state
 logger = logging.getLogger(__name__)
 
 
+SYNC_GRACE_ROUNDS = 30  # rounds a joining member may miss before it is dropped
+
+
 class SwarmError(RuntimeError):
     """Something a volunteer has to act on (unreachable coordinators, version mismatch, ...)."""
 
@@ -200,8 +203,10 @@ class Swarm:
         while True:
             latest = self.history.latest
             synced = {pid for pid, r in self.records.items() if r.synced} | {self.peer_id}
-            if (latest is not None and len(latest.members) >= count and latest.from_step <= self.optimizer.step_count
-                    and all(m.peer_id in synced for m in latest.members)):
+            settled = latest is not None and all(  # every member synced, and the group says so (weights back)
+                m.peer_id in synced and (m.reduces or m.client_mode or self.records.get(m.peer_id, m).weight == 0)
+                for m in latest.members)
+            if settled and len(latest.members) >= count and latest.from_step <= self.optimizer.step_count:
                 return
             if time.monotonic() > deadline:
                 raise SwarmError(f"only {len(latest.members) if latest else 0} of {count} peers joined in time")
@@ -468,30 +473,41 @@ class Swarm:
         await self.directory.announce(record, ttl=self.config.record_ttl)
 
     async def _lead(self) -> None:
-        """If this peer leads the group, keep it equal to the live, compatible peers."""
+        """If this peer leads the group, keep it equal to the live, admitted, compatible peers.
+
+        A member that is still downloading the swarm's state votes with weight 0 (it reduces no part,
+        so nobody waits for its part); it gets its weight once its record says it is synced. A member
+        that was not counted in two rounds in a row is dropped; one still syncing gets
+        ``SYNC_GRACE_ROUNDS`` before that; a peer caught lying by audits is dropped at once."""
         latest = self.history.latest
         if latest is None or self.optimizer is None or not self._synced:
             return
         alive = set(self.records) | {self.peer_id}
-        syncing = {pid for pid, r in self.records.items() if not r.synced}  # joiners: absent until they sync
-
+        syncing = {pid for pid, r in self.records.items() if not r.synced}
         suspects = self.suspects()
 
         def healthy(pid: str) -> bool:
             if pid in suspects:
                 return False
-            return pid == self.peer_id or (pid in alive and (self.failures[pid] < 2 or pid in syncing))
+            limit = SYNC_GRACE_ROUNDS if pid in syncing else 2
+            return pid == self.peer_id or (pid in alive and self.failures[pid] < limit)
 
-        leader = next((m.peer_id for m in latest.members if not m.client_mode and healthy(m.peer_id)), None)
+        def spec(pid: str, weight: float, client_mode: bool) -> PeerSpec:
+            return PeerSpec(pid, 0.0 if pid in syncing else weight, client_mode)
+
+        leader = next((m.peer_id for m in latest.members if m.reduces and healthy(m.peer_id)), None)
         step = self.optimizer.step_count
         if leader != self.peer_id or step < latest.from_step:
             return
-        keep = [m for m in latest.members if healthy(m.peer_id)]
         known = {m.peer_id for m in latest.members}
-        new = [PeerSpec(r.peer_id, r.weight, r.client_mode) for r in self.records.values()
+        keep = [spec(m.peer_id, self.records[m.peer_id].weight if m.peer_id in self.records else m.weight,
+                     m.client_mode) for m in latest.members if healthy(m.peer_id)]
+        new = [spec(r.peer_id, r.weight, r.client_mode) for r in self.records.values()
                if r.peer_id not in known and r.version == PROTOCOL_VERSION and self._admits(r)]
+        for m in new:  # a returning peer starts with a clean slate
+            self.failures[m.peer_id] = 0
         desired = tuple(sorted(keep + new, key=lambda m: m.peer_id))
-        if {m.peer_id for m in desired} == known or not any(m.reduces for m in desired):
+        if set(desired) == set(latest.members) or not any(m.reduces for m in desired):
             if time.monotonic() - self._published > 20.0:  # keep the record from expiring
                 self._published = time.monotonic()
                 await self.directory.publish_group(latest, ttl=60.0)
@@ -503,8 +519,9 @@ class Swarm:
             self._published = time.monotonic()
             self.history.add(record)
             self.node.group_epoch = record.epoch
-            logger.info("group epoch %d from step %d: %d members (+%d, -%d)", record.epoch, record.from_step,
-                        len(desired), len(new), len(latest.members) - len(keep))
+            logger.info("group epoch %d from step %d: %d members (+%d, -%d), %d reducing", record.epoch,
+                        record.from_step, len(desired), len(new), len(latest.members) - len(keep),
+                        sum(m.reduces for m in desired))
 
     def _signed(self, record: GroupRecord) -> GroupRecord:
         return GroupRecord(record.epoch, record.from_step, record.members, record.previous,

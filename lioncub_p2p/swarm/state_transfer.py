@@ -151,7 +151,7 @@ class _Download:
 
 
 async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: int, max_bytes: int,
-                         timeout: float = 120.0, attempts: int = 3, have: tuple[int, bytes] | None = None,
+                         timeout: float = 120.0, attempts: int = 6, have: tuple[int, bytes] | None = None,
                          token: bytes = b"") -> tuple[int, bytes, bytes]:
     """(step, snapshot bytes, parameter digest) from donors tried in random order, resuming across them.
 
@@ -160,15 +160,23 @@ async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: 
     if not donors:
         raise StateTransferError("no donor to download state from")
     progress, errors = _Download(), []
-    for donor in random.sample(donors, len(donors)) * attempts:
-        try:
-            await asyncio.wait_for(_fetch_from(p2p, donor, run_id, min_step, max_bytes, progress, have, token), timeout)
-        except Exception as e:
-            errors.append(f"{donor[:16]}: {type(e).__name__}: {e}")
-            logger.info("state download from %s stopped at %d bytes: %s", donor, len(progress.blob), e)
-            continue
-        if progress.done:
-            return progress.step, bytes(progress.blob), progress.digest
+    deadline = time.monotonic() + timeout
+    for attempt in range(attempts):
+        for donor in random.sample(donors, len(donors)):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                await asyncio.wait_for(_fetch_from(p2p, donor, run_id, min_step, max_bytes, progress, have, token),
+                                       remaining)
+            except Exception as e:
+                errors.append(f"{donor[:16]}: {type(e).__name__}: {e}")
+                logger.info("state download from %s stopped at %d bytes: %s", donor, len(progress.blob), e)
+                continue
+            if progress.done:
+                return progress.step, bytes(progress.blob), progress.digest
+        # every donor was busy, joining or gone: back off (with jitter, so newcomers spread) and retry
+        await asyncio.sleep(min(0.5 * 2 ** attempt, 5.0) * (0.5 + random.random()))
     raise StateTransferError("state download failed: " + "; ".join(errors[-4:]))
 
 
