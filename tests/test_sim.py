@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from lioncub_p2p.sim.links import LinkProfile, NamespaceNetwork, namespaces_available, parse_links
-from lioncub_p2p.sim.launcher import main as sim_main
+from lioncub_p2p.sim.launcher import run as sim_run
 
 
 def test_link_profiles_from_flags_and_yaml_fields():
@@ -50,7 +50,7 @@ def test_namespace_caps_hold_and_everything_is_removed():
 @pytest.mark.timeout(400)
 def test_short_comparison_writes_report_and_plot(tmp_path):
     """Runs everywhere: shaped in namespaces as root, else on loopback with the report saying so."""
-    results = sim_main(["--links", "50,20,10", "--methods", "lioncub", "dlion", "hivemind-fp16", "--hidden", "256",
+    results = sim_run(["--links", "50,20,10", "--methods", "lioncub", "dlion", "hivemind-fp16", "--hidden", "256",
                         "--seconds", "8", "--eval-every", "2", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "report.json").read_text())
     assert len(report["results"]) == 3

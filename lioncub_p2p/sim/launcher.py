@@ -361,7 +361,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> list[MethodResult]:
+def main(argv: list[str] | None = None) -> None:
+    run(argv)
+
+
+def run(argv: list[str] | None = None) -> list[MethodResult]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.profile:
