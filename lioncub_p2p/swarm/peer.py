@@ -39,6 +39,7 @@ from ..optim import LionCub
 from ..wire import PROTOCOL_VERSION
 from . import checkpoint, snapshot
 from .membership import Directory, GroupHistory, GroupRecord, PeerRecord
+from .probe import serve_probe
 from .state_transfer import StateServer, download_state
 
 logger = logging.getLogger(__name__)
@@ -165,6 +166,7 @@ class Swarm:
 
     async def _start_services(self) -> None:
         await self.node.start()
+        await serve_probe(self.p2p, self.admission)
         if self.gather is not None:
             await self.gather.start()
         await self.state_server.start()
