@@ -78,8 +78,8 @@ def train_with_hivemind_averager(args, task, model) -> None:
     from ..optim import LionCub
 
     dht = DHT(start=True, initial_peers=args.initial_peers + read_peers_file(args.initial_peers_file),
-              host_maddrs=args.host_maddrs, client_mode=args.client_mode, no_listen=args.client_mode,
-              nat_port_map=False, auto_nat=False)
+              host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs or None,
+              client_mode=args.client_mode, no_listen=args.client_mode, nat_port_map=False, auto_nat=False)
     grads = [torch.zeros_like(p) for p in model.parameters()]
     group = args.group_size or 2
     averager = DecentralizedAverager(

@@ -25,7 +25,9 @@ from pathlib import Path
 
 import yaml
 
+from ..aio import BackgroundLoop
 from .links import LinkProfile, NamespaceNetwork, namespaces_available, parse_links
+from .proxy import ShapingProxy
 
 logger = logging.getLogger("lioncub.sim")
 
@@ -83,6 +85,8 @@ class Simulation:
         self.hidden, self.batch, self.steps, self.seconds, self.lr = hidden, batch, steps, seconds, lr
         self.eval_every, self.timeouts = eval_every, timeouts
         self.net: NamespaceNetwork | None = None
+        self.proxy: ShapingProxy | None = None
+        self._proxy_loop: BackgroundLoop | None = None
         self.notes: list[str] = []
         if shaping in ("auto", "netns"):
             ok, why = namespaces_available()
@@ -93,19 +97,50 @@ class Simulation:
             elif shaping == "netns":
                 raise SystemExit(f"error: network namespaces unavailable: {why}")
             else:
-                self.notes.append(f"links NOT shaped ({why}): peers run on 127.0.0.1 at full speed")
-        else:
+                self.notes.append(f"network namespaces unavailable ({why}): shaping in user space (proxy)")
+                shaping = "proxy"
+        if shaping == "proxy":
+            self.proxy = ShapingProxy(profiles)
+            self._proxy_loop = BackgroundLoop("shaping-proxy")
+            self._proxy_loop.run(self.proxy.start(), timeout=30)
+            if any(p.loss_pct for p in profiles):
+                self.notes.append("loss not applied: a user-space TCP proxy cannot drop packets")
+        elif shaping == "none":
             self.notes.append("links NOT shaped (--shaping none): peers run on 127.0.0.1 at full speed")
-        self.shaping = "netns" if self.net else "none"
+        self.shaping = "netns" if self.net else shaping
         self.procs: list[subprocess.Popen] = []
+        self.latency_procs: list[subprocess.Popen] = []
+        if self.net is not None and any(p.delay_ms for p in profiles):
+            self._start_latency_proxies()
+
+    NS_LISTEN, NS_ANNOUNCE = 40001, 40002  # ports inside each peer's namespace (its own port space)
+
+    def _start_latency_proxies(self) -> None:
+        """Delay-only proxies, one inside each peer's namespace; the kernel still enforces the rates."""
+        n = len(self.profiles)
+        addresses = ",".join(self.net.address(i) for i in range(n))
+        profiles = json.dumps([asdict(p) for p in self.profiles])
+        for i in range(n):
+            argv = self.net.exec_prefix(i) + [sys.executable, "-m", "lioncub_p2p.sim.proxy", "--serve", str(i),
+                                              "--addresses", addresses, "--profiles", profiles,
+                                              "--listen-port", str(self.NS_LISTEN), "--announce-port",
+                                              str(self.NS_ANNOUNCE)]
+            self.latency_procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                                       start_new_session=True))
+        self.notes.append("latency added by a user-space proxy in each peer's namespace (delays what it receives)")
 
     def close(self) -> None:
-        for proc in self.procs:
+        for proc in self.procs + self.latency_procs:
             _kill_group(proc)
         self.procs.clear()
+        self.latency_procs.clear()
         if self.net is not None:
             self.net.teardown()
             self.net = None
+        if self._proxy_loop is not None:
+            self._proxy_loop.run(self.proxy.stop(), timeout=10)
+            self._proxy_loop.stop()
+            self._proxy_loop = None
 
     def _spawn(self, who: int | str, argv: list[str], log: Path) -> subprocess.Popen:
         prefix = self.net.exec_prefix(who) if self.net else []
@@ -116,7 +151,20 @@ class Simulation:
         return proc
 
     def _host(self, who: int | str) -> str:
-        return f"/ip4/{self.net.address(who)}/tcp/0" if self.net else "/ip4/127.0.0.1/tcp/0"
+        if self.net and self.latency_procs and who != "c":
+            return f"/ip4/{self.net.address(who)}/tcp/{self.NS_LISTEN}"
+        if self.net:
+            return f"/ip4/{self.net.address(who)}/tcp/0"
+        if self.proxy is not None and who != "c":
+            return self.proxy.listen_maddr(int(who))
+        return "/ip4/127.0.0.1/tcp/0"
+
+    def _counters(self, n: int) -> list[tuple[int, int]] | None:
+        if self.net is not None:
+            return [self.net.wire_bytes(i) for i in range(n)]
+        if self.proxy is not None:
+            return list(zip(self.proxy.sent, self.proxy.received))
+        return None
 
     def run(self, name: str) -> MethodResult:
         method = METHODS[name]
@@ -137,11 +185,16 @@ class Simulation:
         for proc in self.procs:
             _kill_group(proc)
         self.procs.clear()
-        return summarize(name, method, out, n, counters, self.hidden)
+        source = ("interface counters during training (all traffic: votes, momentum, DHT, TCP)" if self.net else
+                  "proxy counters during training (peer-to-peer traffic, payload above TCP)")
+        return summarize(name, method, out, n, counters, self.hidden, source)
 
     def _start_peer(self, name: str, method: Method, i: int, out: Path, maddrs: Path) -> subprocess.Popen:
         profile = self.profiles[i]
-        argv = ["lioncub_p2p.cli.train", "--run-id", name, "--initial-peers-file", str(maddrs),
+        announce = ["--announce-maddrs", self.proxy.announce_maddr(i)] if self.proxy is not None else []
+        if self.latency_procs:
+            announce = ["--announce-maddrs", f"/ip4/{self.net.address(i)}/tcp/{self.NS_ANNOUNCE}"]
+        argv = ["lioncub_p2p.cli.train", "--run-id", name, "--initial-peers-file", str(maddrs), *announce,
                 "--host-maddrs", self._host(i), "--weight", str(profile.up_mbit), "--steps", str(self.steps),
                 "--max-seconds", str(self.seconds), "--hidden", str(self.hidden), "--batch", str(self.batch),
                 "--lr", str(self.lr), "--seed", "0", "--group-size", str(len(self.profiles)), "--quiet",
@@ -173,10 +226,10 @@ class Simulation:
                     _kill_group(p)
             steps = [_last_step(out / f"peer{i}.jsonl") for i in range(len(peers))]
             step = max(steps, default=-1)
-            if self.net is not None and first is None and min(steps) >= 0:
-                first = ([self.net.wire_bytes(i) for i in range(len(peers))], steps)
-            if self.net is not None and first is not None and last is None and any(p.poll() is not None for p in peers):
-                last = ([self.net.wire_bytes(i) for i in range(len(peers))], steps)
+            if first is None and min(steps) >= 0:
+                first = (self._counters(len(peers)), steps)
+            if first is not None and last is None and any(p.poll() is not None for p in peers):
+                last = (self._counters(len(peers)), steps)
             for i, profile in enumerate(self.profiles):
                 if profile.stall_at is not None and step >= profile.stall_at and i not in stalled:
                     stalled.add(i)
@@ -193,7 +246,7 @@ class Simulation:
                     back.add(i)
                     peers[i] = self._start_peer(name, method, i, out, maddrs)
             time.sleep(0.2)
-        if first is None or last is None:
+        if first is None or last is None or first[0] is None:
             return None
         return [((b[0] - a[0]) / max(s1 - s0, 1), (b[1] - a[1]) / max(s1 - s0, 1))
                 for a, b, s0, s1 in zip(first[0], last[0], first[1], last[1])]
@@ -234,7 +287,8 @@ def _jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def summarize(name: str, method: Method, out: Path, n: int, counters, hidden: int) -> MethodResult:
+def summarize(name: str, method: Method, out: Path, n: int, counters, hidden: int,
+              source: str = "interface counters during training (all traffic: votes, momentum, DHT, TCP)") -> MethodResult:
     numel = 64 * hidden + hidden + hidden * hidden + hidden + hidden * 10 + 10
     per_peer = [_jsonl(out / f"peer{i}.jsonl") for i in range(n)]
     rows = [r for peer in per_peer for r in peer]
@@ -244,7 +298,6 @@ def summarize(name: str, method: Method, out: Path, n: int, counters, hidden: in
     med = lambda values: statistics.median(values) if values else float("nan")  # noqa: E731
     if counters is not None:
         up, down = [c[0] for c in counters], [c[1] for c in counters]
-        source = "interface counters during training (all traffic: votes, momentum, DHT, TCP)"
     else:
         up = [med([r.get("bytes_up", 0) for r in peer]) for peer in per_peer]
         down = [med([r.get("bytes_down", 0) for r in peer]) for peer in per_peer]
@@ -356,7 +409,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--upload-timeout", type=float, default=10.0)
     p.add_argument("--result-timeout", type=float, default=30.0)
-    p.add_argument("--shaping", choices=["auto", "netns", "none"], default="auto")
+    p.add_argument("--shaping", choices=["auto", "netns", "proxy", "none"], default="auto",
+                   help="auto: namespaces as root, else the user-space proxy; proxy also applies latency")
     p.add_argument("--out", type=Path, default=Path("runs/sim"))
     return p.parse_args(argv)
 

@@ -4,8 +4,8 @@ As root, each peer gets its own network namespace joined to a bridge namespace b
 private addresses (10.77.0.0/24) that exist only inside those namespaces and have no route out.
 The kernel enforces the caps: a ``tbf`` qdisc on the peer's end of its veth (upload) and on the
 bridge's end (download); random loss is an nftables rule on the peer's input (when ``nft`` is
-installed). This kernel has no ``netem``, so added latency is not applied in namespaces (the
-report says so). Everything created is removed by ``teardown`` (also on errors and Ctrl+C: the
+installed). This kernel has no ``netem``: added latency comes from a small user-space proxy in each
+peer's namespace (``sim/proxy.py``), which delays what the peer receives. Everything created is removed by ``teardown`` (also on errors and Ctrl+C: the
 simulator calls it from ``finally``), and names carry the creating process id so parallel runs
 never collide.
 """
@@ -147,8 +147,7 @@ class NamespaceNetwork:
                           "1000", "<", str(per_mille), "drop", ns=ns)
             else:
                 self.notes.append(f"peer {peer}: loss {profile.loss_pct}% not applied (install nftables)")
-        if profile.delay_ms:
-            self.notes.append(f"peer {peer}: delay {profile.delay_ms} ms not applied (no netem in this kernel)")
+
 
     def wire_bytes(self, peer: int) -> tuple[int, int]:
         """(sent, received) bytes on the peer's interface so far: what really crossed its link."""
