@@ -54,3 +54,18 @@ def test_plot_turns_metrics_into_png(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "lioncub_p2p.cli.plot", str(tmp_path / "nope.jsonl")],
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0 and "does not exist" in missing.stderr
+
+
+def test_metrics_go_to_jsonl_and_tensorboard_alike(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    done = _train("--run-id", "tb", "--steps", "12", "--quiet", "--metrics-jsonl", "m.jsonl", "--tensorboard", "tb",
+                  cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    board = EventAccumulator(str(tmp_path / "tb"))
+    board.Reload()
+    logged = {e.step: e.value for e in board.Scalars("loss")}
+    assert len(rows) == 12 and sorted(logged) == [r["step"] for r in rows]
+    assert all(abs(logged[r["step"]] - r["loss"]) < 1e-6 * max(1.0, abs(r["loss"])) for r in rows)
+    assert {"peers", "bits_per_param", "compute_s", "wait_s", "bytes_up"} <= set(board.Tags()["scalars"])

@@ -123,3 +123,22 @@ def test_user_space_proxy_caps_and_delays():
     assert 39 < rtt < 48, rtt  # 30 ms + 10 ms of added delay, plus the proxy's own hop
     assert 4.5 < measured["mbit"] < 5.6, measured  # peer 1's 5 Mbit/s upload cap
     assert proxy.sent[1] >= 1_500_000 and proxy.received[0] >= 1_500_000
+
+
+@pytest.mark.timeout(300)
+def test_flaky_schedule_stalled_and_returning_peers_train_with_the_group(tmp_path):
+    """A peer SIGSTOPped for 2 s and a peer killed and started again both end up stepping with the others."""
+    profile = tmp_path / "peers.yaml"
+    profile.write_text("peers:\n  - {mbit: 50}\n  - {mbit: 20, stall_at: 5, stall_s: 2}\n"
+                       "  - {mbit: 20, leave_at: 8, rejoin_at: 15}\n")
+    (result,) = sim_run(["--profile", str(profile), "--methods", "lioncub", "--hidden", "64", "--seconds", "50",
+                         "--eval-every", "0", "--out", str(tmp_path)])
+    assert result.peers_finished >= 2  # the returning peer's clock started later: it is stopped when they finish
+    steps = [[json.loads(line)["step"] for line in (tmp_path / "lioncub" / f"peer{i}.jsonl").read_text().splitlines()]
+             for i in range(3)]
+    first_life_end = next(i for i in range(1, len(steps[2])) if steps[2][i] != steps[2][i - 1] + 1)  # it came back
+    second_life = steps[2][first_life_end:]
+    assert steps[2][first_life_end - 1] >= 8 and steps[2][first_life_end - 1] < 15  # killed on schedule
+    assert second_life[0] >= 15  # it came back with the swarm's state, not from scratch
+    assert len(second_life) >= 20  # ...and trained with the group to the end
+    assert second_life[-1] >= min(steps[0][-1], steps[1][-1]) - 10

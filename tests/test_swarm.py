@@ -279,3 +279,19 @@ def test_short_soak_with_churn_ends_identical():
     assert not report.errors, report
     assert report.rounds == 90 and sum(report.faults.values()) >= 3, report  # faults at steps 20, 40, 60
     assert report.identical_at_end and report.unrepaired == 0 and report.peers_at_end >= 3, report
+
+
+def test_admission_tokens_and_allow_list():
+    from lioncub_p2p.allreduce.admission import Admission
+
+    secret = Admission("run", b"k")
+    token = secret.token("peerA")
+    assert secret.admits("peerA", token) and not secret.admits("peerB", token)  # bound to the peer id
+    assert not Admission("run", b"other").admits("peerA", token)
+    assert not Admission("run2", b"k").admits("peerA", token)  # and to the run
+    assert secret.reason("peerA", b"") == "wrong or missing run secret"
+    listed = Admission("run", None, frozenset({"peerA"}))
+    assert listed.admits("peerA", b"") and listed.reason("peerB", b"") == "not on the run's allow-list"
+    assert Admission().admits("anyone", b"") and Admission().token("x") == b""
+    proof = secret.sign(b"group")
+    assert secret.verifies(b"group", proof) and not secret.verifies(b"group2", proof)

@@ -59,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--metrics-jsonl", default=None, help="append one JSON line per step")
+    p.add_argument("--tensorboard", default=None, help="also log metrics to this TensorBoard directory")
     p.add_argument("--final-state", default=None, help="write the final snapshot here (tests compare them)")
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step (simulate slow compute)")
     p.add_argument("--seed", type=int, default=0)
@@ -99,26 +100,42 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = LionCub(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, aggregator=swarm,
                         upload=args.upload)
     metrics = open(args.metrics_jsonl, "a") if args.metrics_jsonl else None
+    board = _tensorboard(args.tensorboard)
     try:
         start_step = swarm.join(optimizer)
         if args.wait_peers:
             swarm.wait_for_peers(args.wait_peers)
             start_step = optimizer.step_count
         logger.info("training from step %d as %s%s", start_step, swarm.peer_id, " (client mode)" * args.client_mode)
-        train(args, task, model, optimizer, swarm, metrics)
+        train(args, task, model, optimizer, swarm, metrics, board)
     except KeyboardInterrupt:
         print(f"\nleft the run at step {optimizer.step_count}", flush=True)
     except SwarmError as e:
         raise SystemExit(f"error: {e}")
+    except (MemoryError, torch.OutOfMemoryError) as e:
+        raise SystemExit(f"error: out of memory ({type(e).__name__}): lower --batch or --hidden, or close other "
+                         f"programs; the run goes on without you and you can rejoin")
     finally:
         if args.final_state:
             Path(args.final_state).write_bytes(snapshot.encode(optimizer)[0])
         if metrics:
             metrics.close()
+        if board is not None:
+            board.close()
         swarm.shutdown()
 
 
-def train(args, task, model, optimizer: LionCub, swarm: Swarm, metrics) -> None:
+def _tensorboard(logdir: str | None):
+    if not logdir:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise SystemExit("error: --tensorboard needs the tensorboard package: pip install 'lioncub-p2p[tensorboard]'")
+    return SummaryWriter(logdir)
+
+
+def train(args, task, model, optimizer: LionCub, swarm: Swarm, metrics, board=None) -> None:
     from tqdm import tqdm
 
     x, y = task.x_train, task.y_train
@@ -150,15 +167,23 @@ def train(args, task, model, optimizer: LionCub, swarm: Swarm, metrics) -> None:
         if metrics:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
+        if board is not None:
+            for key in ("loss", "eval_loss", "peers", "bits_per_param", "compute_s", "step_s", "wait_s", "bytes_up",
+                        "bytes_down"):
+                if key in record:
+                    board.add_scalar(key, record[key], before)
         if bar is not None:
             bar.update(optimizer.step_count - before)
             seconds = max(stats.seconds, 1e-6)
+            wait = stats.wait_s
             bar.set_postfix(peers=f"{stats.peers}/{stats.group_size}", loss=f"{loss.item():.3f}",
                             up=f"{stats.bytes_up / seconds / 1e6:.2f}MB/s", down=f"{stats.bytes_down / seconds / 1e6:.2f}MB/s",
-                            bits=f"{stats.bits_per_param:.2f}")
+                            bits=f"{stats.bits_per_param:.2f}",
+                            time=f"{t1 - t0:.2f}c/{max(t2 - t1 - wait, 0):.2f}m/{wait:.2f}w")
         elif optimizer.step_count % 50 == 0:
-            logger.info("step %d loss %.3f peers %d/%d %.2f bits/param", optimizer.step_count, loss.item(), stats.peers,
-                        stats.group_size, stats.bits_per_param)
+            logger.info("step %d loss %.3f peers %d/%d %.2f bits/param, s compute/comm/wait %.2f/%.2f/%.2f",
+                        optimizer.step_count, loss.item(), stats.peers, stats.group_size, stats.bits_per_param,
+                        t1 - t0, max(t2 - t1 - stats.wait_s, 0.0), stats.wait_s)
     if bar is not None:
         bar.close()
     finish(args, task, model, optimizer.step_count)

@@ -233,6 +233,7 @@ class Simulation:
             for i, profile in enumerate(self.profiles):
                 if profile.stall_at is not None and step >= profile.stall_at and i not in stalled:
                     stalled.add(i)
+                    logger.info("%s: peer %d stalled (SIGSTOP) for %.0f s at step %d", name, i, profile.stall_s, step)
                     _signal_group(peers[i], signal.SIGSTOP)
                     time.sleep(0)  # resumed below once its time is up
                     peers[i].resume_at = time.monotonic() + profile.stall_s  # type: ignore[attr-defined]
@@ -241,9 +242,11 @@ class Simulation:
                     peers[i].resume_at = 0  # type: ignore[attr-defined]
                 if profile.leave_at is not None and step >= profile.leave_at and i not in left:
                     left.add(i)
+                    logger.info("%s: peer %d killed (SIGKILL) at step %d", name, i, step)
                     _kill_group(peers[i])
                 if profile.rejoin_at is not None and i in left and i not in back and step >= profile.rejoin_at:
                     back.add(i)
+                    logger.info("%s: peer %d started again at step %d", name, i, step)
                     peers[i] = self._start_peer(name, method, i, out, maddrs)
             time.sleep(0.2)
         if first is None or last is None or first[0] is None:

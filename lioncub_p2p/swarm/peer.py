@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 
 SYNC_GRACE_ROUNDS = 30  # rounds a joining member may miss before it is dropped
+DROP_AFTER_S = 5.0  # ...and seconds any member may miss rounds: fast rounds must not drop a peer that is starting up
 
 
 class SwarmError(RuntimeError):
@@ -114,8 +115,10 @@ class Swarm:
         self.history = GroupHistory()
         self._refused: set[str] = set()  # peers (and "group") already warned about
         self.records: dict[str, PeerRecord] = {}
-        self.failures: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()  # rounds in a row a member was not counted...
+        self.failing_since: dict[str, float] = {}  # ...since when
         self.disputes: dict[str, set[str]] = {}  # peer -> the peers whose results disagreed with its own
+        self.evicted: dict[str, float] = {}  # dropped peer -> expiry of its record when it was dropped
         self.optimizer: LionCub | None = None
         self.stats = StepStats()
         self.repairs = 0
@@ -183,6 +186,7 @@ class Swarm:
             restored = checkpoint.restore(self.config.checkpoint_dir, optimizer)
             if restored is not None:
                 logger.info("resumed checkpoint at step %d", restored)
+        self._start_step = optimizer.step_count  # before any download: where this peer came in
         self._refresher = asyncio.run_coroutine_threadsafe(self._refresh_forever(), self.loop.loop)
         deadline = time.monotonic() + (timeout or self.config.join_timeout)
         self.loop.run(self._refresh_group(), timeout=30)
@@ -200,9 +204,15 @@ class Swarm:
         return optimizer.step_count
 
     def wait_for_peers(self, count: int, timeout: float = 300.0) -> None:
-        """Block until the group has ``count`` members holding the swarm's state (all start together)."""
+        """Block until the group has ``count`` members holding the swarm's state (all start together).
+
+        Returns at once when others trained past the step this peer came in at: a peer that comes back
+        to a run in progress must step with the group, not wait for a start that happened long ago."""
         deadline = time.monotonic() + timeout
+        self.records = self.loop.run(self.directory.peers(), timeout=30)
         while True:
+            if any(r.step > self._start_step for pid, r in self.records.items() if pid != self.peer_id):
+                return
             latest = self.history.latest
             synced = {pid for pid, r in self.records.items() if r.synced} | {self.peer_id}
             settled = latest is not None and all(  # every member synced, and the group says so (weights back)
@@ -381,7 +391,12 @@ class Swarm:
         counted = set().union(*(set(p.counted) for p in received)) if received else set()
         for i, member in enumerate(spec.group):
             if member.peer_id != self.peer_id:
-                self.failures[member.peer_id] = 0 if i in counted else self.failures[member.peer_id] + 1
+                if i in counted:
+                    self.failures[member.peer_id] = 0
+                    self.failing_since.pop(member.peer_id, None)
+                else:
+                    self.failures[member.peer_id] += 1
+                    self.failing_since.setdefault(member.peer_id, time.monotonic())
         numel = sum(s.param.numel() for s in self.optimizer.slots)
         self.stats.peers = max((len(p.counted) for p in received), default=0)
         self.stats.group_size = len(spec.group)
@@ -479,8 +494,8 @@ class Swarm:
 
         A member that is still downloading the swarm's state votes with weight 0 (it reduces no part,
         so nobody waits for its part); it gets its weight once its record says it is synced. A member
-        that was not counted in two rounds in a row is dropped; one still syncing gets
-        ``SYNC_GRACE_ROUNDS`` before that; a peer caught lying by audits is dropped at once."""
+        that was not counted in two rounds in a row, for at least ``DROP_AFTER_S``, is dropped; one still
+        syncing gets ``SYNC_GRACE_ROUNDS`` before that; a peer caught lying by audits is dropped at once."""
         latest = self.history.latest
         if latest is None or self.optimizer is None or not self._synced:
             return
@@ -492,7 +507,8 @@ class Swarm:
             if pid in suspects:
                 return False
             limit = SYNC_GRACE_ROUNDS if pid in syncing else 2
-            return pid == self.peer_id or (pid in alive and self.failures[pid] < limit)
+            recent = time.monotonic() - self.failing_since.get(pid, time.monotonic()) < DROP_AFTER_S
+            return pid == self.peer_id or (pid in alive and (self.failures[pid] < limit or recent))
 
         def spec(pid: str, weight: float, client_mode: bool) -> PeerSpec:
             return PeerSpec(pid, 0.0 if pid in syncing else weight, client_mode)
@@ -504,10 +520,17 @@ class Swarm:
         known = {m.peer_id for m in latest.members}
         keep = [spec(m.peer_id, self.records[m.peer_id].weight if m.peer_id in self.records else m.weight,
                      m.client_mode) for m in latest.members if healthy(m.peer_id)]
+        for m in latest.members:  # remember what the record of a dropped member said when it was dropped
+            if not healthy(m.peer_id) and m.peer_id in self.records:
+                self.evicted[m.peer_id] = self.records[m.peer_id].expires
+        # a dropped peer comes back only with a record announced since (a dead peer's record lingers
+        # until it expires; re-adding it would make the group flap)
         new = [spec(r.peer_id, r.weight, r.client_mode) for r in self.records.values()
-               if r.peer_id not in known and r.version == PROTOCOL_VERSION and self._admits(r)]
+               if r.peer_id not in known and r.version == PROTOCOL_VERSION and self._admits(r)
+               and r.expires > self.evicted.get(r.peer_id, 0.0) and r.peer_id not in suspects]
         for m in new:  # a returning peer starts with a clean slate
             self.failures[m.peer_id] = 0
+            self.failing_since.pop(m.peer_id, None)
         desired = tuple(sorted(keep + new, key=lambda m: m.peer_id))
         if set(desired) == set(latest.members) or not any(m.reduces for m in desired):
             if time.monotonic() - self._published > 20.0:  # keep the record from expiring
