@@ -9,7 +9,7 @@ others) the first time it reaches the point, on or after that step:
 - ``reduce``    a vote round, when this peer's part is reduced but nobody has its result yet;
 - ``result``    a vote round, after the first result chunk went out (some voters have it, others not);
 - ``momentum``  a momentum-averaging round, after its first chunk went out;
-- ``serve``     serving state to a newcomer, after the first chunk went out;
+- ``serve``     serving state to a newcomer, after the second chunk went out;
 - ``download``  downloading state as a newcomer, after the first chunk arrived.
 
 Unset (the normal case), every check is one comparison with ``None``.

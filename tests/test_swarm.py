@@ -72,6 +72,9 @@ def test_snapshot_round_trip_and_rejections():
     for (_, a), (_, b) in zip(src.momentum_buffers(), dst.momentum_buffers()):
         assert torch.equal(a, b)
     assert snapshot.params_digest(dst) == digest
+    assert snapshot.step_and_params_digest(blob) == (3, digest)  # no model needed (simulator, reports)
+    with pytest.raises(snapshot.SnapshotError, match="truncated"):
+        snapshot.step_and_params_digest(blob[: len(blob) // 4])
     _, other_shape = _opt(0, hidden=17)
     before = [p.clone() for p in (s.param for s in other_shape.slots)]
     with pytest.raises(snapshot.SnapshotError, match="do not match"):
@@ -133,18 +136,30 @@ class _RecordingServer(state_transfer.StateServer):
             state_transfer.read_frame = original
 
 
+async def _p2p_peers(n: int) -> list[P2P]:
+    peers = []
+    for _ in range(n):
+        init = [str(m) for p in peers for m in await p.get_visible_maddrs()]
+        peers.append(await P2P.create(initial_peers=init, nat_port_map=False, auto_nat=False))
+    return peers
+
+
+def _close_peers(loop: BackgroundLoop, peers: list[P2P]) -> None:
+    async def shutdown():
+        await asyncio.gather(*(p.shutdown() for p in peers))
+
+    loop.run(shutdown(), timeout=30)
+    loop.stop()
+
+
 def test_download_resumes_from_another_donor_and_respects_busy(monkeypatch):
     monkeypatch.setattr(state_transfer, "CHUNK_BYTES", 4096)
-    monkeypatch.setattr(state_transfer.random, "sample", lambda seq, k: list(seq))  # try donors in order
     _, donor_opt = _opt(0, hidden=512)
     blob, digest = snapshot.encode(donor_opt)
     loop = BackgroundLoop()
 
     async def setup():
-        peers = []
-        for _ in range(3):
-            init = [str(m) for p in peers for m in await p.get_visible_maddrs()]
-            peers.append(await P2P.create(initial_peers=init, nat_port_map=False, auto_nat=False))
+        peers = await _p2p_peers(3)
         dying = _DyingServer(peers[0], "run")
         recording = _RecordingServer(peers[1], "run", max_uploads=1)
         recording.offsets = []
@@ -165,11 +180,39 @@ def test_download_resumes_from_another_donor_and_respects_busy(monkeypatch):
             loop.run(state_transfer.download_state(peers[2], donors, "run", min_step=50, max_bytes=len(blob) + 10,
                                                    attempts=1), timeout=60)
     finally:
-        async def shutdown():
-            await asyncio.gather(*(p.shutdown() for p in peers))
+        _close_peers(loop, peers)
 
-        loop.run(shutdown(), timeout=30)
-        loop.stop()
+
+def test_download_starts_over_when_the_next_donor_moved_on(monkeypatch):
+    """A training swarm does not wait for a newcomer: the donor it resumes from may be a step further.
+    That donor sends its own snapshot from byte 0 and the newcomer ends with it, whole and consistent."""
+    monkeypatch.setattr(state_transfer, "CHUNK_BYTES", 4096)
+    _, old_opt = _opt(0, hidden=512)
+    _, new_opt = _opt(1, hidden=512)
+    (old_blob, old_digest), (new_blob, new_digest) = snapshot.encode(old_opt), snapshot.encode(new_opt)
+    loop = BackgroundLoop()
+
+    async def setup():
+        peers = await _p2p_peers(3)
+        dying, moved_on = _DyingServer(peers[0], "run"), _RecordingServer(peers[1], "run")
+        moved_on.offsets = []
+        for server, (step, blob, digest) in ((dying, (3, old_blob, old_digest)), (moved_on, (4, new_blob, new_digest))):
+            await server.start()
+            await server.offer(step, blob, digest)
+        return peers, moved_on
+
+    peers, moved_on = loop.run(setup(), timeout=60)
+    try:
+        donors = [peers[0].peer_id.to_base58(), peers[1].peer_id.to_base58()]  # tried in this order
+        got = loop.run(state_transfer.download_state(peers[2], donors, "run", min_step=3,
+                                                     max_bytes=len(new_blob) + 10), timeout=60)
+        assert got == (4, new_blob, new_digest)
+        assert moved_on.offsets[0] > 0  # the newcomer asked to resume; the donor started over
+        restored = _opt(2, hidden=512)[1]
+        snapshot.load(restored, got[1], expect_digest=got[2])
+        assert snapshot.params_digest(restored) == snapshot.params_digest(new_opt)
+    finally:
+        _close_peers(loop, peers)
 
 
 # -- a swarm in threads: repair and restart ---------------------------------------------------------------

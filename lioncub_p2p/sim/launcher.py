@@ -25,7 +25,9 @@ from pathlib import Path
 
 import yaml
 
+from .. import failpoints
 from ..aio import BackgroundLoop
+from ..swarm import snapshot
 from .links import LinkProfile, NamespaceNetwork, namespaces_available, parse_links
 from .proxy import ShapingProxy
 
@@ -74,6 +76,9 @@ class MethodResult:
     speedup_vs_fp32: float | None = None
     divergence_events: int = 0
     peers_finished: int = 0
+    exit_codes: list = field(default_factory=list)  # per peer: 0 clean, -9 killed, None never started
+    final_steps: list = field(default_factory=list)  # per peer, from its final state
+    identical_final_params: bool | None = None  # every peer that ended at the last step, bitwise
     bytes_source: str = ""
     curves: dict = field(default_factory=dict)  # per peer 0: time, step, loss, eval points
 
@@ -142,9 +147,9 @@ class Simulation:
             self._proxy_loop.stop()
             self._proxy_loop = None
 
-    def _spawn(self, who: int | str, argv: list[str], log: Path) -> subprocess.Popen:
+    def _spawn(self, who: int | str, argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
         prefix = self.net.exec_prefix(who) if self.net else []
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
         proc = subprocess.Popen(prefix + [sys.executable, "-m", *argv], stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
         self.procs.append(proc)
@@ -158,6 +163,14 @@ class Simulation:
         if self.proxy is not None and who != "c":
             return self.proxy.listen_maddr(int(who))
         return "/ip4/127.0.0.1/tcp/0"
+
+    def _set_link(self, i: int, up: bool, seconds: float) -> None:
+        if self.net is not None:
+            self.net.set_link(i, up)
+        elif self.proxy is not None and not up:
+            self.proxy.cut(i, seconds)
+        elif not up:
+            logger.warning("peer %d: a link cut needs shaping (namespaces or the proxy); not applied", i)
 
     def _counters(self, n: int) -> list[tuple[int, int]] | None:
         if self.net is not None:
@@ -179,7 +192,8 @@ class Simulation:
             time.sleep(0.1)
         n = len(self.profiles)
         started = time.monotonic()
-        peers = [self._start_peer(name, method, i, out, maddrs) for i in range(n)]
+        peers = [None if self.profiles[i].join_at is not None else self._start_peer(name, method, i, out, maddrs)
+                 for i in range(n)]
         counters = self._follow(name, method, peers, out, maddrs)
         logger.info("%s: %.0f s from launch to the last peer's exit", name, time.monotonic() - started)
         for proc in self.procs:
@@ -187,7 +201,10 @@ class Simulation:
         self.procs.clear()
         source = ("interface counters during training (all traffic: votes, momentum, DHT, TCP)" if self.net else
                   "proxy counters during training (peer-to-peer traffic, payload above TCP)")
-        return summarize(name, method, out, n, counters, self.hidden, source)
+        result = summarize(name, method, out, n, counters, self.hidden, source)
+        result.exit_codes = [p.returncode if p is not None else None for p in peers]
+        result.final_steps, result.identical_final_params = final_agreement(out, n)
+        return result
 
     def _start_peer(self, name: str, method: Method, i: int, out: Path, maddrs: Path) -> subprocess.Popen:
         profile = self.profiles[i]
@@ -200,9 +217,12 @@ class Simulation:
                 "--lr", str(self.lr), "--seed", "0", "--group-size", str(len(self.profiles)), "--quiet",
                 "--eval-every", str(self.eval_every), "--upload-timeout", str(self.timeouts[0]),
                 "--result-timeout", str(self.timeouts[1]), "--metrics-jsonl", str(out / f"peer{i}.jsonl"),
-                "--wait-peers", str(len(self.profiles)) if not method.trainer_args[1].startswith("hivemind") else "0",
-                "--final-eval", str(out / f"peer{i}.eval.json"), *method.trainer_args]
-        return self._spawn(i, argv, out / f"peer{i}.log")
+                "--wait-peers", str(sum(p.join_at is None for p in self.profiles))
+                if not method.trainer_args[1].startswith("hivemind") else "0",
+                "--final-eval", str(out / f"peer{i}.eval.json"), "--final-state", str(out / f"peer{i}.state"),
+                *method.trainer_args]
+        env = {failpoints.ENV: profile.failpoint} if profile.failpoint else {}
+        return self._spawn(i, argv, out / f"peer{i}.log", env)
 
     def _follow(self, name: str, method: Method, peers: list[subprocess.Popen], out: Path, maddrs: Path):
         """Wait for the peers, applying each profile's flakiness schedule as the swarm progresses.
@@ -210,27 +230,41 @@ class Simulation:
         Returns each peer's interface byte counters over the training phase (from the moment every
         peer logged its first step to the first peer's exit), or None without namespaces."""
         done_by = time.monotonic() + self.seconds + 180
-        stalled, left, back = set(), set(), set()
+        stalled, left, back, cut = set(), set(), set(), {}
         first = last = None
         ended_at, kill_at = None, float("inf")
-        while time.monotonic() < done_by and any(p.poll() is None for p in peers):
-            if ended_at is None and any(p.poll() == 0 for p in peers):
+        running = lambda: [p for p in peers if p is not None]  # noqa: E731  (newcomers start later)
+        while time.monotonic() < done_by and any(p.poll() is None for p in running()):
+            if ended_at is None and any(p.poll() == 0 for p in running()):
                 ended_at = time.monotonic()  # the budget is up: the others stop too, cleanly (SIGINT)
             if ended_at is not None and time.monotonic() - ended_at > 3:
-                for p in peers:
+                for p in running():
                     if p.poll() is None:
                         _signal_group(p, signal.SIGINT)
                 ended_at, kill_at = float("inf"), time.monotonic() + 10
             if ended_at == float("inf") and time.monotonic() > kill_at:
-                for p in peers:  # stuck in a lockstep round with a peer that already left
+                for p in running():  # stuck in a lockstep round with a peer that already left
                     _kill_group(p)
             steps = [_last_step(out / f"peer{i}.jsonl") for i in range(len(peers))]
             step = max(steps, default=-1)
-            if first is None and min(steps) >= 0:
+            started = [s for s, p in zip(steps, peers) if p is not None]
+            if first is None and min(started) >= 0:
                 first = (self._counters(len(peers)), steps)
-            if first is not None and last is None and any(p.poll() is not None for p in peers):
+            if first is not None and last is None and any(p.poll() is not None for p in running()):
                 last = (self._counters(len(peers)), steps)
             for i, profile in enumerate(self.profiles):
+                if profile.join_at is not None and peers[i] is None and step >= profile.join_at and ended_at is None:
+                    logger.info("%s: peer %d joins at step %d", name, i, step)
+                    peers[i] = self._start_peer(name, method, i, out, maddrs)
+                if profile.cut_at is not None and step >= profile.cut_at and i not in cut:
+                    logger.info("%s: peer %d's link cut for %.0f s at step %d", name, i, profile.cut_s, step)
+                    cut[i] = time.monotonic() + profile.cut_s
+                    self._set_link(i, False, profile.cut_s)
+                if cut.get(i) and time.monotonic() > cut[i]:
+                    cut[i] = 0.0
+                    self._set_link(i, True, 0.0)
+                if peers[i] is None:
+                    continue
                 if profile.stall_at is not None and step >= profile.stall_at and i not in stalled:
                     stalled.add(i)
                     logger.info("%s: peer %d stalled (SIGSTOP) for %.0f s at step %d", name, i, profile.stall_s, step)
@@ -337,6 +371,22 @@ def summarize(name: str, method: Method, out: Path, n: int, counters, hidden: in
         bytes_source=source, curves=curves)
 
 
+def final_agreement(out: Path, n: int) -> tuple[list[int | None], bool | None]:
+    """Each peer's final step (None without a final state) and whether every peer that ended at the
+    last step holds bitwise the same parameters (None if fewer than two did)."""
+    finals: list[tuple[int, bytes] | None] = []
+    for i in range(n):
+        try:
+            finals.append(snapshot.step_and_params_digest((out / f"peer{i}.state").read_bytes()))
+        except (FileNotFoundError, snapshot.SnapshotError):
+            finals.append(None)
+    steps = [f[0] if f else None for f in finals]
+    last = max((s for s in steps if s is not None), default=None)
+    digests = {f[1] for f in finals if f and f[0] == last}
+    at_last = sum(1 for f in finals if f and f[0] == last)
+    return steps, (len(digests) == 1) if at_last >= 2 else None
+
+
 def _mean_step(first: list[dict], per_peer: list[list[dict]]) -> float:
     """Wall time per step of peer 0 while every peer was still training: once the first peer stops
     (its budget is up), the rounds that follow wait for it and are not representative."""
@@ -365,16 +415,25 @@ def common_step(results: list[MethodResult]) -> int:
 
 def table(results: list[MethodResult], common_step: int) -> str:
     rows = [f"| method | rounds | s/step (median) | compute / comm / wait s (medians) | MB up+down per step | bits/param | "
-            f"eval loss @ step {common_step} | final eval loss (acc %) | speedup vs fp32 | repairs |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            f"eval loss @ step {common_step} | final eval loss (acc %) | speedup vs fp32 | repairs | params equal |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         at = f"{r.eval_loss_at_common_step:.3f}" if r.eval_loss_at_common_step is not None else "-"
         speed = f"{r.speedup_vs_fp32:.1f}x" if r.speedup_vs_fp32 else "-"
         rows.append(f"| {r.label} | {r.rounds} | {r.step_s:.3f} ({r.median_step_s:.3f}) | {r.compute_s:.3f} / {r.communication_s:.3f} / "
                     f"{r.waiting_s:.3f} | {(r.bytes_up_per_step + r.bytes_down_per_step) / 1e6:.3f} | "
                     f"{r.bits_per_param:.2f} | {at} | {r.final_eval_loss:.3f} ({r.final_eval_accuracy:.1f}) | "
-                    f"{speed} | {r.divergence_events} |")
+                    f"{speed} | {r.divergence_events} | {_agreement(r)} |")
     return "\n".join(rows)
+
+
+def _agreement(r: MethodResult) -> str:
+    """Whether the peers that ended at the last step hold the same parameters, and how many did."""
+    if r.identical_final_params is None:
+        return "-"
+    last = max(s for s in r.final_steps if s is not None)
+    at_last = sum(1 for s in r.final_steps if s == last)
+    return f"{'yes' if r.identical_final_params else 'NO'} ({at_last} at step {last})"
 
 
 def plot(results: list[MethodResult], path: Path) -> None:

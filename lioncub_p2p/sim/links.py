@@ -18,6 +18,8 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import failpoints
+
 logger = logging.getLogger(__name__)
 SUBNET = "10.77.0"
 
@@ -34,10 +36,15 @@ class LinkProfile:
     rejoin_at: int | None = None  # ...and started again when the swarm reaches this round
     stall_at: int | None = None  # frozen (SIGSTOP) at this round...
     stall_s: float = 0.0  # ...for this many seconds
+    cut_at: int | None = None  # its link goes down at this round (nothing passes, connections hang)...
+    cut_s: float = 0.0  # ...for this many seconds
+    join_at: int | None = None  # first started when the swarm reaches this round (a newcomer)
+    failpoint: str | None = None  # dies by SIGKILL at this protocol point ("result@20"; see failpoints.py)
 
     def __post_init__(self) -> None:
         if self.up_mbit <= 0 or self.down_mbit <= 0:
             raise ValueError(f"link rates must be positive, got up {self.up_mbit}, down {self.down_mbit}")
+        failpoints.parse(self.failpoint)  # a typo fails here, not silently in a peer
         if not 0 <= self.loss_pct < 100 or self.delay_ms < 0:
             raise ValueError(f"loss must be in [0, 100) and delay >= 0, got {self.loss_pct}, {self.delay_ms}")
 
@@ -148,6 +155,10 @@ class NamespaceNetwork:
             else:
                 self.notes.append(f"peer {peer}: loss {profile.loss_pct}% not applied (install nftables)")
 
+    def set_link(self, peer: int, up: bool) -> None:
+        """Cut or restore a peer's link: its veth end in the bridge goes down (packets are lost, TCP
+        connections hang and retransmit) or up again."""
+        self._run("ip", "link", "set", f"{self.prefix}h{peer}", "up" if up else "down", ns=self.bridge)
 
     def wire_bytes(self, peer: int) -> tuple[int, int]:
         """(sent, received) bytes on the peer's interface so far: what really crossed its link."""

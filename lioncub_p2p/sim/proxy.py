@@ -73,6 +73,11 @@ class ShapingProxy:
         self._tasks: set[asyncio.Task] = set()
         self.sent = [0] * len(profiles)  # bytes each peer sent / received through the proxy
         self.received = [0] * len(profiles)
+        self.cut_until = [0.0] * len(profiles)  # a cut link forwards nothing until then
+
+    def cut(self, peer: int, seconds: float) -> None:
+        """Nothing to or from ``peer`` passes for ``seconds``: its connections hang, as on a dead link."""
+        self.cut_until[peer] = time.monotonic() + seconds
 
     def listen_maddr(self, i: int) -> str:
         return f"/ip4/{self.addresses[i]}/tcp/{self.ports[i][0]}"
@@ -136,6 +141,9 @@ class ShapingProxy:
                     break
                 for bucket in buckets:
                     await bucket.take(len(data))
+                for peer in (sender_peer, receiver_peer):
+                    while peer is not None and time.monotonic() < self.cut_until[peer]:
+                        await asyncio.sleep(0.05)
                 if sender_peer is not None:
                     self.sent[sender_peer] += len(data)
                 if receiver_peer is not None:

@@ -9,7 +9,10 @@
    survivors' updates bitwise equal and the round's wall time against its timeouts;
 4. admission: a peer without the run secret trying to vote and to fetch results;
 5. a flood of junk streams and oversized frames during a round;
-6. soak: a real swarm with random churn for many rounds; faults, repairs, identical parameters.
+6. soak: a real swarm with random churn for many rounds; faults, repairs, identical parameters;
+7. process faults (``process_faults.py``): real trainer processes on shaped links, SIGKILLed at each
+   protocol point (failpoints), SIGSTOPped, cut off, or on a 1 Mbit/s link: survivors' final
+   parameters bitwise equal and their slowest step against the timeouts.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from ..allreduce.admission import Admission
 from ..momentum import MomentumSchedule
 from ..testing import LocalSwarm, LyingReduction
 from .inprocess import Method, run_method
+from .process_faults import run_process_faults
 from .soak import run_soak
 from .tasks import digits_task
 
@@ -164,6 +168,10 @@ def table(report: dict) -> str:
                  f"{adm['outsider_refusals_logged']}, members identical: {adm['members_identical']} |")
     lines.append(f"| {adm['flood_streams']} junk streams with 900 MiB frame headers during a round | round "
                  f"{adm['flood_round_s']:.2f} s vs {adm['clean_round_s']:.2f} s clean |")
+    for row in report.get("process_faults", []):
+        lines.append(f"| processes: {row['fault']} | {row['survivors']}/{row['expected']} survivors at step "
+                     f"{row['steps']}, parameters identical: {row['identical']}, step median {row['median_step_s']:.2f} s"
+                     f" / max {row['max_step_s']:.1f} s (bound {row['bound_s']:.0f} s), repairs {row['repairs']} |")
     soak = report["soak"]
     lines.append(f"| soak | {soak['rounds']} rounds in {soak['seconds']:.0f} s, faults {soak['faults']}, "
                  f"repairs {soak['repairs']}, unrepaired {soak['unrepaired']}, identical at end: "
@@ -179,13 +187,17 @@ def run(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--soak-rounds", type=int, default=300)
     parser.add_argument("--steps", type=int, default=300, help="training steps of the bad-voter runs")
+    parser.add_argument("--process-steps", type=int, default=150, help="steps of each process-fault scenario")
+    parser.add_argument("--skip-process-faults", action="store_true", help="leave out the process scenarios (~8 min)")
     parser.add_argument("--out", type=Path, default=Path("runs/reliability.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     report = {}
     for name, run in (("bad_voters", lambda: bad_voters(args.steps)), ("lying_reducer", lying_reducer),
                       ("faults", faults), ("admission", admission_and_flood),
-                      ("soak", lambda: asdict(run_soak(args.soak_rounds)))):
+                      ("soak", lambda: asdict(run_soak(args.soak_rounds))),
+                      ("process_faults", lambda: [] if args.skip_process_faults else run_process_faults(
+                          args.out.parent / "process_faults", steps=args.process_steps))):
         started = time.monotonic()
         report[name] = run()
         print(f"{name}: done in {time.monotonic() - started:.0f} s", flush=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import random
 import threading
 import time
 from collections import Counter
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 from hivemind import DHT
 
+from .. import failpoints
 from ..aio import BackgroundLoop
 from ..allreduce import AllReduceConfig, PeerSpec, RoundReport, RoundSpec, VoteNode
 from ..allreduce.admission import Admission
@@ -155,6 +157,16 @@ class Swarm:
                                         provider=self._snapshot_between_steps, admission=self.admission)
         self._synced = False  # the state server serves only once this peer holds the swarm's state
         self.loop.run(self._start_services(), timeout=30)
+        self._round = ("vote", 0)  # the kind and step of the round in progress, for failpoints
+        if failpoints.ARMED is not None:
+            self.node.on_event.append(self._failpoint)
+
+    def _failpoint(self, event: str) -> None:
+        kind, step = self._round
+        point = {"vote_chunk": "momentum" if kind == "momentum" else "upload", "finalize": "reduce",
+                 "result_chunk": "result"}.get(event)
+        if point is not None and (kind == "vote" or point == "momentum"):
+            failpoints.reached(point, step)
 
     @property
     def _synced(self) -> bool:
@@ -257,7 +269,10 @@ class Swarm:
         self._download(min_step=latest.from_step, group=latest)
 
     def _download(self, min_step: int, group: GroupRecord) -> None:
-        donors = [m.peer_id for m in group.members if m.peer_id != self.peer_id and not m.client_mode]
+        members = [m for m in group.members if m.peer_id != self.peer_id and not m.client_mode]
+        # the fastest donors first; ties in random order so newcomers spread
+        members.sort(key=lambda m: (-self._weight_of(m), random.random()))
+        donors = [m.peer_id for m in members]
         synced = [pid for pid in donors if pid in self.records and self.records[pid].synced]
         donors = synced or donors  # peers that are joining themselves hold nothing to give
         have = (self.optimizer.step_count, snapshot.params_digest(self.optimizer))
@@ -269,6 +284,10 @@ class Swarm:
             return
         snapshot.load(self.optimizer, blob, expect_digest=digest)
         logger.info("loaded the swarm's state at step %d (%.1f MB)", step, len(blob) / 1e6)
+
+    def _weight_of(self, member: PeerSpec) -> float:
+        """A member's announced bandwidth weight (its group weight is 0 while it syncs)."""
+        return self.records[member.peer_id].weight if member.peer_id in self.records else member.weight
 
     def _my_spec(self) -> PeerSpec:
         return PeerSpec(self.peer_id, self.config.weight, self.config.client_mode)
@@ -342,6 +361,7 @@ class Swarm:
         timeout = cfg.result_timeout + cfg.recovery_timeout + 30
         try:
             node = self.gather or self.node
+            self._round = ("vote", step)
             update, report = self.loop.run(node.run_round(spec, upload, tag), timeout=timeout)
         except Exception as e:  # never into the training loop: apply nothing; the digest repairs us next step
             logger.warning("step %d: the vote round failed (%s: %s); applying no update", step, type(e).__name__, e)
@@ -430,6 +450,7 @@ class Swarm:
         selected = [m for name, m in self.optimizer.momentum_buffers() if self.config.momentum.selects(name)]
         spec = self._spec(group, step, kind="momentum")
         flat = torch.cat([m.detach().reshape(-1).float() for m in selected])
+        self._round = ("momentum", step)
         try:
             averaged, report = self.loop.run(self.node.run_round(spec, Bf16Upload().encode(flat)),
                                              timeout=self.config.allreduce.result_timeout + 30)

@@ -114,6 +114,19 @@ def read_header(blob: bytes | bytearray) -> tuple[dict, int]:
     return header, len(MAGIC) + 4 + length
 
 
+def step_and_params_digest(blob: bytes | bytearray) -> tuple[int, bytes]:
+    """(step, digest of the parameter section) of a snapshot, without a model: at the same step every
+    peer of a healthy swarm has the same digest (the one ``encode`` returns)."""
+    header, offset = read_header(blob)
+    try:
+        size = Layout([tuple(e) for e in header["tensors"]]).nbytes("param")
+    except (KeyError, TypeError, ValueError) as e:
+        raise SnapshotError(f"unreadable tensor list: {e}") from e
+    if len(blob) < offset + size:
+        raise SnapshotError(f"snapshot truncated: {len(blob) - offset} of {size} parameter bytes")
+    return header["step"], hashlib.blake2b(bytes(blob[offset : offset + size]), digest_size=16).digest()
+
+
 def max_size(optimizer: LionCub) -> int:
     """An upper bound on this model's snapshot size, to bound a download before it starts."""
     return len(MAGIC) + 4 + MAX_HEADER_BYTES + Layout.of(optimizer).nbytes()

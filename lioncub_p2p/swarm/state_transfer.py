@@ -1,8 +1,9 @@
 """Serving and downloading training state between peers, chunked and resumable.
 
 A donor serves at most ``max_uploads`` downloads at once and answers "busy" beyond that, so
-newcomers spread over donors (they try donors in random order). A download that loses its donor
-resumes at the same byte from another donor whose snapshot has the same step and parameter digest.
+newcomers spread over donors. A download that loses its donor resumes at the same byte from another
+donor whose snapshot has the same step and parameter digest; a donor that moved on to a newer step
+sends its own snapshot from the start instead (a training swarm does not wait for a newcomer).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Callable
 
 from hivemind.p2p import P2P, PeerID
 
+from .. import failpoints
 from ..allreduce.admission import OPEN, Admission
 from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
 
@@ -114,15 +116,18 @@ class StateServer:
                 await write_frame(writer, pb.StateChunk(version=PROTOCOL_VERSION, step=0, total_bytes=0, last=True,
                                                         params_digest=digest))
                 return
+            start = req.offset
             if req.params_digest and req.params_digest != digest:
-                raise WireError("this donor's snapshot differs from the one being resumed")
-            if req.offset > len(blob):
-                raise WireError(f"offset {req.offset} past the snapshot's {len(blob)} bytes")
-            for offset in range(req.offset, max(len(blob), req.offset + 1), CHUNK_BYTES):
+                start = 0  # this donor moved on from the snapshot being resumed: send its own from the start
+            if start > len(blob):
+                raise WireError(f"offset {start} past the snapshot's {len(blob)} bytes")
+            for offset in range(start, max(len(blob), start + 1), CHUNK_BYTES):
                 await write_frame(writer, pb.StateChunk(
                     version=PROTOCOL_VERSION, step=step, total_bytes=len(blob), offset=offset,
                     data=blob[offset : offset + CHUNK_BYTES], last=offset + CHUNK_BYTES >= len(blob),
                     params_digest=digest))
+                if offset > start:  # the newcomer holds part of the snapshot now
+                    failpoints.reached("serve")
         except WireError as e:
             logger.warning("state request from %s refused: %s", info.peer_id, e)
             try:
@@ -153,7 +158,9 @@ class _Download:
 async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: int, max_bytes: int,
                          timeout: float = 120.0, attempts: int = 6, have: tuple[int, bytes] | None = None,
                          token: bytes = b"") -> tuple[int, bytes, bytes]:
-    """(step, snapshot bytes, parameter digest) from donors tried in random order, resuming across them.
+    """(step, snapshot bytes, parameter digest) from donors, resuming across them.
+
+    Donors are tried in the given order first (put the fastest first), in random order on retries.
 
     ``have`` = (step, parameter digest) of the requester's own state; a donor at step 0 with the
     same parameters answers with an empty snapshot (b""): keep your state."""
@@ -162,7 +169,7 @@ async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: 
     progress, errors = _Download(), []
     deadline = time.monotonic() + timeout
     for attempt in range(attempts):
-        for donor in random.sample(donors, len(donors)):
+        for donor in donors if attempt == 0 else random.sample(donors, len(donors)):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -196,12 +203,18 @@ async def _fetch_from(p2p: P2P, donor: str, run_id: str, min_step: int, max_byte
                 raise StateTransferError(f"donor refused: {chunk.error}")
             if chunk.total_bytes > max_bytes or chunk.step < min_step:
                 raise StateTransferError(f"snapshot of {chunk.total_bytes} bytes at step {chunk.step} does not fit")
-            if progress.step is None:
-                progress.step, progress.digest, progress.total = chunk.step, chunk.params_digest, chunk.total_bytes
-            if (chunk.step, chunk.params_digest, chunk.total_bytes) != (progress.step, progress.digest, progress.total):
+            snapshot_id = (chunk.step, chunk.params_digest, chunk.total_bytes)
+            if progress.step is None or (snapshot_id != (progress.step, progress.digest, progress.total)
+                                         and chunk.offset == 0):
+                if progress.blob:
+                    logger.info("donor %s sends a newer snapshot (step %d): starting over", donor[:16], chunk.step)
+                progress.blob.clear()
+                progress.step, progress.digest, progress.total = snapshot_id
+            if snapshot_id != (progress.step, progress.digest, progress.total):
                 raise StateTransferError("donor's snapshot differs from the one being resumed")
             if chunk.offset != len(progress.blob) or len(progress.blob) + len(chunk.data) > progress.total:
                 raise StateTransferError(f"chunk at {chunk.offset} after {len(progress.blob)} bytes")
             progress.blob += chunk.data
+            failpoints.reached("download")
     finally:
         writer.close()
