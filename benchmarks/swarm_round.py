@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="lioncub-bench-"))
+    print(f"metrics in {work}", flush=True)
     python = sys.executable
     procs = [subprocess.Popen([python, "-m", "lioncub_p2p.cli.coordinator", "--run-id", "bench",
                                "--write-maddrs", str(work / "a.maddrs")], stdout=subprocess.DEVNULL,

@@ -306,3 +306,38 @@ def test_audit_rounds_catch_a_lying_reducer():
                 assert verdict == "ok"
             assert all(torch.equal(r, results[0]) for r in results)  # the liar lies to everyone alike
         assert drawn >= 3 and caught == drawn  # detection rate 100% when the liar's part or audit is drawn
+
+
+def test_kept_streams_skip_dials_and_survive_a_reducer_closing_them(monkeypatch):
+    """After the first round, voters reuse their streams (no dials); when a reducer has closed its
+    kept streams meanwhile, voters dial afresh and the round's result is still the numpy vote."""
+    from hivemind.p2p import P2P
+
+    dials = []
+    original = P2P.call_binary_stream_handler
+
+    async def counting(self, peer_id, handler_name):
+        dials.append((self.peer_id.to_base58(), peer_id.to_base58()))
+        return await original(self, peer_id, handler_name)
+
+    monkeypatch.setattr(P2P, "call_binary_stream_handler", counting)
+    numel = 8 * 5000
+    codes = _codes("sign", 3, numel)
+    with LocalSwarm(3) as swarm:
+        for step in range(3):
+            dials.clear()
+            results = swarm.allreduce(codes, step=step)
+            want = numpy_vote(codes, "sign", "majority", numel, 0, step)
+            assert all(np.array_equal(as_values(r, numel), want) for r in results)
+            assert len(dials) == (6 if step == 0 else 0)  # 3 voters x 2 reducers, then kept
+        swarm.nodes[1].config = AllReduceConfig(upload_timeout=10.0, result_timeout=20.0, keep_streams_s=0.2)
+        swarm.allreduce(codes, step=3)  # reducer 1 closes its kept streams 0.4 s after this round
+        time.sleep(1.0)
+        dials.clear()
+        results = swarm.allreduce(codes, step=4)
+        want = numpy_vote(codes, "sign", "majority", numel, 0, 4)
+        assert all(np.array_equal(as_values(r, numel), want) for r in results)
+        ids = [node.peer_id for node in swarm.nodes]
+        assert {(ids[0], ids[1]), (ids[2], ids[1])} <= set(dials)  # both re-dialed reducer 1
+        assert (ids[0], ids[2]) not in dials and (ids[2], ids[0]) not in dials  # the others stayed kept
+        assert all(p.status == "ok" for p in swarm.reports[0].parts)

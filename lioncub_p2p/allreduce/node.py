@@ -3,7 +3,8 @@
 One round, from peer i's point of view (group of n; part j is reduced by member j):
 
 1. For every other reducer j, in rotated order (i+1, i+2, ...) so that not everyone uploads to the
-   same reducer at once: dial j, stream this peer's codes for part j in chunks, keep the stream open.
+   same reducer at once: dial j (or reuse the stream kept from the last round), stream this peer's
+   codes for part j in chunks, keep the stream open.
 2. As reducer of part i: count its own codes and every incoming chunk on packed words; when all n
    votes are in, or ``upload_timeout`` after this peer's round began, encode the part's result with
    the votes that completed and stream it back on every voter's stream (late voters get it too).
@@ -49,6 +50,10 @@ FETCH_PROTOCOL = "lioncub/fetch/1"
 NETWORK_ERRORS = (ConnectionError, asyncio.IncompleteReadError, OSError, EOFError)
 
 
+class StreamClosed(WireError):
+    """The stream ended before any result came: on a kept stream, the other end closed it meanwhile."""
+
+
 
 @dataclass
 class RoundState:
@@ -80,6 +85,7 @@ class VoteNode:
         self._finished: deque[bytes] = deque(maxlen=256)
         self._waiting: dict[bytes, asyncio.Event] = {}
         self._streams = 0
+        self._kept: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
         # Observers of progress ("vote_chunk" / "result_chunk" after each chunk is written), for
         # metrics and for tests that inject faults at a precise moment.
         self.on_event: list[Callable[[str], None]] = []
@@ -254,13 +260,25 @@ class VoteNode:
 
         async def exchange() -> PartResult:
             nonlocal writer
-            _, reader, writer = await self.p2p.call_binary_stream_handler(
-                PeerID.from_base58(spec.group[reducer].peer_id), VOTE_PROTOCOL)
-            async with turn:
-                await self._send_votes(writer, state, j, upload)
-                report.timings.setdefault("upload", 0.0)
-                report.timings["upload"] = max(report.timings["upload"], time.perf_counter() - started)
-            return await self._read_result(reader, state, j)
+            peer = spec.group[reducer].peer_id
+            for attempt in range(2):
+                reader, writer, kept = await self._vote_stream(peer, fresh=attempt > 0)
+                try:
+                    async with turn:
+                        await self._send_votes(writer, state, j, upload)
+                        report.timings.setdefault("upload", 0.0)
+                        report.timings["upload"] = max(report.timings["upload"], time.perf_counter() - started)
+                    outcome = await self._read_result(reader, state, j)
+                except (*NETWORK_ERRORS, StreamClosed):
+                    if not kept:
+                        raise
+                    writer.close()  # the reducer closed the kept stream meanwhile: dial afresh, once
+                    writer = None
+                    continue
+                self._kept.setdefault(peer, []).append((reader, writer, time.monotonic()))
+                writer = None  # kept for the next round, not closed below
+                return outcome
+            raise AssertionError("unreachable: the second attempt dials a fresh stream")
 
         outcome: PartResult | None = None
         try:
@@ -276,6 +294,21 @@ class VoteNode:
             if writer is not None:
                 writer.close()
             target.set_result(outcome)
+
+    async def _vote_stream(self, peer: str, *, fresh: bool = False):
+        """(reader, writer, kept): a stream to ``peer``'s vote handler, kept from an earlier round
+        when one is recent enough, else newly dialed."""
+        kept = self._kept.get(peer, [])
+        while kept and not fresh:
+            reader, writer, since = kept.pop()
+            if time.monotonic() - since < self.config.keep_streams_s and not writer.is_closing() \
+                    and not reader.at_eof():
+                return reader, writer, True
+            writer.close()
+        for other in [p for p, streams in self._kept.items() if not streams]:
+            del self._kept[other]  # forget peers left without kept streams (e.g. gone from the group)
+        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), VOTE_PROTOCOL)
+        return reader, writer, False
 
     async def _send_votes(self, writer: asyncio.StreamWriter, state: RoundState, j: int, upload: torch.Tensor) -> None:
         spec = state.spec
@@ -300,6 +333,8 @@ class VoteNode:
         data, voters, counted, expected = bytearray(), None, None, None
         while True:
             msg, nread = await read_frame(reader, pb.ResultChunk)
+            if msg is None and voters is None:
+                raise StreamClosed("stream closed before the first result chunk")
             if msg is None:
                 raise WireError("stream closed before the last result chunk")
             report.bytes_down += nread
@@ -394,11 +429,29 @@ class VoteNode:
             writer.close()
             return
         self._streams += 1
+        try:
+            first = True
+            while await self._serve_round(info, reader, writer, first):
+                first = False  # the voter keeps this stream for its next round
+        finally:
+            self._streams -= 1
+            writer.close()
+
+    async def _serve_round(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, first: bool) -> bool:
+        """Count one round's votes from this stream and answer them. True: the stream may carry the
+        voter's next round; False: it is done (closed by the voter, idle, or refused)."""
         state = voter = red = None
         try:
-            chunk, nread = await asyncio.wait_for(read_frame(reader, pb.VoteChunk), self.config.join_timeout)
+            if first:
+                chunk, nread = await asyncio.wait_for(read_frame(reader, pb.VoteChunk), self.config.join_timeout)
+            else:
+                try:
+                    chunk, nread = await asyncio.wait_for(read_frame(reader, pb.VoteChunk),
+                                                          2 * self.config.keep_streams_s)
+                except (asyncio.TimeoutError, *NETWORK_ERRORS):
+                    return False  # idle too long, or the voter went away between rounds
             if chunk is None:
-                return
+                return False
             refused = self.admission.reason(info.peer_id.to_base58(), chunk.token)
             if refused:
                 raise WireError(f"not admitted: {refused}")
@@ -418,6 +471,7 @@ class VoteNode:
             await self._receive_votes(state, red, voter, chunk, reader)
             outcome = await asyncio.shield(red.result)
             await self._send_result(writer, state, red.part, outcome)
+            return True
         except WireError as e:
             self._refuse(state, red, voter, info, str(e))
             await self._try_send_error(writer, state, state.me if state else 0, str(e))
@@ -426,9 +480,7 @@ class VoteNode:
         except Exception as e:  # never let a peer's bytes crash this peer
             logger.exception("vote stream from %s failed", info.peer_id)
             self._refuse(state, red, voter, info, f"internal error: {e}")
-        finally:
-            self._streams -= 1
-            writer.close()
+        return False
 
     async def _receive_votes(self, state: RoundState, red: PartReduction, voter: int, chunk: pb.VoteChunk,
                              reader: asyncio.StreamReader) -> None:

@@ -20,7 +20,10 @@ class AllReduceConfig:
       result; must exceed ``upload_timeout`` plus the result's transfer time.
     * ``join_timeout``: how long a reducer holds a stream that arrived before its own round started.
     * ``recovery_timeout``: how long a peer asks the others for a part whose reducer failed.
-    * ``chunk_bytes``: payload per message (≤ 1 MiB); 256 KiB was fastest on loopback."""
+    * ``chunk_bytes``: payload per message (≤ 1 MiB); 256 KiB was fastest on loopback.
+    * ``keep_streams_s``: a voter keeps its stream to each reducer for the next round if that comes
+      within this many seconds (opening a libp2p stream costs milliseconds per reducer per round);
+      reducers close a kept stream idle for twice that."""
 
     chunk_bytes: int = 256 << 10
     upload_timeout: float = 10.0
@@ -29,6 +32,7 @@ class AllReduceConfig:
     recovery_timeout: float = 5.0
     max_streams: int = 256  # concurrent incoming streams per peer; more are refused
     keep_rounds: int = 4  # finished rounds kept to serve late voters and recovery requests
+    keep_streams_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 8 <= self.chunk_bytes <= MAX_CHUNK_BYTES or self.chunk_bytes % 8:

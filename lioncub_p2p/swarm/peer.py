@@ -205,11 +205,15 @@ class Swarm:
         if self.history.latest is None:
             time.sleep(1.0)  # a group record stored moments ago may not have reached us yet
             self.loop.run(self._refresh_group(), timeout=30)
+        founded = False
         if self.history.latest is None:
             self._check_not_locked_out()
-            self._found()
-        if self.peer_id not in self.history.latest.member_ids():
+            founded = self._found()
+        latest = self.history.latest
+        if self.peer_id not in latest.member_ids():
             self._sync_from_swarm(deadline)
+        elif not founded:  # the leader may list a peer as soon as it announces: being listed is not holding the state
+            self._download(min_step=latest.from_step, group=latest)
         self._synced = True
         self.loop.run(self._announce(), timeout=30)
         self._prepare(optimizer.step_count)
@@ -245,14 +249,16 @@ class Swarm:
             raise SwarmError(f"{len(others)} peers of run {self.config.run_id} are online but none shares this "
                              f"peer's run secret: check --run-secret (or the allow-list)")
 
-    def _found(self) -> None:
+    def _found(self) -> bool:
+        """Publish a group of this peer alone; True if it is the group the DHT kept."""
         step = self.optimizer.step_count
         record = self._signed(GroupRecord(0, step, (self._my_spec(),)))
         self.loop.run(self.directory.publish_group(record, ttl=60.0), timeout=30)
         time.sleep(0.5)  # let a concurrent founder's record land too; the DHT keeps one of them
         self.loop.run(self._refresh_group(), timeout=30)
-        logger.info("no group found for run %s: %s", self.config.run_id,
-                    "started it" if self.peer_id in self.history.latest.member_ids() else "another peer did")
+        started = self.history.latest.epoch == 0 and self.history.latest.member_ids() == [self.peer_id]
+        logger.info("no group found for run %s: %s", self.config.run_id, "started it" if started else "another peer did")
+        return started
 
     def _sync_from_swarm(self, deadline: float) -> None:
         """Wait until the leader adds this peer to a group, then download the state of that step."""
