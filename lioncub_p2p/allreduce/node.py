@@ -442,14 +442,13 @@ class VoteNode:
         voter's next round; False: it is done (closed by the voter, idle, or refused)."""
         state = voter = red = None
         try:
-            if first:
-                chunk, nread = await asyncio.wait_for(read_frame(reader, pb.VoteChunk), self.config.join_timeout)
-            else:
-                try:
-                    chunk, nread = await asyncio.wait_for(read_frame(reader, pb.VoteChunk),
-                                                          2 * self.config.keep_streams_s)
-                except (asyncio.TimeoutError, *NETWORK_ERRORS):
-                    return False  # idle too long, or the voter went away between rounds
+            wait = self.config.join_timeout if first else 2 * self.config.keep_streams_s
+            try:
+                chunk, nread = await asyncio.wait_for(read_frame(reader, pb.VoteChunk), wait)
+            except (asyncio.TimeoutError, *NETWORK_ERRORS):
+                if first:
+                    raise
+                return False  # a kept stream: idle too long, or the voter went away between rounds
             if chunk is None:
                 return False
             refused = self.admission.reason(info.peer_id.to_base58(), chunk.token)

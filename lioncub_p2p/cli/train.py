@@ -79,8 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         from ..sim.baselines import train_with_hivemind_averager
 
         return train_with_hivemind_averager(args, task, model)
-    allreduce = AllReduceConfig(upload_timeout=args.upload_timeout, result_timeout=args.result_timeout,
-                                join_timeout=min(5.0, args.upload_timeout), recovery_timeout=min(5.0, args.upload_timeout))
+    allreduce = allreduce_config(args.upload_timeout, args.result_timeout)
     config = SwarmConfig(args.run_id, initial_peers=args.initial_peers + read_peers_file(args.initial_peers_file),
                          host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs,
                          identity_path=args.identity_path, client_mode=args.client_mode, weight=args.weight,
@@ -123,6 +122,13 @@ def main(argv: list[str] | None = None) -> None:
         if board is not None:
             board.close()
         swarm.shutdown()
+
+
+def allreduce_config(upload_timeout: float, result_timeout: float) -> AllReduceConfig:
+    """The round timeouts a trainer runs with: joins and recoveries wait at most 5 s (or the upload timeout)."""
+    short = min(5.0, upload_timeout)
+    return AllReduceConfig(upload_timeout=upload_timeout, result_timeout=result_timeout, join_timeout=short,
+                           recovery_timeout=short)
 
 
 def _tensorboard(logdir: str | None):
@@ -172,18 +178,19 @@ def train(args, task, model, optimizer: LionCub, swarm: Swarm, metrics, board=No
                         "bytes_down"):
                 if key in record:
                     board.add_scalar(key, record[key], before)
+        compute, wait = t1 - t0, stats.wait_s
+        comm = max(t2 - t1 - wait, 0.0)  # the optimizer step minus the time spent waiting for others
         if bar is not None:
             bar.update(optimizer.step_count - before)
             seconds = max(stats.seconds, 1e-6)
-            wait = stats.wait_s
             bar.set_postfix(peers=f"{stats.peers}/{stats.group_size}", loss=f"{loss.item():.3f}",
                             up=f"{stats.bytes_up / seconds / 1e6:.2f}MB/s", down=f"{stats.bytes_down / seconds / 1e6:.2f}MB/s",
                             bits=f"{stats.bits_per_param:.2f}",
-                            time=f"{t1 - t0:.2f}c/{max(t2 - t1 - wait, 0):.2f}m/{wait:.2f}w")
+                            time=f"{compute:.2f}c/{comm:.2f}m/{wait:.2f}w")
         elif optimizer.step_count % 50 == 0:
             logger.info("step %d loss %.3f peers %d/%d %.2f bits/param, s compute/comm/wait %.2f/%.2f/%.2f",
                         optimizer.step_count, loss.item(), stats.peers, stats.group_size, stats.bits_per_param,
-                        t1 - t0, max(t2 - t1 - stats.wait_s, 0.0), stats.wait_s)
+                        compute, comm, wait)
     if bar is not None:
         bar.close()
     finish(args, task, model, optimizer.step_count)

@@ -381,10 +381,15 @@ def final_agreement(out: Path, n: int) -> tuple[list[int | None], bool | None]:
         except (FileNotFoundError, snapshot.SnapshotError):
             finals.append(None)
     steps = [f[0] if f else None for f in finals]
-    last = max((s for s in steps if s is not None), default=None)
+    last, at_last = _last_step_count(steps)
     digests = {f[1] for f in finals if f and f[0] == last}
-    at_last = sum(1 for f in finals if f and f[0] == last)
     return steps, (len(digests) == 1) if at_last >= 2 else None
+
+
+def _last_step_count(final_steps: list[int | None]) -> tuple[int | None, int]:
+    """The last final step any peer reached, and how many peers ended there."""
+    last = max((s for s in final_steps if s is not None), default=None)
+    return last, sum(1 for s in final_steps if s is not None and s == last)
 
 
 def _mean_step(first: list[dict], per_peer: list[list[dict]]) -> float:
@@ -431,8 +436,7 @@ def _agreement(r: MethodResult) -> str:
     """Whether the peers that ended at the last step hold the same parameters, and how many did."""
     if r.identical_final_params is None:
         return "-"
-    last = max(s for s in r.final_steps if s is not None)
-    at_last = sum(1 for s in r.final_steps if s == last)
+    last, at_last = _last_step_count(r.final_steps)
     return f"{'yes' if r.identical_final_params else 'NO'} ({at_last} at step {last})"
 
 

@@ -17,11 +17,12 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cli.train import allreduce_config
 from .launcher import Simulation
 from .links import LinkProfile
 
 UPLOAD_TIMEOUT, RESULT_TIMEOUT = 3.0, 6.0
-RECOVERY_TIMEOUT = min(5.0, UPLOAD_TIMEOUT)  # what lioncub-train derives from --upload-timeout
+RECOVERY_TIMEOUT = allreduce_config(UPLOAD_TIMEOUT, RESULT_TIMEOUT).recovery_timeout  # as lioncub-train runs
 
 
 @dataclass

@@ -545,10 +545,10 @@ class Swarm:
         if leader != self.peer_id or step < latest.from_step:
             return
         known = {m.peer_id for m in latest.members}
-        keep = [spec(m.peer_id, self.records[m.peer_id].weight if m.peer_id in self.records else m.weight,
-                     m.client_mode) for m in latest.members if healthy(m.peer_id)]
-        for m in latest.members:  # remember what the record of a dropped member said when it was dropped
-            if not healthy(m.peer_id) and m.peer_id in self.records:
+        dropped = [m for m in latest.members if not healthy(m.peer_id)]
+        keep = [spec(m.peer_id, self._weight_of(m), m.client_mode) for m in latest.members if m not in dropped]
+        for m in dropped:  # remember what the record of a dropped member said when it was dropped
+            if m.peer_id in self.records:
                 self.evicted[m.peer_id] = self.records[m.peer_id].expires
         # a dropped peer comes back only with a record announced since (a dead peer's record lingers
         # until it expires; re-adding it would make the group flap)
@@ -572,7 +572,7 @@ class Swarm:
             self.history.add(record)
             self.node.group_epoch = record.epoch
             logger.info("group epoch %d from step %d: %d members (+%d, -%d), %d reducing", record.epoch,
-                        record.from_step, len(desired), len(new), len(latest.members) - len(keep),
+                        record.from_step, len(desired), len(new), len(dropped),
                         sum(m.reduces for m in desired))
 
     def _signed(self, record: GroupRecord) -> GroupRecord:
