@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,7 +46,10 @@ def main(argv: list[str] | None = None) -> dict:
             p.wait(600)
     finally:
         for p in procs:
-            p.kill()
+            try:  # the whole session: hivemind's DHT runs in forked children that outlive a killed parent
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     rows = []
     for i in range(args.peers):
         rows += [json.loads(line) for line in (work / f"t{i}.jsonl").read_text().splitlines()]
