@@ -10,13 +10,15 @@ Lion Cub averages them now and then. Tuning guide:
 * ``geometric=r`` (with ``start``): sync at steps start, start·r, start·r², ... dense early, sparse
   later, for runs whose length is unknown.
 * ``params=("encoder.*", ...)``: only parameters whose names match (fnmatch patterns), e.g. the
-  layers whose momenta drift most.
+  layers whose momenta drift most. The names are the model's own only when the optimizer was
+  built from ``model.named_parameters()``; ``check_names`` refuses patterns that select nothing.
 """
 from __future__ import annotations
 
 import fnmatch
 import math
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 
@@ -63,6 +65,22 @@ class MomentumSchedule:
     def selects(self, name: str) -> bool:
         return not self.params or any(fnmatch.fnmatchcase(name, pattern) for pattern in self.params)
 
+    def check_names(self, names: Iterable[str]) -> list[str]:
+        """The names among ``names`` (the optimizer's, as ``LionCub.momentum_buffers()`` lists them)
+        that this schedule syncs; ValueError if ``params`` patterns select none of them, which would
+        leave nothing to average."""
+        names = list(names)
+        selected = [name for name in names if self.selects(name)]
+        if selected or not names:
+            return selected
+        hint = ""
+        if all(name.startswith("group") and ".param" in name for name in names):
+            hint = (" The optimizer has no parameter names (it was given model.parameters()): build it with "
+                    "LionCub(model.named_parameters(), ...) so the patterns can match.")
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        raise ValueError(f"MomentumSchedule(params={list(self.params)}) selects none of the optimizer's "
+                         f"{len(names)} parameters ({shown}).{hint}")
+
     def syncs_per_step(self, steps: int) -> float:
         """Fraction of the first ``steps`` steps that sync (for bandwidth accounting)."""
         return sum(self.due(s) for s in range(1, steps + 1)) / max(steps, 1)
@@ -72,6 +90,8 @@ def average_in_process(momenta: list[list[tuple[str, torch.Tensor]]], schedule: 
     """Replace each selected momentum by its exact mean over peers (in place); returns elements synced.
 
     ``momenta[i]`` is peer i's ``LionCub.momentum_buffers()``; all peers list the same names."""
+    if momenta:
+        schedule.check_names(name for name, _ in momenta[0])
     synced = 0
     for buffers in zip(*momenta):
         name = buffers[0][0]
