@@ -1,0 +1,196 @@
+"""Can other peers dial this machine? Asked of a peer that is already on the internet (a coordinator).
+
+A volunteer behind a home router usually cannot be dialed: it must run in client mode (dial out
+only, vote, receive results, reduce nothing, serve no state). A cloud VM often can be dialed on a
+public IP that none of its interfaces carries (1:1 NAT): it must announce that IP. Both are decided
+here, before the peer's daemon starts, with ``lioncub/dialback/1``:
+
+1. the peer listens with a plain TCP socket on the port its daemon will use;
+2. it opens a stream to a coordinator from a short-lived client-mode daemon and sends the port
+   and a random nonce;
+3. the coordinator dials the *observed* IP of that stream (never an address the caller names, so
+   the service cannot be aimed at third parties) on that port, writes the nonce and closes;
+4. the peer is dialable iff its socket received the nonce; the coordinator's answer also says
+   which IP it saw (the address to announce).
+
+A coordinator that lies can only make a peer choose client mode or announce a wrong address for
+itself; it cannot make the peer dial anything.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
+
+logger = logging.getLogger(__name__)
+DIALBACK_PROTOCOL = "lioncub/dialback/1"
+CONNECT_TIMEOUT = 3.0
+MAX_CONCURRENT = 8  # dial-backs served at once; more are refused
+PER_IP_BURST, PER_IP_RATE = 8.0, 1.0  # dial-backs per observed IP: a burst, then this many per second
+
+
+@dataclass(frozen=True)
+class Reachability:
+    dialable: bool
+    observed_ip: str | None  # this machine's address as a coordinator saw it
+    note: str  # one line for the volunteer
+
+
+def observed_ip(maddr: Multiaddr | str | None) -> str | None:
+    """The IP of a multiaddr such as /ip4/1.2.3.4/tcp/5 (None if it has none)."""
+    parts = str(maddr or "").split("/")
+    if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+        try:
+            return str(ipaddress.ip_address(parts[2]))
+        except ValueError:
+            return None
+    return None
+
+
+async def serve_dialback(p2p: P2P) -> None:
+    """Answer dial-back requests (coordinators and listening members run this)."""
+    busy = 0
+    budgets: dict[str, tuple[float, float]] = {}  # observed IP -> (tokens, when)
+
+    def allow(ip: str) -> bool:
+        now = time.monotonic()
+        tokens, when = budgets.get(ip, (PER_IP_BURST, now))
+        tokens = min(PER_IP_BURST, tokens + (now - when) * PER_IP_RATE)
+        if len(budgets) > 4096:  # bounded memory: forget the oldest callers
+            for old in sorted(budgets, key=lambda k: budgets[k][1])[:2048]:
+                del budgets[old]
+        budgets[ip] = (tokens - 1, now) if tokens >= 1 else (tokens, now)
+        return tokens >= 1
+
+    async def handle(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal busy
+        answer = pb.DialbackAnswer(version=PROTOCOL_VERSION)
+        try:
+            ip = observed_ip(info.addr)
+            answer.observed_ip = ip or ""
+            if ip is None:
+                answer.error = "no IP address observed for this stream (relayed?)"
+                return
+            if busy >= MAX_CONCURRENT or not allow(ip):
+                answer.error = "busy: try again in a few seconds"
+                return
+            busy += 1
+            try:
+                req, _ = await asyncio.wait_for(read_frame(reader, pb.DialbackRequest, 256), CONNECT_TIMEOUT)
+                if req is None or not 1 <= req.port <= 65535 or not 16 <= len(req.nonce) <= 32:
+                    answer.error = "bad request"
+                    return
+                answer.connected = await _dial_and_send(ip, req.port, req.nonce)
+            finally:
+                busy -= 1
+        except (WireError, asyncio.TimeoutError, ConnectionError, OSError) as e:
+            answer.error = f"bad request: {e}"
+        finally:
+            try:
+                await asyncio.wait_for(write_frame(writer, answer), CONNECT_TIMEOUT)
+            except (asyncio.TimeoutError, ConnectionError, OSError):
+                pass
+            writer.close()
+
+    await p2p.add_binary_stream_handler(DIALBACK_PROTOCOL, handle)
+
+
+async def _dial_and_send(ip: str, port: int, nonce: bytes) -> bool:
+    try:
+        _, conn = await asyncio.wait_for(asyncio.open_connection(ip, port), CONNECT_TIMEOUT)
+    except (asyncio.TimeoutError, OSError):
+        return False
+    try:
+        conn.write(nonce)
+        await asyncio.wait_for(conn.drain(), CONNECT_TIMEOUT)
+        return True
+    except (asyncio.TimeoutError, OSError):
+        return False
+    finally:
+        conn.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        return s.getsockname()[1]
+
+
+async def check(initial_peers: list[str], port: int, *, timeout: float = 10.0) -> Reachability:
+    """Whether peers can dial this machine on TCP ``port`` (which must be free now: the daemon takes
+    it afterwards). Asks the initial peers one by one until one answers."""
+    if not initial_peers:
+        return Reachability(False, None, "no --initial-peers to ask: cannot tell whether peers can dial you")
+    nonce = os.urandom(16)
+    received = asyncio.Event()
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            if await asyncio.wait_for(reader.readexactly(len(nonce)), CONNECT_TIMEOUT) == nonce:
+                received.set()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(on_connect, "0.0.0.0", port, reuse_address=True)
+    try:
+        client = await P2P.create(initial_peers=initial_peers, no_listen=True, nat_port_map=False, auto_nat=False,
+                                  host_maddrs=[], dht_mode="client", use_relay=False)
+    except Exception as e:  # hivemind raises P2PDaemonError when no bootstrap peer answers
+        server.close()
+        return Reachability(False, None, f"no coordinator answered the reachability check ({e})")
+    notes = []
+    try:
+        for peer in _peer_ids(initial_peers):
+            try:
+                answer = await asyncio.wait_for(_ask(client, peer, port, nonce), timeout)
+            except Exception as e:  # that peer is down or does not serve dial-backs: ask the next
+                notes.append(f"{peer.to_base58()[:12]}…: {type(e).__name__}")
+                continue
+            if answer.error:
+                notes.append(f"{peer.to_base58()[:12]}…: {answer.error}")
+                continue
+            if answer.connected:
+                try:  # the coordinator wrote the nonce before answering; give it a moment to land
+                    await asyncio.wait_for(received.wait(), CONNECT_TIMEOUT)
+                except asyncio.TimeoutError:
+                    pass
+            ip = answer.observed_ip or None
+            if received.is_set():
+                return Reachability(True, ip, f"peers can dial you at {ip}:{port}")
+            return Reachability(False, ip, f"peers cannot dial {ip}:{port} (behind NAT or a firewall)")
+        return Reachability(False, None, "no coordinator answered the reachability check (" + "; ".join(notes) + ")")
+    finally:
+        server.close()
+        await client.shutdown()
+
+
+async def _ask(client: P2P, peer: PeerID, port: int, nonce: bytes) -> pb.DialbackAnswer:
+    _, reader, writer = await client.call_binary_stream_handler(peer, DIALBACK_PROTOCOL)
+    try:
+        await write_frame(writer, pb.DialbackRequest(version=PROTOCOL_VERSION, port=port, nonce=nonce))
+        answer, _ = await read_frame(reader, pb.DialbackAnswer, 512)
+        if answer is None:
+            raise WireError("no answer")
+        return answer
+    finally:
+        writer.close()
+
+
+def _peer_ids(maddrs: list[str]) -> list[PeerID]:
+    ids: list[PeerID] = []
+    for maddr in maddrs:
+        peer = Multiaddr(maddr).value_for_protocol("p2p") if "/p2p/" in maddr else None
+        if peer and PeerID.from_base58(peer) not in ids:
+            ids.append(PeerID.from_base58(peer))
+    return ids
