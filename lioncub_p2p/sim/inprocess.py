@@ -59,6 +59,7 @@ class Outcome:
     replicas_identical: bool
     seconds: float
     curve: list = field(default_factory=list)  # (step, mean training loss over workers)
+    train_loss: float = float("nan")  # final model on the whole training set (no sampling noise)
 
 
 BYZANTINE = ("random", "invert", "ones")
@@ -88,7 +89,7 @@ def run_method(method: Method, task: Task, *, workers: int = 4, steps: int = 300
     base = task.make_model(seed)
     curve: list[tuple[int, float]] = []
     if method.upload is None:
-        opt = LionCub(base.parameters(), lr=lr, weight_decay=weight_decay)
+        opt = LionCub(base.named_parameters(), lr=lr, weight_decay=weight_decay)
         for step in range(steps):
             batches = [task.sample(i, workers, batch, g) for i, g in enumerate(gens)]
             xb, yb = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
@@ -98,11 +99,12 @@ def run_method(method: Method, task: Task, *, workers: int = 4, steps: int = 300
             opt.step()
             curve.append((step, loss.item()))
         loss, acc = task.evaluate(base)
-        return Outcome(method.name, steps, workers, acc, loss, 64.0, True, time.perf_counter() - start, curve)
+        return Outcome(method.name, steps, workers, acc, loss, 64.0, True, time.perf_counter() - start, curve,
+                       _train_loss(task, base))
 
     up, res = upload_codec(method.upload), result_codec(method.result)
     replicas = [copy.deepcopy(base) for _ in range(workers)]
-    opts = [LionCub(m.parameters(), lr=lr, weight_decay=weight_decay, upload=up, seed=seed) for m in replicas]
+    opts = [LionCub(m.named_parameters(), lr=lr, weight_decay=weight_decay, upload=up, seed=seed) for m in replicas]
     nbytes, syncs = opts[0].buffer_bytes, 0
     for step in range(steps):
         uploads, losses = [], []
@@ -126,7 +128,16 @@ def run_method(method: Method, task: Task, *, workers: int = 4, steps: int = 300
     identical = all(torch.equal(a, b) for m in replicas[1:] for a, b in zip(replicas[0].parameters(), m.parameters()))
     loss, acc = task.evaluate(replicas[0])
     bits = wire_bits_per_element(up, res, workers) + MOMENTUM_SYNC_BITS * syncs / steps
-    return Outcome(method.name, steps, workers, acc, loss, bits, identical, time.perf_counter() - start, curve)
+    return Outcome(method.name, steps, workers, acc, loss, bits, identical, time.perf_counter() - start, curve,
+                   _train_loss(task, replicas[0]))
+
+
+@torch.no_grad()
+def _train_loss(task: Task, model: nn.Module) -> float:
+    """Loss on the whole training set, for tasks that hold one in memory (NaN for the byte LM)."""
+    if not hasattr(task, "x_train"):
+        return float("nan")
+    return task.loss(model, task.x_train, task.y_train).item()
 
 
 def format_table(outcomes: list[Outcome]) -> str:
