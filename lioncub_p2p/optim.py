@@ -22,10 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol
 
+import numpy as np
 import torch
 
 from . import ops
 from .codecs import SignUpload, UploadCodec, upload_codec
+from .ops import torch_impl
 from .ops.randbits import derive_key
 
 
@@ -87,19 +89,24 @@ class LionCub(torch.optim.Optimizer):
         self.seed = seed
         self.lr_schedule = lr_schedule
         self._slots: list[Slot] | None = None
+        self._kernels: ops.LionKernels | None = None
+        self._group_index = np.zeros(0, dtype=np.int64)  # param_groups index of every slot
 
     # -- layout ---------------------------------------------------------------------------------
 
     @property
     def slots(self) -> list[Slot]:
         if self._slots is None:
-            slots, offset = [], 0
+            slots, offset, group_index = [], 0, []
             for gi, group in enumerate(self.param_groups):
                 names = group.get("param_names") or [f"group{gi}.param{i}" for i in range(len(group["params"]))]
                 for name, p in zip(names, group["params"]):
                     slots.append(Slot(p, group, name, offset, ops.packed_size(p.numel())))
                     offset += slots[-1].nbytes
+                    group_index.append(gi)
             self._slots = slots
+            self._group_index = np.array(group_index, dtype=np.int64)
+            self._kernels = None
         return self._slots
 
     @property
@@ -116,6 +123,7 @@ class LionCub(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         self._slots = None
+        self._kernels = None
 
     def _momentum(self, p: torch.Tensor) -> torch.Tensor:
         state = self.state[p]
@@ -124,8 +132,19 @@ class LionCub(torch.optim.Optimizer):
         return state["exp_avg"]
 
     def momentum_buffers(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, momentum) for every parameter, created if missing: what momentum averaging syncs."""
+        """(name, momentum) for every parameter, created if missing: what momentum averaging syncs.
+
+        Update them in place (``copy_``): the fused kernels hold on to these tensors until
+        ``load_state_dict`` or ``add_param_group`` lays the buffer out again."""
         return [(slot.name, self._momentum(slot.param)) for slot in self.slots]
+
+    def _fused(self) -> ops.LionKernels:
+        """The kernels that pack and apply all parameters in one call each (built on first use)."""
+        slots = self.slots
+        if self._kernels is None:
+            self._kernels = ops.LionKernels([s.param for s in slots], [self._momentum(s.param) for s in slots],
+                                            [s.offset for s in slots], self._group_index)
+        return self._kernels
 
     # -- stepping ---------------------------------------------------------------------------------
 
@@ -175,19 +194,23 @@ class LionCub(torch.optim.Optimizer):
 
         Call ``apply_aggregate`` with the group's update before the next ``compute_upload``."""
         codec = self.upload_codec
-        first = self.slots[0].param
-        upload = torch.zeros((codec.planes, self.buffer_bytes), dtype=torch.uint8, device=first.device)
-        for index, slot in enumerate(self.slots):
+        slots = self.slots
+        device = slots[0].param.device
+        if isinstance(codec, SignUpload):  # every byte belongs to one slot, so every byte gets written
+            upload = torch.empty((1, self.buffer_bytes), dtype=torch.uint8, device=device)
+            kernels = self._fused()
+            kernels.direction_pack([p.grad for p in kernels.params], [group["betas"] for group in self.param_groups],
+                                   ops.zero_sign_keys((self.seed, self.step_count), len(slots)), upload[0])
+            return upload
+        upload = torch.zeros((codec.planes, self.buffer_bytes), dtype=torch.uint8, device=device)
+        for index, slot in enumerate(slots):
             p, (beta1, beta2) = slot.param, slot.group["betas"]
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             m = self._momentum(p)
-            window = slice(slot.offset, slot.offset + slot.nbytes)
-            if isinstance(codec, SignUpload):
-                upload[0, window] = ops.lion_direction_pack(grad, m, beta1, beta2, seed=self._direction_seed(index))
-            else:
-                c = m.float().mul(beta1).add_(grad.float(), alpha=1 - beta1)
-                upload[:, window] = codec.encode(c, seed=self._direction_seed(index)).to(upload.device)
-                m.mul_(beta2).add_(grad, alpha=1 - beta2)
+            c = m.float().mul(beta1).add_(grad.float(), alpha=1 - beta1)
+            upload[:, slot.offset : slot.offset + slot.nbytes] = codec.encode(
+                c, seed=self._direction_seed(index)).to(upload.device)
+            m.mul_(beta2).add_(grad, alpha=1 - beta2)
         return upload
 
     @torch.no_grad()
@@ -198,13 +221,10 @@ class LionCub(torch.optim.Optimizer):
         if update.dim() != 1 or update.numel() != expected:
             raise ValueError(f"update has shape {tuple(update.shape)}; expected ({expected},) "
                              f"{'packed bytes' if packed else 'float values'} for this optimizer's parameters")
-        for slot in self.slots:
-            p, group = slot.param, slot.group
-            if packed:
-                u = update[slot.offset : slot.offset + slot.nbytes]
-            else:
-                u = update[8 * slot.offset : 8 * slot.offset + p.numel()].view_as(p)
-            ops.apply_update(p, u.to(p.device), self.lr(group), group["weight_decay"])
+        if not packed:
+            update = update.to(torch.float32)
+        groups = self.param_groups
+        self._fused().apply(update, [self.lr(g) for g in groups], [g["weight_decay"] for g in groups])
         self._advance()
 
     def _advance(self) -> None:
@@ -214,3 +234,32 @@ class LionCub(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
         self._slots = None
+        self._kernels = None
+
+
+@torch.no_grad()
+def reference_upload(optimizer: LionCub) -> torch.Tensor:
+    """``compute_upload`` for the sign codec as it was before the fused kernels: tensor by tensor on
+    the torch path. The bytes (and momenta) the fused path must reproduce; kept for tests and
+    ``benchmarks/optim_step.py``."""
+    upload = torch.zeros((1, optimizer.buffer_bytes), dtype=torch.uint8, device=optimizer.slots[0].param.device)
+    for index, slot in enumerate(optimizer.slots):
+        p, (beta1, beta2) = slot.param, slot.group["betas"]
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        key = ops.zero_sign_key(derive_key(optimizer.seed, optimizer.step_count, index))
+        bits = torch_impl.lion_direction_pack(grad, optimizer._momentum(p), beta1, beta2, key)
+        upload[0, slot.offset : slot.offset + slot.nbytes] = bits.to(upload.device)
+    return upload
+
+
+@torch.no_grad()
+def reference_apply(optimizer: LionCub, update: torch.Tensor) -> None:
+    """``apply_aggregate`` as it was before the fused kernels (tensor by tensor, torch path)."""
+    for slot in optimizer.slots:
+        p, group = slot.param, slot.group
+        if update.dtype == torch.uint8:
+            u = update[slot.offset : slot.offset + slot.nbytes]
+        else:
+            u = update[8 * slot.offset : 8 * slot.offset + p.numel()].to(torch.float32)
+        torch_impl.apply_update(p, u.to(p.device), optimizer.lr(group), group["weight_decay"])
+    optimizer._advance()

@@ -3,25 +3,27 @@
 Bit layout everywhere: element k of a flattened tensor is bit ``k % 8`` (LSB first) of byte ``k // 8``,
 as ``numpy.packbits(..., bitorder="little")``; padding bits of the last byte are 0.
 
-CUDA tensors run Triton kernels when ``triton`` imports; everything else runs the vectorized torch
-path. Both produce the same bytes (tests check it with ``TRITON_INTERPRET=1``).
+CUDA tensors run Triton kernels when ``triton`` imports, CPU tensors numba kernels when ``numba``
+imports, everything else the vectorized torch path (``dispatch``). All produce the same bytes: the
+torch path is the reference, and tests compare the others with it (Triton under ``TRITON_INTERPRET=1``).
+``LionKernels`` runs Lion's direction+pack and unpack+apply over all of a model's parameters at once.
 """
 from __future__ import annotations
 
-import functools
 import math
-from types import ModuleType
 
+import numpy as np
 import torch
 
-from . import torch_impl
 from .bitslice import count_planes, planes_needed, planes_to_counts
-from .randbits import derive_key, random_bits_packed
+from .dispatch import impl_for as _impl, numba_impl as _numba_impl
+from .multi_tensor import LionKernels
+from .randbits import derive_key, derive_keys_numpy, random_bits_packed
 
 __all__ = [
     "pack_signs", "unpack_signs", "vote_counts", "majority_vote", "lion_direction_pack", "apply_update",
     "count_planes", "planes_to_counts", "planes_needed", "packed_size", "zero_sign_key", "tie_key",
-    "FLOAT_DTYPES", "MAX_VOTERS", "random_tie_bits",
+    "FLOAT_DTYPES", "MAX_VOTERS", "random_tie_bits", "zero_sign_keys", "LionKernels",
 ]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -39,24 +41,18 @@ def zero_sign_key(seed: int) -> int:
     return derive_key(1, seed)
 
 
+def zero_sign_keys(parts: tuple[int, ...], count: int) -> np.ndarray:
+    """int64 ``[zero_sign_key(derive_key(*parts, i)) for i in range(count)]``: the zero-sign keys of
+    ``count`` tensors packed with seeds ``derive_key(*parts, i)``, in one call instead of ~10 µs each."""
+    impl = _numba_impl()
+    if impl is not None:
+        return impl.derive_keys(tuple(parts), count, outer=(1,))
+    return derive_keys_numpy(tuple(parts), count, outer=(1,)).astype(np.int64)
+
+
 def tie_key(seed: int, step: int) -> int:
     """Key of the bit stream that breaks even-n ties in ``majority_vote``."""
     return derive_key(2, seed, step)
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_impl() -> ModuleType | None:
-    try:
-        from . import triton_impl
-    except Exception:  # triton missing or unusable: the torch path serves every device
-        return None
-    return triton_impl
-
-
-def _impl(t: torch.Tensor) -> ModuleType:
-    if t.is_cuda and _triton_impl() is not None:
-        return _triton_impl()
-    return torch_impl
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:

@@ -12,6 +12,7 @@ arithmetic masked to 32 bits. Both must stay in sync: tests compare them.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -31,14 +32,56 @@ def fmix32(h: int) -> int:
     return h
 
 
+KEY_START = 0x5BD1E995
+
+
+def fold_key(h: int, part: int) -> int:
+    """Fold one integer (64 bits of it, negative ones too) into a key derivation's 32-bit state."""
+    part = int(part)
+    for shift in (0, 32):
+        h = fmix32(h ^ ((part >> shift) & MASK32)) + GOLDEN
+    return h & MASK32
+
+
 def derive_key(*parts: int) -> int:
     """A 32-bit key from any number of integers (seed, step, tensor index, ...)."""
-    h = 0x5BD1E995
+    h = KEY_START
     for part in parts:
-        part = int(part)
-        for shift in (0, 32):  # fold 64-bit values (negative ones too) into the state
-            h = fmix32(h ^ ((part >> shift) & MASK32)) + GOLDEN
+        h = fold_key(h, part)
     return fmix32(h)
+
+
+def derive_keys_numpy(parts: tuple[int, ...], count: int, outer: tuple[int, ...] = ()) -> np.ndarray:
+    """[derive_key(*outer, derive_key(*parts, i)) for i in range(count)] as uint32, vectorized.
+
+    The reference for ``numba_impl.derive_keys`` (and the path without numba)."""
+    h = KEY_START
+    for part in parts:
+        h = fold_key(h, part)
+    keys = _fmix32_np(_fold_np(np.full(count, h, dtype=np.uint64), np.arange(count, dtype=np.uint64)))
+    if outer:
+        h = KEY_START
+        for part in outer:
+            h = fold_key(h, part)
+        keys = _fmix32_np(_fold_np(np.full(count, h, dtype=np.uint64), keys))
+    return keys.astype(np.uint32)
+
+
+def _fmix32_np(h: np.ndarray) -> np.ndarray:
+    m = np.uint64(MASK32)
+    h = h & m
+    h ^= h >> np.uint64(16)
+    h = (h * np.uint64(FMIX_1)) & m
+    h ^= h >> np.uint64(13)
+    h = (h * np.uint64(FMIX_2)) & m
+    return h ^ (h >> np.uint64(16))
+
+
+def _fold_np(h: np.ndarray, part: np.ndarray) -> np.ndarray:
+    """fold_key for non-negative parts below 2**32 (tensor indices, keys): the high half is 0."""
+    for half in (part, np.zeros_like(part)):
+        h = (_fmix32_np(h ^ half) + np.uint64(GOLDEN)) & np.uint64(MASK32)
+    return h
 
 
 def random_words(key: int, first_word: int, nwords: int, device: torch.device | str = "cpu") -> torch.Tensor:

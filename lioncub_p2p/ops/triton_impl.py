@@ -159,6 +159,86 @@ def _majority_kernel(stack_ptr, out_ptr, n, nbytes, row_stride, key, RANDOM_TIES
     tl.store(out_ptr + byte, _pack_byte(bits, lane), mask=mask)
 
 
+# -- many tensors per launch: a table of (tensor, first byte or element) chunks; tensors by address --
+
+
+@triton.jit
+def _lion_pack_many_kernel(chunk_tensor_ptr, chunk_start_ptr, m_addr_ptr, numel_ptr, offset_ptr, g_addr_ptr, key_ptr,
+                           coef_ptr, out_ptr, ELEM: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    chunk = tl.program_id(0)
+    t = tl.load(chunk_tensor_ptr + chunk)
+    byte = tl.load(chunk_start_ptr + chunk) + tl.arange(0, BLOCK)
+    numel = tl.load(numel_ptr + t)
+    lane = tl.arange(0, 8)
+    pos = byte[:, None] * 8 + lane[None, :]
+    inside = pos < numel
+    g_addr = tl.load(g_addr_ptr + t)
+    g_ptr = g_addr.to(tl.pointer_type(ELEM))
+    m_ptr = tl.load(m_addr_ptr + t).to(tl.pointer_type(ELEM))
+    g = _load_f32(g_ptr, pos, inside & (g_addr != 0), IS_BF16)  # no gradient: g = +0.0
+    m = _load_f32(m_ptr, pos, inside, IS_BF16)
+    beta1, one_minus_beta1 = tl.load(coef_ptr + 4 * t), tl.load(coef_ptr + 4 * t + 1)
+    beta2, one_minus_beta2 = tl.load(coef_ptr + 4 * t + 2), tl.load(coef_ptr + 4 * t + 3)
+    c = tl.fma(g, one_minus_beta1, m * beta1)
+    bits = ((c > 0) | ((c == 0) & _random_bit(tl.load(key_ptr + t), pos))) & inside
+    out = out_ptr + tl.load(offset_ptr + t)
+    tl.store(out + byte, _pack_byte(bits, lane), mask=byte < (numel + 7) // 8)
+    _store_f32(m_ptr, pos, tl.fma(g, one_minus_beta2, m * beta2), inside, IS_BF16)
+
+
+@triton.jit
+def _apply_many_kernel(chunk_tensor_ptr, chunk_start_ptr, p_addr_ptr, numel_ptr, offset_ptr, scalar_ptr, u_ptr,
+                       ELEM: tl.constexpr, IS_BF16: tl.constexpr, PACKED: tl.constexpr, BLOCK: tl.constexpr):
+    chunk = tl.program_id(0)
+    t = tl.load(chunk_tensor_ptr + chunk)
+    offs = tl.load(chunk_start_ptr + chunk) + tl.arange(0, BLOCK)
+    mask = offs < tl.load(numel_ptr + t)
+    p_ptr = tl.load(p_addr_ptr + t).to(tl.pointer_type(ELEM))
+    scale, neg_lr = tl.load(scalar_ptr + 2 * t), tl.load(scalar_ptr + 2 * t + 1)
+    # scale = 1 (no decay) leaves p exactly as torch's skipped mul_ does
+    p = _round_to(_load_f32(p_ptr, offs, mask, IS_BF16) * scale, p_ptr, IS_BF16)
+    first = tl.load(offset_ptr + t)
+    if PACKED:
+        byte = tl.load(u_ptr + first + offs // 8, mask=mask, other=0).to(tl.int32)
+        u = (((byte >> (offs % 8).to(tl.int32)) & 1) * 2 - 1).to(tl.float32)
+    else:
+        u = tl.load(u_ptr + 8 * first + offs, mask=mask, other=0).to(tl.float32)
+    _store_f32(p_ptr, offs, tl.fma(u, neg_lr, p), mask, IS_BF16)
+
+
+_ELEM = {torch.float32: (tl.float32, False), torch.float16: (tl.float16, False), torch.bfloat16: (tl.int16, True)}
+
+
+def chunk_table(numels: list[int], block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tensor index, first unit) of every ``block``-sized chunk of every tensor of ``numels`` units."""
+    tensor, start = [], []
+    for i, n in enumerate(numels):
+        firsts = range(0, max(n, 1), block)
+        tensor.extend([i] * len(firsts))
+        start.extend(firsts)
+    return (torch.tensor(tensor, dtype=torch.int64, device=device),
+            torch.tensor(start, dtype=torch.int64, device=device))
+
+
+def lion_pack_many(dtype: torch.dtype, pack_chunks: tuple[torch.Tensor, torch.Tensor], m_addrs: torch.Tensor,
+                   numels: torch.Tensor, offsets: torch.Tensor, g_addrs: torch.Tensor, keys: torch.Tensor,
+                   coefs: torch.Tensor, out: torch.Tensor) -> None:
+    """Every tensor's direction packed into ``out`` at its offset, momenta updated; tables on the device
+    (chunks of PACK_BLOCK bytes; coefs float32 (n, 4) = β1, 1−β1, β2, 1−β2; g_addrs 0 = no gradient)."""
+    elem, is_bf16 = _ELEM[dtype]
+    _lion_pack_many_kernel[(pack_chunks[0].numel(),)](pack_chunks[0], pack_chunks[1], m_addrs, numels, offsets,
+                                                      g_addrs, keys, coefs, out, elem, is_bf16, PACK_BLOCK)
+
+
+def apply_many(dtype: torch.dtype, elem_chunks: tuple[torch.Tensor, torch.Tensor], p_addrs: torch.Tensor,
+               numels: torch.Tensor, offsets: torch.Tensor, scalars: torch.Tensor, update: torch.Tensor) -> None:
+    """θ ← θ·scale − lr·u for every tensor (chunks of ELEM_BLOCK elements; scalars float32 (n, 2) =
+    1 − lr·λ, −lr); u packed uint8 at byte offsets, or float32 at 8·offsets."""
+    elem, is_bf16 = _ELEM[dtype]
+    _apply_many_kernel[(elem_chunks[0].numel(),)](elem_chunks[0], elem_chunks[1], p_addrs, numels, offsets, scalars,
+                                                  update, elem, is_bf16, update.dtype == torch.uint8, ELEM_BLOCK)
+
+
 def _grid(count: int, block: int) -> tuple[int]:
     return (triton.cdiv(max(count, 1), block),)
 
