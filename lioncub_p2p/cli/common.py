@@ -1,9 +1,27 @@
 """Pieces shared by the command-line tools."""
 from __future__ import annotations
 
+import argparse
 import logging
 import time
 from pathlib import Path
+
+
+class UsageError(ValueError):
+    """A mistake in the command line or its files; the message is one line naming the problem and the fix."""
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, where it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        nothing = default is None or default is False or default == [] or default == argparse.SUPPRESS
+        if "%(default)" in text or nothing or not action.option_strings:
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {shown})"
 
 
 def setup_logging(quiet: bool = False) -> None:
@@ -19,8 +37,15 @@ def read_peers_file(path: str | None, wait: float = 60.0) -> list[str]:
     if not path:
         return []
     deadline = time.monotonic() + wait
-    while not Path(path).exists() or not Path(path).read_text().strip():
+    while True:
+        try:
+            text = Path(path).read_text()
+        except FileNotFoundError:
+            text = ""
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--initial-peers-file {path} cannot be read ({type(e).__name__}: {e})") from None
+        if text.strip():
+            return [line.strip() for line in text.splitlines() if line.strip()]
         if time.monotonic() > deadline:
-            raise SystemExit(f"error: {path} did not appear within {wait:.0f} s: is the first coordinator running?")
+            raise UsageError(f"{path} did not appear within {wait:.0f} s: is the first coordinator running?")
         time.sleep(0.2)
-    return [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]

@@ -2,9 +2,11 @@
 
     lioncub-coordinator --run-id demo --host-maddrs /ip4/0.0.0.0/tcp/31337 --identity-path coord.key
 
-Prints its multiaddrs (give them to trainers as --initial-peers) and keeps a stable peer id across
-restarts through the identity file. With --monitor-jsonl it logs, every --monitor-period seconds,
-the peers alive, the global step, samples/s and bytes/s, and appends them as JSON lines.
+Listens on every interface (TCP and QUIC) by default, prints its multiaddrs (give them to trainers
+as --initial-peers) sorted by who can dial them, and keeps a stable peer id across restarts through
+the identity file. With --monitor-jsonl it logs, every --monitor-period seconds, the peers alive,
+the global step, samples/s and bytes/s, and appends them as JSON lines. SIGINT and SIGTERM stop it
+cleanly (its DHT child and libp2p daemon included).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import argparse
 import json
 import logging
 import re
-import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,17 +23,22 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from ..swarm.membership import PeerRecord
-from .common import read_peers_file, setup_logging
+from .addresses import LISTEN_ALL, check_listen, check_peers, reachability
+from .checks import check_run_id, check_writable_file
+from .common import HelpFormatter, UsageError, read_peers_file, setup_logging
+from .lifecycle import ChildReaper, Interrupted, StopSignals
 
 logger = logging.getLogger("lioncub.coordinator")
 
 
 def parse_args(argv: list[str] | None = None, *, monitor_default: bool = False) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="lioncub-monitor" if monitor_default else "lioncub-coordinator",
+                                description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--run-id", default="demo", help="the run to monitor (coordinators serve any run)")
-    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"],
-                   help="where to listen, e.g. /ip4/0.0.0.0/tcp/31337 /ip4/0.0.0.0/udp/31337/quic-v1")
-    p.add_argument("--announce-maddrs", nargs="*", default=[], help="public addresses, if behind port forwarding")
+    p.add_argument("--host-maddrs", nargs="+", default=LISTEN_ALL,
+                   help="where to listen, e.g. /ip4/0.0.0.0/tcp/31337 /ip4/0.0.0.0/udp/31337/quic-v1 for fixed ports")
+    p.add_argument("--announce-maddrs", nargs="*", default=[],
+                   help="public addresses others should dial, if behind port forwarding")
     p.add_argument("--initial-peers", nargs="*", default=[], help="other coordinators' multiaddrs")
     p.add_argument("--initial-peers-file", default=None, help="read initial peers from this file (waits for it)")
     p.add_argument("--identity-path", default=None, help="private key file: keeps the peer id across restarts")
@@ -42,9 +49,9 @@ def parse_args(argv: list[str] | None = None, *, monitor_default: bool = False) 
     p.add_argument("--nat-probing", action="store_true", help="UPnP/AutoNAT probing of the network card")
     p.add_argument("--monitor-jsonl", default=None, help="append run metrics to this JSONL file")
     p.add_argument("--monitor", action="store_true", default=monitor_default, help="log run metrics")
-    p.add_argument("--monitor-period", type=float, default=5.0)
-    p.add_argument("--duration", type=float, default=None, help="exit after this many seconds (tests)")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--monitor-period", type=float, default=5.0, help="seconds between monitor lines")
+    p.add_argument("--quiet", action="store_true", help="accepted for symmetry with lioncub-train (logs lines only)")
+    p.add_argument("--duration", type=float, default=None, help=argparse.SUPPRESS)  # exit after this many seconds (tests)
     return p.parse_args(argv)
 
 
@@ -71,20 +78,64 @@ def run_summary(dht: DHT, run_id: str) -> dict:
 def main(argv: list[str] | None = None, *, monitor_default: bool = False) -> None:
     args = parse_args(argv, monitor_default=monitor_default)
     setup_logging(args.quiet)
-    initial = args.initial_peers + read_peers_file(args.initial_peers_file)
+    with StopSignals() as stop, ChildReaper() as reaper:
+        try:
+            serve(args, stop)
+        except UsageError as e:
+            raise SystemExit(f"error: {e}")
+        except Interrupted:
+            pass  # the orderly shutdown ran in serve()
+        finally:
+            stop.leaving()
+            if reaper.reap():
+                logger.warning("ended child processes left after the shutdown: %s", ", ".join(reaper.reaped))
+
+
+def check_settings(args: argparse.Namespace) -> list[str]:
+    """Everything that can be checked before starting a daemon; returns the initial peers to dial."""
+    check_run_id(args.run_id)
+    check_listen("--host-maddrs", args.host_maddrs)
+    check_listen("--announce-maddrs", args.announce_maddrs)
+    initial = check_peers("--initial-peers", list(args.initial_peers))
+    if args.initial_peers_file:
+        initial += check_peers(f"--initial-peers-file {args.initial_peers_file}:", read_peers_file(args.initial_peers_file))
+    if args.monitor_period <= 0:
+        raise UsageError(f"--monitor-period must be positive, got {args.monitor_period}")
+    for flag in ("--monitor-jsonl", "--write-maddrs"):
+        path = getattr(args, flag[2:].replace("-", "_"))
+        if path:
+            check_writable_file(flag, path)
     if args.identity_path:
-        Path(args.identity_path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            Path(args.identity_path).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--identity-path {args.identity_path}: cannot create its folder ({e.strerror})") from None
+    return initial
+
+
+def serve(args: argparse.Namespace, stop: StopSignals) -> None:
+    initial = check_settings(args)
     try:
         dht = DHT(start=True, initial_peers=initial, host_maddrs=args.host_maddrs,
                   announce_maddrs=args.announce_maddrs or None, identity_path=args.identity_path,
                   client_mode=args.client_mode, no_listen=args.client_mode, nat_port_map=args.nat_probing,
                   auto_nat=args.nat_probing)
     except Exception as e:
-        raise SystemExit(f"error: the DHT did not start ({e}). If --initial-peers are set, are they reachable? "
-                         f"Is another process using this identity file or port?")
+        raise UsageError(f"the DHT did not start ({' '.join(str(e).split())[:300]}). If --initial-peers are set, are "
+                         f"they reachable? Is another process using this identity file or port?") from None
+    try:
+        _serve(args, dht, stop)
+    finally:
+        dht.shutdown()
+        print("coordinator stopped", flush=True)
+
+
+def _serve(args: argparse.Namespace, dht: DHT, stop: StopSignals) -> None:
     maddrs = [] if args.client_mode else [str(m) for m in dht.get_visible_maddrs()]
     if maddrs:
         print("coordinator ready; trainers join with:\n  --initial-peers " + " ".join(maddrs), flush=True)
+        for line in reachability(maddrs):
+            print(line, flush=True)
     else:
         print(f"monitor connected (client mode, not listening) to run {args.run_id}", flush=True)
     if args.write_maddrs and maddrs:
@@ -95,32 +146,26 @@ def main(argv: list[str] | None = None, *, monitor_default: bool = False) -> Non
         tmp.write_text("\n".join(written) + "\n")
         tmp.replace(args.write_maddrs)
 
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    pause = threading.Event()  # never set: waits that a stop signal interrupts
     deadline = time.monotonic() + args.duration if args.duration else None
     monitoring = args.monitor or args.monitor_jsonl
-    try:
-        while not stop.wait(args.monitor_period if monitoring else 1.0):
-            if deadline and time.monotonic() > deadline:
-                break
-            if monitoring:
-                summary = run_summary(dht, args.run_id)
-                logger.info("run %s: %d peers alive (%d synced), step %d, %.1f samples/s, up %.2f MB/s, down %.2f MB/s",
-                            args.run_id, summary["peers_alive"], summary["peers_synced"], summary["global_step"],
-                            summary["samples_per_s"], summary["bytes_up_per_s"] / 1e6,
-                            summary["bytes_down_per_s"] / 1e6)
-                if args.monitor_jsonl:
-                    with open(args.monitor_jsonl, "a") as f:
-                        f.write(json.dumps(summary) + "\n")
-    finally:
-        dht.shutdown()
-        print("coordinator stopped", flush=True)
+    while not stop.requested and not pause.wait(args.monitor_period if monitoring else 1.0):
+        if deadline and time.monotonic() > deadline:
+            break
+        if monitoring:
+            summary = run_summary(dht, args.run_id)
+            logger.info("run %s: %d peers alive (%d synced), step %d, %.1f samples/s, up %.2f MB/s, down %.2f MB/s",
+                        args.run_id, summary["peers_alive"], summary["peers_synced"], summary["global_step"],
+                        summary["samples_per_s"], summary["bytes_up_per_s"] / 1e6,
+                        summary["bytes_down_per_s"] / 1e6)
+            if args.monitor_jsonl:
+                with stop.deferred(), open(args.monitor_jsonl, "a") as f:  # never half a line
+                    f.write(json.dumps(summary) + "\n")
 
 
 def monitor_main(argv: list[str] | None = None) -> None:
     """lioncub-monitor: a coordinator in client mode that only monitors (logs + JSONL)."""
-    main(["--client-mode"] + (argv if argv is not None else __import__("sys").argv[1:]), monitor_default=True)
+    main(["--client-mode"] + (argv if argv is not None else sys.argv[1:]), monitor_default=True)
 
 
 if __name__ == "__main__":

@@ -11,16 +11,34 @@ import argparse
 import json
 from pathlib import Path
 
+from .common import HelpFormatter, UsageError
+
+
+REQUIRED = ("step", "loss", "time", "compute_s", "step_s")  # what every --metrics-jsonl line holds
+
 
 def load(path: Path) -> list[dict]:
+    """The metrics lines of a ``--metrics-jsonl`` file; UsageError if it holds none."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except IsADirectoryError:
+        raise UsageError(f"{path} is a folder; give the --metrics-jsonl files themselves") from None
+    except OSError as e:
+        raise UsageError(f"{path} cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not a metrics file (binary data); give files written by "
+                         f"lioncub-train --metrics-jsonl") from None
     rows = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:
             continue  # a line cut by a crash
+        if isinstance(row, dict) and all(isinstance(row.get(k), (int, float)) for k in REQUIRED):
+            rows.append(row)
     if not rows:
-        raise SystemExit(f"error: {path} holds no metrics lines (is it a --metrics-jsonl file?)")
+        raise UsageError(f"{path} holds no metrics lines (each needs {', '.join(REQUIRED)}); give files written by "
+                         f"lioncub-train --metrics-jsonl")
     return rows
 
 
@@ -55,14 +73,26 @@ def plot(runs: dict[str, list[dict]], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("metrics", nargs="+", type=Path)
-    parser.add_argument("--out", type=Path, default=Path("metrics.png"))
+    parser = argparse.ArgumentParser(prog="lioncub-plot", description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("metrics", nargs="+", type=Path, help="files written by lioncub-train --metrics-jsonl")
+    parser.add_argument("--out", type=Path, default=Path("metrics.png"), help="the PNG to write")
     args = parser.parse_args(argv)
-    for path in args.metrics:
-        if not path.exists():
-            raise SystemExit(f"error: {path} does not exist")
-    plot({path.stem: load(path) for path in args.metrics}, args.out)
+    try:
+        for path in args.metrics:
+            if not path.exists():
+                raise UsageError(f"{path} does not exist")
+        runs = {path.stem: load(path) for path in args.metrics}
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("lioncub-plot needs matplotlib: pip install 'lioncub-p2p[sim]'") from None
+        try:
+            plot(runs, args.out)
+        except OSError as e:
+            raise UsageError(f"--out {args.out} cannot be written ({e.strerror or e}); choose another path") from None
+    except UsageError as e:
+        raise SystemExit(f"error: {e}")
     print(f"plot: {args.out}")
 
 

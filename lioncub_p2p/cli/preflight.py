@@ -1,45 +1,69 @@
 """lioncub-train --preflight: can this machine take part, and how fast will its rounds be?
 
 Checks, in order, each with a one-line verdict: the coordinators answer (the DHT starts and finds
-the run's records); whether peers can dial this machine or it needs --client-mode (from its
-addresses: a private or loopback address without --announce-maddrs cannot be dialed from outside);
-the upload and download bandwidth to a member of the run (a timed 4 MiB probe each way); the
-compute time of one step of the chosen model here; and the resulting seconds per round.
+the run's records); the run admits this peer (a private run's records carry admission tokens: no
+secret, or one that none of them was made with, is a failed check); whether peers can dial this
+machine, and if not the exact flags to change; the upload and download bandwidth to a member of
+the run (a timed 4 MiB probe each way; a refused probe is a failed check); the compute time of one
+step of the chosen task here; and the resulting seconds per round. Exit code 0: ready.
 """
 from __future__ import annotations
 
-import ipaddress
+import asyncio
 import time
+from collections.abc import Callable, Iterator
 
 import torch
 
-from ..swarm import Swarm, SwarmError
+from ..swarm import Swarm, SwarmConfig, SwarmError
+from ..swarm.membership import PeerRecord
 from ..swarm.probe import measure
+from ..tasks import TrainingTask
+from .addresses import LISTEN_ALL, PUBLIC_PORT_ADVICE, dialable_from_outside, scope
+
+FAIL_COORDINATORS, FAIL_EMPTY_RUN, FAIL_ADMISSION, FAIL_PROBE = 2, 3, 4, 5
 
 
-def _dialable(maddrs: list[str]) -> bool:
-    for maddr in maddrs:
-        parts = maddr.split("/")
-        if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
-            try:
-                ip = ipaddress.ip_address(parts[2])
-            except ValueError:
-                continue
-            if not (ip.is_private or ip.is_loopback or ip.is_unspecified or ip.is_link_local):
-                return True
-        elif len(parts) > 2 and parts[1].startswith("dns"):
-            return True
-    return False
+def admission_problem(config: SwarmConfig, swarm: Swarm, records: dict[str, PeerRecord]) -> str | None:
+    """Why this peer would be refused by the run's members, judged from their public records."""
+    others = {pid: r for pid, r in records.items() if pid != swarm.peer_id}
+    if not others:
+        return None
+    private = any(r.token for r in others.values())
+    if private and config.run_secret is None:
+        return (f"the run is private (its {len(others)} peers carry admission tokens) and you gave no --run-secret: "
+                f"its peers will refuse you; pass --run-secret with the run's secret")
+    if config.run_secret is not None and not any(swarm.admission.admits(pid, r.token) for pid, r in others.items()):
+        reason = "the run is open: drop --run-secret" if not private else "ask the run's organizer for the secret"
+        return (f"the run secret is wrong: none of the run's {len(others)} peers was admitted with your --run-secret "
+                f"({reason})")
+    return None
 
 
-def preflight(args, config, task, model) -> int:
+def reachability_verdict(config: SwarmConfig, visible: list[str]) -> tuple[str, str]:
+    """("OK" or "WARN", the line saying whether others can dial this peer and which flag to change)."""
+    if config.client_mode:
+        return "OK", "client mode: you dial out only; you vote and receive results, reduce nothing"
+    if dialable_from_outside(visible):
+        public = [m for m in visible if scope(m) == "public"]
+        return "OK", f"reachable: peers can dial you at {public[0]}" + (f" (+{len(public) - 1} more)" if public[1:] else "")
+    if visible and all(scope(m) == "loopback" for m in visible):
+        return "WARN", (f"you listen on loopback only ({' '.join(config.host_maddrs)}): no other machine can dial you; "
+                        f"listen on every interface with --host-maddrs {' '.join(LISTEN_ALL)} (the default), then "
+                        f"{PUBLIC_PORT_ADVICE}")
+    return "WARN", (f"peers on other networks probably cannot dial you (private addresses only: "
+                    f"{', '.join(visible) or 'none'}): {PUBLIC_PORT_ADVICE}")
+
+
+def preflight(args, config: SwarmConfig, task: TrainingTask,
+              batches_for: Callable[[torch.Generator], Iterator]) -> int:
     """Print the checks; returns a process exit code (0: ready)."""
-    print(f"preflight for run {config.run_id!r}")
+    print(f"preflight for run {config.run_id!r}", flush=True)
     try:
         swarm = Swarm(config)
     except SwarmError as e:
-        print(f"  [FAIL] coordinators: {e}")
-        return 2
+        print(f"  [FAIL] coordinators: {e}", flush=True)
+        return FAIL_COORDINATORS
     try:
         records = swarm.loop.run(swarm.directory.peers(), timeout=30)
         group = swarm.loop.run(swarm.directory.group(), timeout=30)
@@ -47,37 +71,45 @@ def preflight(args, config, task, model) -> int:
             print("  [WARN] no --initial-peers: this machine would start a run of its own")
         elif not records and group is None:
             print("  [FAIL] coordinators answer, but nobody trains in this run yet (is --run-id right?)")
-            return 3
+            return FAIL_EMPTY_RUN
         else:
             steps = max((r.step for r in records.values()), default=0)
             print(f"  [ OK ] coordinators answer: {len(records)} peers online, global step {steps}")
+        refused = admission_problem(config, swarm, records)
+        if refused:
+            print(f"  [FAIL] admission: {refused}", flush=True)
+            return FAIL_ADMISSION
         visible = [str(m) for m in config.announce_maddrs] or [str(m) for m in swarm.dht.get_visible_maddrs()]
-        if config.client_mode:
-            print("  [ OK ] client mode: you dial out only; you vote and receive results, reduce nothing")
-        elif _dialable(visible):
-            print("  [ OK ] reachable: your addresses are public, peers can dial you")
-        else:
-            print("  [WARN] peers probably cannot dial you (only private/loopback addresses and no "
-                  "--announce-maddrs): use --client-mode, or forward a port and pass --announce-maddrs")
-        donors = [pid for pid, r in records.items() if r.synced and not r.client_mode and pid != swarm.peer_id]
+        verdict, line = reachability_verdict(config, visible)
+        print(f"  [{verdict:^4}] {line}", flush=True)
         up = down = None
+        refusals = []
+        donors = [pid for pid, r in records.items() if r.synced and not r.client_mode and pid != swarm.peer_id]
         for pid in donors[:3]:
             try:
                 up, down = swarm.loop.run(measure(swarm.p2p, pid, token=swarm.admission.token(swarm.peer_id)),
                                           timeout=120)
                 print(f"  [ OK ] bandwidth to {pid[:12]}…: upload {up:.1f} Mbit/s, download {down:.1f} Mbit/s")
                 break
+            except (ConnectionError, asyncio.IncompleteReadError) as e:
+                refusals.append(f"{pid[:12]}… ({type(e).__name__})")  # a member closes a probe it refuses, unanswered
             except Exception as e:
                 print(f"  [WARN] probe to {pid[:12]}… failed: {type(e).__name__}: {e}")
-        numel = sum(p.numel() for p in model.parameters())
-        x, y = task.sample(0, 1, args.batch, torch.Generator().manual_seed(0))
+        if refusals and up is None:
+            print(f"  [FAIL] the run's members refused the bandwidth probe: {', '.join(refusals)}: they admit only "
+                  f"holders of the run's secret (check --run-secret) or allow-listed peer ids", flush=True)
+            return FAIL_PROBE
+        numel = sum(p.numel() for p in task.model.parameters())
+        batches = batches_for(torch.Generator().manual_seed(0))
         started = time.perf_counter()
         for _ in range(3):
-            task.loss(model, x, y).backward()
+            task.loss(task.model, next(batches)).backward()
         compute = (time.perf_counter() - started) / 3
+        task.model.zero_grad(set_to_none=True)
         n = max(len(records), 2)
         bits = 2 * (n - 1) / n * numel  # 1-bit votes up and results down, per peer per round
-        print(f"  [ OK ] model: {numel / 1e6:.2f}M parameters, {compute * 1e3:.0f} ms per step of compute here")
+        print(f"  [ OK ] model ({task.name}): {numel / 1e6:.2f}M parameters, {compute * 1e3:.0f} ms per step of "
+              f"compute here")
         if up and down:
             seconds = compute + bits / 2 / (up * 1e6) + bits / 2 / (down * 1e6)
             verdict = "ready" if seconds < 10 else "slow: consider --client-mode"

@@ -463,22 +463,60 @@ def _smooth(values: list[float], k: int = 5) -> list[float]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="lioncub-sim", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--links", default="100,50,20,10", help="per-peer Mbit/s: '100,50' or up/down '100/20,50/50'")
     p.add_argument("--profile", default=None, help="YAML file: peers: [{up: 100, down: 100, loss: 0.5, ...}, ...]")
-    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
+    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS), help="methods to compare")
     p.add_argument("--hidden", type=int, default=1024, help="MLP width: 1024 -> 1.1M parameters, 2300 -> 5.5M")
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=int, default=32, help="samples per peer per step")
     p.add_argument("--steps", type=int, default=100000, help="stop each method at this step...")
     p.add_argument("--seconds", type=float, default=25.0, help="...or after this many seconds of training")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--eval-every", type=int, default=5)
-    p.add_argument("--upload-timeout", type=float, default=10.0)
-    p.add_argument("--result-timeout", type=float, default=30.0)
+    p.add_argument("--lr", type=float, default=3e-4, help="Lion's learning rate")
+    p.add_argument("--eval-every", type=int, default=5, help="evaluate every this many steps")
+    p.add_argument("--upload-timeout", type=float, default=10.0, help="trainers' --upload-timeout (seconds)")
+    p.add_argument("--result-timeout", type=float, default=30.0, help="trainers' --result-timeout (seconds)")
     p.add_argument("--shaping", choices=["auto", "netns", "proxy", "none"], default="auto",
                    help="auto: namespaces as root, else the user-space proxy; proxy also applies latency")
-    p.add_argument("--out", type=Path, default=Path("runs/sim"))
+    p.add_argument("--out", type=Path, default=Path("runs/sim"), help="folder for the report, plot and peer logs")
     return p.parse_args(argv)
+
+
+def load_profiles(profile: str | None, links: str) -> list[LinkProfile]:
+    """The peers' links from ``--profile`` (YAML) or ``--links``; SystemExit with one line on any mistake."""
+    if not profile:
+        try:
+            return parse_links(links)
+        except ValueError as e:
+            raise SystemExit(f"error: --links {links}: {e}") from None
+    path = Path(profile)
+    example = "peers: [{up: 100, down: 20}, {up: 50, delay: 40}]"
+    try:
+        spec = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"error: --profile {path} does not exist; write one like: {example}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"error: --profile {path} cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise SystemExit(f"error: --profile {path} is not valid YAML ({problem}{where}); write it like: {example}") from None
+    if not isinstance(spec, dict) or "peers" not in spec:
+        raise SystemExit(f"error: --profile {path} has no `peers:` list; write it like: {example}")
+    extra = sorted(str(k) for k in spec if k != "peers")
+    if extra:
+        raise SystemExit(f"error: --profile {path}: unknown top-level field {extra[0]!r}; only `peers:` is read")
+    peers = spec["peers"]
+    if not isinstance(peers, list) or not peers:
+        raise SystemExit(f"error: --profile {path}: `peers:` must be a non-empty list; write it like: {example}")
+    profiles = []
+    for i, peer in enumerate(peers):
+        try:
+            profiles.append(LinkProfile.from_dict(peer))
+        except (ValueError, TypeError) as e:
+            raise SystemExit(f"error: --profile {path}: peer {i}: {e}") from None
+    return profiles
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -488,12 +526,11 @@ def main(argv: list[str] | None = None) -> None:
 def run(argv: list[str] | None = None) -> list[MethodResult]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    if args.profile:
-        spec = yaml.safe_load(Path(args.profile).read_text())
-        profiles = [LinkProfile.from_dict(p) for p in spec["peers"]]
-    else:
-        profiles = parse_links(args.links)
-    args.out.mkdir(parents=True, exist_ok=True)
+    profiles = load_profiles(args.profile, args.links)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"error: --out {args.out} cannot be created ({e.strerror or e}); choose another folder")
     sim = Simulation(profiles, shaping=args.shaping, workdir=args.out, hidden=args.hidden, batch=args.batch,
                      steps=args.steps, seconds=args.seconds, lr=args.lr, eval_every=args.eval_every,
                      timeouts=(args.upload_timeout, args.result_timeout))

@@ -44,21 +44,41 @@ class LinkProfile:
     def __post_init__(self) -> None:
         if self.up_mbit <= 0 or self.down_mbit <= 0:
             raise ValueError(f"link rates must be positive, got up {self.up_mbit}, down {self.down_mbit}")
-        failpoints.parse(self.failpoint)  # a typo fails here, not silently in a peer
+        try:
+            failpoints.parse(self.failpoint)  # a typo fails here, not silently in a peer
+        except ValueError:
+            raise ValueError(f"failpoint {self.failpoint!r} is not POINT or POINT@STEP with POINT one of "
+                             f"{', '.join(failpoints.POINTS)}") from None
         if not 0 <= self.loss_pct < 100 or self.delay_ms < 0:
             raise ValueError(f"loss must be in [0, 100) and delay >= 0, got {self.loss_pct}, {self.delay_ms}")
+        if self.stall_s < 0 or self.cut_s < 0:
+            raise ValueError(f"stall_s and cut_s must be >= 0, got {self.stall_s}, {self.cut_s}")
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> "LinkProfile":
+        """A profile from its YAML form; ValueError naming the field for anything unknown or mistyped."""
+        if not isinstance(value, dict):
+            raise ValueError(f"each peer is a mapping like {{up: 100, down: 20}}, got {value!r}")
         aliases = {"up": "up_mbit", "down": "down_mbit", "mbit": None, "delay": "delay_ms", "loss": "loss_pct"}
+        fields = cls.__dataclass_fields__
         kwargs: dict[str, Any] = {}
         for key, v in value.items():
+            name = aliases.get(key, key)
+            if key != "mbit" and name not in fields:
+                known = sorted(set(aliases) - {None} | set(fields) - set(aliases.values()))
+                raise ValueError(f"unknown field {key!r}; known: {', '.join(known)}")
+            if key == "failpoint":
+                if v is not None and not isinstance(v, str):
+                    raise ValueError(f"failpoint must be text like \"result@20\", got {v!r}")
+            elif name in ("leave_at", "rejoin_at", "stall_at", "cut_at", "join_at"):
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                    raise ValueError(f"{key} is a round number (a whole number >= 0), got {v!r}")
+            elif isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{key} must be a number, got {v!r}")
             if key == "mbit":
                 kwargs["up_mbit"] = kwargs["down_mbit"] = float(v)
-            elif aliases.get(key, key) in cls.__dataclass_fields__:
-                kwargs[aliases.get(key, key)] = v
             else:
-                raise ValueError(f"unknown link profile field {key!r}")
+                kwargs[name] = v
         return cls(**kwargs)
 
 
@@ -67,7 +87,12 @@ def parse_links(text: str) -> list[LinkProfile]:
     profiles = []
     for item in text.split(","):
         up, _, down = item.strip().partition("/")
-        profiles.append(LinkProfile(float(up), float(down or up)))
+        try:
+            rates = float(up), float(down or up)
+        except ValueError:
+            raise ValueError(f"{item.strip()!r} is not a rate in Mbit/s; write e.g. 100,50 or 100/20,50 "
+                             f"(up/down)") from None
+        profiles.append(LinkProfile(*rates))
     return profiles
 
 

@@ -1,0 +1,86 @@
+"""scikit-learn's digits (1,797 real 8x8 scans, shipped with scikit-learn, offline) and an MLP.
+
+scikit-learn is imported only when the data is loaded: it is an optional dependency
+(``pip install 'lioncub-p2p[sim]'``), and everything else in lioncub-p2p works without it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from .contract import TaskError, TrainingTask
+
+DEFAULT_HIDDEN = 256
+
+
+@dataclass
+class Task:
+    """Train/test tensors and a model factory; ``shard`` splits the training set among workers."""
+
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    hidden: int = DEFAULT_HIDDEN
+
+    def make_model(self, seed: int = 0) -> nn.Module:
+        torch.manual_seed(seed)
+        d_in, classes = self.x_train.shape[1], int(self.y_train.max()) + 1
+        return nn.Sequential(nn.Linear(d_in, self.hidden), nn.ReLU(), nn.Linear(self.hidden, self.hidden), nn.ReLU(),
+                             nn.Linear(self.hidden, classes))
+
+    def shard(self, index: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x_train[index::count], self.y_train[index::count]
+
+    def sample(self, shard: int, shards: int, batch: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.shard(shard, shards)
+        idx = torch.randint(0, len(x), (batch,), generator=gen)
+        return x[idx], y[idx]
+
+    @staticmethod
+    def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(x), y)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> tuple[float, float]:
+        """(test loss, test accuracy in %)."""
+        logits = model(self.x_test)
+        loss = nn.functional.cross_entropy(logits, self.y_test).item()
+        return loss, 100.0 * (logits.argmax(1) == self.y_test).float().mean().item()
+
+
+def digits_task(seed: int = 0, hidden: int = DEFAULT_HIDDEN) -> Task:
+    """80/20 split of the digits, standardized with the training split's statistics."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise TaskError("the digits task needs scikit-learn, which the core install leaves out: "
+                        "pip install 'lioncub-p2p[sim]' (or train another task: --task byte-gpt)") from None
+    data = load_digits()
+    x = data.data.astype(np.float32)
+    y = data.target.astype(np.int64)
+    order = np.random.default_rng(seed).permutation(len(x))
+    x, y = x[order], y[order]
+    cut = int(0.8 * len(x))
+    mean, std = x[:cut].mean(0), x[:cut].std(0) + 1e-6
+    x = (x - mean) / std
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    return Task("digits", t(x[:cut]), t(y[:cut]), t(x[cut:]), t(y[cut:]), hidden=hidden)
+
+
+def digits(seed: int = 0, hidden: int | None = None) -> TrainingTask:
+    """The built-in ``--task digits``: the MLP (``--hidden`` units, 2 hidden layers) on the digits.
+
+    The data split is fixed (seed 0) on every peer; ``seed`` initializes the model."""
+    data = digits_task(seed=0, hidden=hidden or DEFAULT_HIDDEN)
+
+    def evaluate(model: nn.Module) -> dict[str, float]:
+        loss, accuracy = data.evaluate(model)
+        return {"loss": loss, "accuracy": accuracy}
+
+    return TrainingTask(model=data.make_model(seed), data=lambda batch, gen: data.sample(0, 1, batch, gen),
+                        loss=lambda model, batch: data.loss(model, *batch), evaluate=evaluate, name="digits")

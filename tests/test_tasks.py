@@ -1,0 +1,188 @@
+"""Training tasks: the built-ins train, a user's module:function trains through lioncub-train, and the
+task contract (batches, evaluation, loading) holds what lioncub_p2p/tasks/__init__.py promises."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from lioncub_p2p import LionCub
+from lioncub_p2p.swarm import snapshot
+from lioncub_p2p.tasks import TaskError, TrainingTask, load_task
+
+USER_TASK = '''
+import torch
+from torch import nn
+
+BATCHES = [(torch.linspace(-1, 1, 24).reshape(6, 4) * (k + 1), torch.linspace(0.5, -0.7, 6).reshape(6, 1) * (k - 1.3))
+           for k in range(3)]
+
+
+def make_task(seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    loss = lambda model, batch: nn.functional.mse_loss(model(batch[0]), batch[1])
+    evaluate = lambda model: float(sum(loss(model, b) for b in BATCHES) / len(BATCHES))
+    return model, BATCHES, loss, evaluate
+'''
+
+
+def _lion_reference(params: list[np.ndarray], grad_fn, batches, steps: int, lr: float, wd: float,
+                    b1: float = 0.9, b2: float = 0.99) -> list[np.ndarray]:
+    """Plain Lion in numpy (float64 momenta compare within float32 rounding of the torch path)."""
+    m = [np.zeros_like(p) for p in params]
+    for step in range(steps):
+        grads = grad_fn(params, batches[step % len(batches)])
+        for i, (p, g) in enumerate(zip(params, grads)):
+            c = b1 * m[i] + (1 - b1) * g
+            assert np.all(c != 0), "a zero direction would take the shared tie-break bits"
+            params[i] = p * (1 - lr * wd) - lr * np.sign(c)
+            m[i] = b2 * m[i] + (1 - b2) * g
+    return params
+
+
+@pytest.mark.slow
+def test_user_task_module_function_trains_alone(tmp_path):
+    """--task mytask:make_task from the folder that holds mytask.py: a founder alone is plain Lion, so its
+    final parameters equal a numpy Lion on the same batches (the list restarts after 3 batches)."""
+    (tmp_path / "mytask.py").write_text(textwrap.dedent(USER_TASK))
+    steps, lr, wd = 7, 0.01, 0.1
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "lioncub_p2p.cli.train", "--task", "mytask:make_task", "--seed", "3",
+                           "--run-id", "user-task", "--steps", str(steps), "--lr", str(lr), "--weight-decay", str(wd),
+                           "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--quiet", "--final-state", "final.state",
+                           "--final-eval", "eval.json", "--momentum-every", "0"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert f"finished at step {steps}: test loss" in done.stdout
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import mytask
+    finally:
+        sys.path.remove(str(tmp_path))
+    model, batches, loss_fn, _ = mytask.make_task(3)
+    start = [p.detach().double().numpy().copy() for p in model.parameters()]
+
+    def grads(params, batch):
+        with torch.no_grad():
+            for p, value in zip(model.parameters(), params):
+                p.copy_(torch.from_numpy(value))
+        model.zero_grad()
+        loss_fn(model, batch).backward()
+        return [p.grad.double().numpy() for p in model.parameters()]
+
+    expected = _lion_reference(start, grads, batches, steps, lr, wd)
+    trained, _, _, _ = mytask.make_task(0)  # another init: the snapshot must overwrite every value
+    assert snapshot.load(LionCub(trained.parameters(), lr=lr), (tmp_path / "final.state").read_bytes()) == steps
+    for got, want in zip(trained.parameters(), expected):
+        np.testing.assert_allclose(got.detach().double().numpy(), want, rtol=0, atol=1e-5)
+    assert '"eval_loss"' in (tmp_path / "eval.json").read_text()
+
+
+def _unigram_entropy_nats(data: torch.Tensor) -> float:
+    counts = np.bincount(data.numpy(), minlength=256).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def test_byte_gpt_trains_and_beats_byte_frequencies():
+    """40 Lion steps of a 32-wide byte GPT: the test loss starts near a uniform guess over 256 bytes and
+    ends below the entropy of the test bytes' own frequencies (what no context-free model can beat)."""
+    torch.set_num_threads(1)
+    from lioncub_p2p.tasks.byte_gpt import stdlib_bytes_task
+
+    task = load_task("byte-gpt", seed=0, hidden=32)
+    batches = task.checked_batches(16)(torch.Generator().manual_seed(1))
+    before = task.evaluation()
+    assert abs(before["loss"] - math.log(256)) < 0.8
+    assert before["bits_per_byte"] == pytest.approx(before["loss"] / math.log(2))
+    optimizer = LionCub(task.model.parameters(), lr=3e-3)
+    for _ in range(40):
+        task.loss(task.model, next(batches)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    after = task.evaluation()
+    assert after["loss"] < _unigram_entropy_nats(stdlib_bytes_task().test) < before["loss"]
+
+
+def test_digits_task_is_the_mlp_on_digits():
+    task = load_task("digits", seed=0, hidden=16)
+    x, y = task.checked_batches(5)(torch.Generator().manual_seed(0)).__next__()
+    assert x.shape == (5, 64) and y.shape == (5,) and y.dtype == torch.int64
+    shapes = [tuple(p.shape) for p in task.model.parameters()]
+    assert shapes == [(16, 64), (16,), (16, 16), (16,), (10, 16), (10,)]
+    result = task.evaluation()
+    assert set(result) == {"loss", "accuracy"} and 0 <= result["accuracy"] <= 100
+
+
+def test_batches_restart_a_list_and_end_a_generator():
+    model = nn.Linear(2, 1)
+    loss = lambda m, b: m(b).sum()  # noqa: E731
+    listed = TrainingTask(model, [torch.ones(1, 2) * k for k in range(3)], loss)
+    stream = listed.checked_batches(4)(torch.Generator())
+    assert [int(next(stream)[0, 0]) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    once = TrainingTask(model, (torch.ones(1, 2) * k for k in range(3)), loss)
+    assert [int(b[0, 0]) for b in once.checked_batches(4)(torch.Generator())] == [0, 1, 2]
+
+
+def test_sampler_draws_from_the_peer_generator_after_the_check():
+    """The startup check must not consume the peer's own draws: the first batch equals a fresh draw."""
+    drawn = []
+
+    def sample(batch, gen):
+        drawn.append(batch)
+        return torch.rand(batch, 2, generator=gen)
+
+    task = TrainingTask(nn.Linear(2, 1), sample, lambda m, b: m(b).sum())
+    first = next(task.checked_batches(3)(torch.Generator().manual_seed(7)))
+    assert torch.equal(first, torch.rand(3, 2, generator=torch.Generator().manual_seed(7)))
+    assert drawn == [3, 3]
+
+
+def test_evaluation_takes_a_float_or_named_floats():
+    model = nn.Linear(2, 1)
+    loss = lambda m, b: m(b).sum()  # noqa: E731
+    assert TrainingTask(model, [torch.ones(1, 2)], loss, lambda m: 1.5).evaluation() == {"loss": 1.5}
+    assert TrainingTask(model, [torch.ones(1, 2)], loss, lambda m: {"loss": 2, "acc": torch.tensor(0.5)}) \
+        .evaluation() == {"loss": 2.0, "acc": 0.5}
+    assert TrainingTask(model, [torch.ones(1, 2)], loss).evaluation() == {}
+    with pytest.raises(TaskError, match="must return a float"):
+        TrainingTask(model, [torch.ones(1, 2)], loss, lambda m: "good").evaluation()
+    seen = []
+    TrainingTask(model, [torch.ones(1, 2)], loss, lambda m: seen.append((m.training, torch.is_grad_enabled())) or 0.0) \
+        .evaluation()
+    assert seen == [(False, False)] and model.training  # evaluated in eval mode without gradients, then restored
+
+
+def test_function_gets_only_the_options_it_names(tmp_path, monkeypatch):
+    (tmp_path / "opts.py").write_text(textwrap.dedent('''
+        import torch
+        from torch import nn
+        SEEN = []
+        def named(seed, batch):
+            SEEN.append(("named", seed, batch))
+            return nn.Linear(2, 1), [torch.ones(1, 2)], lambda m, b: m(b).sum()
+        def nothing():
+            SEEN.append(("nothing",))
+            return nn.Linear(2, 1), [torch.ones(1, 2)], lambda m, b: m(b).sum()
+        def everything(**options):
+            SEEN.append(("everything", sorted(options.items())))
+            return nn.Linear(2, 1), [torch.ones(1, 2)], lambda m, b: m(b).sum()
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import opts
+
+    for name in ("named", "nothing", "everything"):
+        task = load_task(f"opts:{name}", seed=4, batch=9, hidden=None)
+        assert task.name == f"opts:{name}"
+    assert opts.SEEN == [("named", 4, 9), ("nothing",), ("everything", [("batch", 9), ("hidden", None), ("seed", 4)])]
+    assert Path(opts.__file__).parent == tmp_path
