@@ -1,8 +1,6 @@
 """Independent numpy references for the kernels and codecs (written from the spec, not from the code)."""
 import numpy as np
 
-M32 = np.uint64(0xFFFFFFFF)
-
 
 def mix32(key: int, words: np.ndarray) -> np.ndarray:
     """The documented stream hash on uint32 arithmetic: murmur3 fmix32(word*0x9E3779B1 ^ key)."""

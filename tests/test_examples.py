@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each runs an example as a separate process (5-15 s)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

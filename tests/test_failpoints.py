@@ -18,6 +18,7 @@ def test_parse():
         failpoints.parse("upload@soon")
 
 
+@pytest.mark.slow
 def test_armed_process_dies_at_its_point_and_step_only():
     code = ("from lioncub_p2p import failpoints as f\n"
             "f.reached('upload', 9); f.reached('momentum', 5); print('alive', flush=True); f.reached('upload', 10)\n"
