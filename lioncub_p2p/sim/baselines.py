@@ -1,8 +1,10 @@
-"""The full-precision baseline: hivemind's own butterfly all-reduce (``DecentralizedAverager``).
+"""The full-precision baseline: hivemind's own butterfly all-reduce (``DecentralizedAverager``), n
+peers in one process (benchmarks). Trainer processes run it through ``lioncub-train --method
+hivemind-fp32|hivemind-fp16`` (``lioncub_p2p/cli/baseline.py``).
 
-Configured as ``../shared/docs/hivemind.md`` recommends for a fair comparison: a full group every
-step (target and minimum group size = n), and timeouts set, since its defaults wait forever on a
-dead peer. Averages a float vector in float32 or float16 on the wire.
+Configured for a fair comparison: a full group every step (target and minimum group size = n),
+and timeouts set, since its defaults wait forever on a dead peer. Averages a float vector in
+float32 or float16 on the wire.
 """
 from __future__ import annotations
 
@@ -56,78 +58,3 @@ class HivemindAllReduce:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def train_with_hivemind_averager(args, task, model) -> None:
-    """The full-precision data-parallel baseline as a volunteer would run it: every step, gradients
-    are averaged with hivemind's butterfly all-reduce (a full group, timeouts set), then plain Lion.
-
-    Used by ``lioncub-train --method hivemind-fp32|hivemind-fp16`` (the simulator's method 3).
-    Every peer starts from the same initialization (``--seed``), so identical averaged gradients keep
-    the replicas equal; a failed round falls back to the local gradient and is counted."""
-    import json
-    from pathlib import Path
-
-    from hivemind import DHT
-    from hivemind.averaging import DecentralizedAverager
-    from hivemind.compression import Float16Compression, NoCompression
-    from torch import nn
-
-    from ..cli.common import read_peers_file
-    from ..cli.train import finish
-    from ..optim import LionCub
-
-    dht = DHT(start=True, initial_peers=args.initial_peers + read_peers_file(args.initial_peers_file),
-              host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs or None,
-              client_mode=args.client_mode, no_listen=args.client_mode, nat_port_map=False, auto_nat=False)
-    grads = [torch.zeros_like(p) for p in model.parameters()]
-    group = args.group_size or 2
-    averager = DecentralizedAverager(
-        grads, dht, start=True, prefix=f"{args.run_id}_grads", target_group_size=group, min_group_size=group,
-        min_matchmaking_time=2.0, request_timeout=1.0, next_chunk_timeout=args.upload_timeout,
-        sender_timeout=args.upload_timeout, reducer_timeout=args.result_timeout,
-        allreduce_timeout=4 * args.result_timeout, client_mode=args.client_mode,
-        compression=Float16Compression() if args.method == "hivemind-fp16" else NoCompression())
-    optimizer = LionCub(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    metrics = open(args.metrics_jsonl, "a") if args.metrics_jsonl else None
-    gen = torch.Generator().manual_seed(int.from_bytes(dht.peer_id.to_base58().encode()[-6:], "big"))
-    started, failures = time.monotonic(), 0
-    try:
-        while optimizer.step_count < args.steps and not (args.max_seconds and time.monotonic() - started > args.max_seconds):
-            t0 = time.perf_counter()
-            idx = torch.randint(0, len(task.x_train), (args.batch,), generator=gen)
-            loss = nn.functional.cross_entropy(model(task.x_train[idx]), task.y_train[idx])
-            loss.backward()
-            t1 = time.perf_counter()
-            with averager.get_tensors() as tensors:
-                for tensor, p in zip(tensors, model.parameters()):
-                    tensor.copy_(p.grad)
-            try:
-                ok = averager.step(timeout=args.result_timeout) is not None
-            except Exception:
-                ok = False
-            if ok:
-                with averager.get_tensors() as tensors:
-                    for tensor, p in zip(tensors, model.parameters()):
-                        p.grad.copy_(tensor)
-            failures += not ok
-            optimizer.step()
-            optimizer.zero_grad()
-            t2 = time.perf_counter()
-            record = dict(step=optimizer.step_count - 1, loss=loss.item(), compute_s=t1 - t0, step_s=t2 - t1, wait_s=0.0,
-                          averaged=ok, failures=failures, time=time.time())
-            if args.eval_every and optimizer.step_count % args.eval_every == 0:
-                record["eval_loss"] = task.evaluate(model)[0]
-            if metrics:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-        finish(args, task, model, optimizer.step_count)
-        if args.final_state:
-            from ..swarm import snapshot
-
-            Path(args.final_state).write_bytes(snapshot.encode(optimizer)[0])
-    finally:
-        if metrics:
-            metrics.close()
-        averager.shutdown()
-        dht.shutdown()
