@@ -16,30 +16,47 @@ from lioncub_p2p.allreduce import AllReduceConfig, PeerSpec
 from lioncub_p2p.sim.tasks import digits_task
 from lioncub_p2p.swarm import Swarm, SwarmConfig, checkpoint, snapshot
 from lioncub_p2p.swarm import state_transfer
+from lioncub_p2p.identity import Identity
+from lioncub_p2p.swarm import AdmissionRefused
 from lioncub_p2p.swarm.membership import GroupHistory, GroupRecord, PeerRecord
+from lioncub_p2p.swarm.records import RecordError, seal
 from lioncub_p2p.wire import PROTOCOL_VERSION
 
 
-# -- membership records (pure) ---------------------------------------------------------------------
+# -- membership records (pure; signed-record checks and attacks are in test_membership.py) ------------
 
 def test_peer_record_round_trip_and_garbage():
-    record = PeerRecord("peerA", 2.0, True, 7, PROTOCOL_VERSION, True, 10.0, 1.0, 2.0, 0.5)
-    parsed = PeerRecord.parse("peerA", record.to_value(), 99.0)
-    assert parsed.weight == 2.0 and parsed.client_mode and parsed.step == 7 and parsed.expires == 99.0
-    for bad in ({"weight": "x"}, {"weight": -1, "client_mode": 0, "step": 0, "version": 1, "synced": 1}, [1, 2], None):
-        assert PeerRecord.parse("peerA", bad, 99.0) is None
-    assert PeerRecord.parse(123, record.to_value(), 99.0) is None
+    ident = Identity.load_or_create(None)
+    record = PeerRecord(ident.peer_id, 2.0, True, 7, PROTOCOL_VERSION, True, 10.0, 1.0, 2.0, 0.5, manifest="ab")
+    value = seal(ident, "run", "peers", 99.0, record.payload())
+    parsed = PeerRecord.parse(ident.peer_id, value, 99.0, run_id="run")
+    assert parsed == PeerRecord(**{**record.__dict__, "expires": 99.0})
+    assert PeerRecord.parse(ident.peer_id, value, 99.0) == parsed  # a monitor reads the run the record names
+    assert PeerRecord.parse(ident.peer_id, value, 99.0, run_id="other") is None  # not replayable into another run
+    assert PeerRecord.parse("someone-else", value, 99.0, run_id="run") is None  # nor under another subkey
+    assert PeerRecord.parse(ident.peer_id, value, 100.0, run_id="run") is None  # nor with another expiration
+    for bad in ({"weight": "x"}, {**record.payload(), "weight": -1.0}, {**record.payload(), "weight": 1e7},
+                {**record.payload(), "step": 1 << 62}, {**record.payload(), "step": 1.5},
+                {**record.payload(), "synced": 1}, {**record.payload(), "manifest": "x" * 100}):
+        assert PeerRecord.parse(ident.peer_id, seal(ident, "run", "peers", 99.0, bad), 99.0, run_id="run") is None, bad
+    for garbage in ([1, 2], None, {"r": "run"}, {**value, "p": b"x" * 10_000}, {**value, "k": 12}):
+        assert PeerRecord.parse(ident.peer_id, garbage, 99.0, run_id="run") is None
+    assert PeerRecord.parse(123, value, 99.0, run_id="run") is None
 
 
 def test_group_record_parse_rejects_malformed():
     g = GroupRecord(3, 40, (PeerSpec("a"), PeerSpec("b", 2.0), PeerSpec("c", 1.0, True)),
                     previous=GroupRecord(2, 10, (PeerSpec("a"),)))
-    parsed = GroupRecord.parse(g.to_value())
-    assert parsed == g and parsed.previous == g.previous
-    value = g.to_value()
-    for broken in ({**value, "members": []}, {**value, "members": [["a", 1, False], ["a", 1, False]]},
-                   {**value, "members": [["a", 1, True]]}, {**value, "epoch": "x"}, "garbage"):
-        assert GroupRecord.parse(broken) is None
+    parsed = GroupRecord.from_payload(g.payload(), "a")
+    assert parsed == g and parsed.previous == g.previous and parsed.author == "a"
+    value = g.payload()
+    for broken in ({**value, "members": []}, {**value, "members": [["a", 1.0, False], ["a", 1.0, False]]},
+                   {**value, "members": [["a", 1.0, True]]}, {**value, "epoch": "x"}, "garbage",
+                   {**value, "members": [["a", float("inf"), False]]}, {**value, "members": [["a", 1e9, False]]},
+                   {**value, "from_step": 1 << 62}, {**value, "previous": {**value["previous"], "epoch": 7}},
+                   {**value, "members": [["a", 1.0]]}, {**value, "members": [["a" * 500, 1.0, False]]}):
+        with pytest.raises(RecordError):
+            GroupRecord.from_payload(broken, "a")
 
 
 def test_group_history_picks_the_group_of_a_step():
@@ -218,6 +235,12 @@ def test_download_starts_over_when_the_next_donor_moved_on(monkeypatch):
 # -- a swarm in threads: repair and restart ---------------------------------------------------------------
 
 FAST = AllReduceConfig(upload_timeout=2, result_timeout=4, join_timeout=2, recovery_timeout=1)
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def _config(run_id: str, **kwargs) -> SwarmConfig:
+    """A swarm member on loopback with short round timeouts."""
+    return SwarmConfig(run_id, **{"host_maddrs": LOOPBACK, "allreduce": FAST, **kwargs})
 
 
 def _train_swarm(configs, steps, *, perturb=None, hidden=64):
@@ -267,7 +290,7 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64):
 
 
 def test_diverged_peer_repairs_itself_within_a_round():
-    configs = [SwarmConfig("repair", allreduce=FAST, momentum=MomentumSchedule(every=5)) for _ in range(3)]
+    configs = [_config("repair", momentum=MomentumSchedule(every=5)) for _ in range(3)]
     out = _train_swarm(configs, 30, perturb=(2, 15))
     assert {out[i][0] for i in range(3)} == {30}
     assert len({out[i][1] for i in range(3)}) == 1  # identical parameters at the end
@@ -276,7 +299,7 @@ def test_diverged_peer_repairs_itself_within_a_round():
 
 def test_swarm_restarts_from_checkpoints(tmp_path):
     def configs():
-        return [SwarmConfig("restart", allreduce=FAST, checkpoint_dir=str(tmp_path / f"p{i}"), checkpoint_every=5)
+        return [_config("restart", checkpoint_dir=str(tmp_path / f"p{i}"), checkpoint_every=5)
                 for i in range(2)]
 
     first = _train_swarm(configs(), 10)
@@ -296,25 +319,22 @@ def test_state_tag_samples_and_full_digest_differ_only_in_coverage():
 
 
 def test_run_secret_keeps_outsiders_out():
-    secret = dict(allreduce=FAST, run_secret="s3cret", join_timeout=8.0)
-    out = _train_swarm([SwarmConfig("admit", **secret), SwarmConfig("admit", **secret)], 12)
+    secret = dict(run_secret="s3cret", join_timeout=8.0)
+    out = _train_swarm([_config("admit", **secret), _config("admit", **secret)], 12)
     assert out[0][1] == out[1][1]
-    # an outsider with the wrong secret is never taken into the group: it gives up with a clear error
+    # an outsider with the wrong secret, or none, is refused by the group's leader within one exchange:
+    # it stops at once with one line, before building anything (no waiting for a group that never comes)
     task = digits_task(0, hidden=64)
-    first = Swarm(SwarmConfig("admit2", **secret))
+    first = Swarm(_config("admit2", **secret))
     try:
-        maddrs = [str(m) for m in first.dht.get_visible_maddrs()]
-        model = task.make_model(0)
-        first.join(LionCub(model.parameters(), aggregator=first))
-        outsider = Swarm(SwarmConfig("admit2", initial_peers=maddrs, allreduce=FAST, run_secret="wrong",
-                                     join_timeout=6.0))
-        try:
-            with pytest.raises(Exception, match="run-secret"):
-                outsider.join(LionCub(task.make_model(0).parameters(), aggregator=outsider))
-        finally:
-            outsider.shutdown()
-        time.sleep(1.0)
-        assert outsider.peer_id not in first.history.latest.member_ids()
+        first.join(LionCub(task.make_model(0).named_parameters(), aggregator=first))
+        for outsider_secret, expected in (("wrong", "refused this peer: wrong or missing run secret"), (None, "is private: pass its --run-secret")):
+            started = time.monotonic()
+            with pytest.raises(AdmissionRefused, match=expected) as refused:
+                Swarm(_config("admit2", initial_peers=first.visible_maddrs(), run_secret=outsider_secret))
+            assert time.monotonic() - started < 10.0 and "\n" not in str(refused.value)
+            assert "--run-secret" in str(refused.value)
+        assert first.history.latest.member_ids() == [first.peer_id]
     finally:
         first.shutdown()
 
@@ -340,5 +360,11 @@ def test_admission_tokens_and_allow_list():
     listed = Admission("run", None, frozenset({"peerA"}))
     assert listed.admits("peerA", b"") and listed.reason("peerB", b"") == "not on the run's allow-list"
     assert Admission().admits("anyone", b"") and Admission().token("x") == b""
-    proof = secret.sign(b"group")
-    assert secret.verifies(b"group", proof) and not secret.verifies(b"group2", proof)
+    n, m = b"n" * 32, b"m" * 32
+    proof = secret.proof("newcomer", "peerA", "peerB", n, m)
+    assert secret.checks_proof(proof, "newcomer", "peerA", "peerB", n, m)
+    for changed in (("member", "peerA", "peerB", n, m), ("newcomer", "peerC", "peerB", n, m),
+                    ("newcomer", "peerA", "peerC", n, m), ("newcomer", "peerA", "peerB", m, m),
+                    ("newcomer", "peerA", "peerB", n, n)):  # role, both ids and both nonces are bound in
+        assert not secret.checks_proof(proof, *changed)
+    assert not Admission("run", b"other").checks_proof(proof, "newcomer", "peerA", "peerB", n, m)

@@ -1,17 +1,39 @@
 """Who may take part in a run: holders of a shared run secret, and/or peers on an allow-list.
 
-libp2p authenticates every stream's remote peer id with the peer's key. A member proves it knows
-the run secret with a token bound to that id, HMAC-SHA256(secret, run id | peer id): anyone can
-see a token (it also sits in the public DHT record) but nobody can use it from another peer id,
-and computing one needs the secret. Without a secret or list, everyone is admitted.
+The secret never appears in public: it is stretched once per process into a run key with scrypt
+(~80 ms, 16 MiB; salted with the run id), and only values derived from that key travel, and only
+on authenticated libp2p streams:
+
+* a *token*, HMAC-SHA256(key, run id | peer id), that a member sends in the first frame of every
+  vote, fetch, probe and state stream to another member. libp2p authenticates the stream's peer id
+  and the token is bound to it, so a token seen by a member is of no use from another peer id;
+* the *proofs* of the admission exchange (``swarm/admit.py``): a newcomer proves the key to the
+  member it asks to be admitted by, over both peer ids and both parties' fresh nonces, before that
+  member proves it back.
+
+Nothing derived from the secret is in any DHT record. An eavesdropper on the DHT learns nothing to
+test guesses against; an active attacker who tricks a newcomer into the exchange gets one proof,
+and each guess against it costs one scrypt (see docs/protocol.md, "Admission"). Without a secret or
+a list, everyone is admitted.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 from dataclasses import dataclass, field
 
 TOKEN_BYTES = 16
+PROOF_BYTES = 32
+# scrypt cost: ~80 ms and 16 MiB on one core of the project's machine, once per process and secret
+SCRYPT_N, SCRYPT_R, SCRYPT_P = 1 << 14, 8, 1
+
+
+@functools.lru_cache(maxsize=8)
+def run_key(secret: bytes, run_id: str) -> bytes:
+    """The run key: the secret stretched with scrypt, salted with the run id (one secret, many runs)."""
+    return hashlib.scrypt(secret, salt=b"lioncub-run-key|" + run_id.encode(), n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P,
+                          dklen=32, maxmem=64 << 20)
 
 
 @dataclass(frozen=True)
@@ -24,31 +46,47 @@ class Admission:
     def open(self) -> bool:
         return self.secret is None and not self.allow
 
+    @property
+    def needs_secret(self) -> bool:
+        return self.secret is not None
+
+    @property
+    def _key(self) -> bytes:
+        return run_key(self.secret, self.run_id)
+
+    def _mac(self, *parts: str | bytes) -> bytes:
+        msg = b"|".join(p if isinstance(p, bytes) else p.encode() for p in parts)
+        return hmac.new(self._key, msg, hashlib.sha256).digest()
+
     def token(self, peer_id: str) -> bytes:
+        """What ``peer_id`` sends members on its streams (empty for runs without a secret)."""
         if self.secret is None:
             return b""
-        msg = f"lioncub-admission|{self.run_id}|{peer_id}".encode()
-        return hmac.new(self.secret, msg, hashlib.sha256).digest()[:TOKEN_BYTES]
+        return self._mac(b"lioncub-token", self.run_id, peer_id)[:TOKEN_BYTES]
 
-    def sign(self, content: bytes) -> bytes:
-        """A proof that whoever wrote ``content`` knows the run secret (empty for open runs)."""
+    def proof(self, role: str, newcomer: str, member: str, newcomer_nonce: bytes, member_nonce: bytes) -> bytes:
+        """One side's answer in the admission exchange: both peer ids and both nonces bound in, and the
+        role, so neither side's proof can be reflected as the other's."""
         if self.secret is None:
             return b""
-        return hmac.new(self.secret, b"lioncub-group|" + content, hashlib.sha256).digest()[:TOKEN_BYTES]
+        return self._mac(b"lioncub-admit", role, self.run_id, newcomer, member, newcomer_nonce, member_nonce)
 
-    def verifies(self, content: bytes, proof: bytes) -> bool:
-        return self.secret is None or hmac.compare_digest(self.sign(content), bytes(proof))
+    def checks_proof(self, proof: bytes, role: str, newcomer: str, member: str, newcomer_nonce: bytes,
+                     member_nonce: bytes) -> bool:
+        if self.secret is None:
+            return True
+        return isinstance(proof, (bytes, bytearray)) and hmac.compare_digest(
+            self.proof(role, newcomer, member, newcomer_nonce, member_nonce), bytes(proof[:PROOF_BYTES]))
 
     def admits(self, peer_id: str, token: bytes) -> bool:
-        if self.allow and peer_id not in self.allow:
-            return False
-        return self.secret is None or hmac.compare_digest(self.token(peer_id), bytes(token))
+        return self.reason(peer_id, token) is None
 
     def reason(self, peer_id: str, token: bytes) -> str | None:
-        """Why ``peer_id`` is refused, or None if admitted."""
+        """Why ``peer_id`` (whose stream carried ``token``) is refused, or None if admitted."""
         if self.allow and peer_id not in self.allow:
             return "not on the run's allow-list"
-        if self.secret is not None and not hmac.compare_digest(self.token(peer_id), bytes(token)):
+        if self.secret is not None and not (isinstance(token, (bytes, bytearray)) and
+                                            hmac.compare_digest(self.token(peer_id), bytes(token[:TOKEN_BYTES]))):
             return "wrong or missing run secret"
         return None
 

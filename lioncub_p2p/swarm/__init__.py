@@ -1,5 +1,8 @@
-"""Swarm membership: DHT records, group upkeep, state transfer, digests, checkpoints, momentum averaging."""
+"""Swarm membership: signed DHT records, admission, the run manifest, group upkeep, state transfer,
+digests, checkpoints, momentum averaging."""
+from .manifest import Manifest, ManifestError, publish_manifest
 from .membership import Directory, GroupRecord, PeerRecord
-from .peer import Swarm, SwarmConfig, SwarmError, StepStats
+from .peer import AdmissionRefused, SettingsMismatch, StepStats, Swarm, SwarmConfig, SwarmError
 
-__all__ = ["Swarm", "SwarmConfig", "SwarmError", "StepStats", "Directory", "GroupRecord", "PeerRecord"]
+__all__ = ["Swarm", "SwarmConfig", "SwarmError", "AdmissionRefused", "SettingsMismatch", "StepStats", "Directory",
+           "GroupRecord", "PeerRecord", "Manifest", "ManifestError", "publish_manifest"]

@@ -1,33 +1,67 @@
 """Membership of a run in the hivemind DHT: who is here, and which group votes at which step.
 
-Two keys per run:
+Two of the run's signed keys (``records.py``), each with one subkey per author:
 
-* ``{run}.peers``: one subkey per peer, refreshed every few seconds with a short expiry, holding
-  what the group needs (bandwidth weight, client mode, step, protocol version, whether its state is
-  synced) plus progress figures for monitors.
-* ``{run}.group``: the group record, written by the group's leader (its first listening member
-  that is alive). It names the members and the step from which they vote together. It changes only
-  when peers join or leave, and always for a step a few rounds ahead, so every member sees the
-  change before it takes effect: no per-step matchmaking. The record carries the previous group
+* ``{run}.peers``: each peer's own record, refreshed every few seconds with a short expiry: what the
+  group needs (bandwidth weight, client mode, step, protocol version, whether its state is synced,
+  the digest of the run manifest it follows, whether it is leaving) plus progress figures for monitors.
+* ``{run}.group``: group records, each written by the leader that decided it (its first listening
+  member that is alive). A record names the members and the step from which they vote together. It
+  changes only when peers join or leave, and always for a step a few rounds ahead, so every member
+  sees the change before it takes effect: no per-step matchmaking. It carries the previous group
   too, so a peer a round behind still finds the group of its step.
 
-DHT values come from untrusted peers: every field is type-checked and a malformed record is ignored.
+Everything read is hostile until checked: records are signed by their subkey's peer id, every field
+is type- and range-checked (finite weights in [0, 1e6], steps below 2**53, bounded sizes before any
+conversion), and a record that fails is skipped, logged (rate-limited) and never fatal. A member
+accepts a new group only from a member of its current group and only within windows of epochs and
+steps (``next_group``); a newcomer finds the run's group by asking the group's author to admit it
+(``admit.py``).
 """
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from ..allreduce.partition import PeerSpec
+from ..identity import Identity, Verifier
 from ..wire import PROTOCOL_VERSION
+from .records import RateLimitedLog, RecordError, dht_key, open_record, read_records, store_record
 
 logger = logging.getLogger(__name__)
 MAX_MEMBERS = 1024
+MAX_WEIGHT = 1e6
+MAX_STEP = 1 << 53  # steps and epochs beyond this are lies (and lose float precision in JSON readers)
+MAX_RATE = 1e15
+MAX_PEER_ID_CHARS = 128
+MAX_RECORDS = 4 * MAX_MEMBERS  # records of one key looked at per read; the rest are ignored (flooding)
+MAX_EPOCH_GAP = 16  # a member accepts a group at most this many epochs past its own
+DHT_TIMEOUT = 10.0  # every DHT read and write
+
+
+def _number(value: Any, low: float, high: float, *, integer: bool = False) -> float | int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise RecordError(f"{value!r} is not a{'n integer' if integer else ' number'}")
+    if not (low <= value <= high) or (isinstance(value, float) and not math.isfinite(value)):
+        raise RecordError(f"{value!r} is outside [{low}, {high}]")
+    return value
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise RecordError(f"{value!r} is not a boolean")
+    return value
+
+
+def _text(value: Any, limit: int) -> str:
+    if not isinstance(value, str) or len(value) > limit:
+        raise RecordError("not a short string")
+    return value
 
 
 @dataclass
@@ -42,29 +76,48 @@ class PeerRecord:
     bytes_up_per_s: float = 0.0
     bytes_down_per_s: float = 0.0
     loss: float | None = None
-    token: bytes = b""  # admission token (see allreduce/admission.py)
+    manifest: str = ""  # digest of the run manifest this peer follows (manifest.py)
+    leaving: bool = False  # announced by Swarm.shutdown(): drop me now
     expires: float = 0.0
 
-    def to_value(self) -> dict[str, Any]:
-        value = asdict(self)
-        del value["peer_id"], value["expires"]
-        return value
+    def payload(self) -> dict[str, Any]:
+        loss = self.loss if self.loss is not None and math.isfinite(self.loss) else None
+        return {"weight": float(self.weight), "client_mode": self.client_mode, "step": int(self.step),
+                "version": int(self.version), "synced": self.synced, "samples_per_s": float(self.samples_per_s),
+                "bytes_up_per_s": float(self.bytes_up_per_s), "bytes_down_per_s": float(self.bytes_down_per_s),
+                "loss": loss, "manifest": self.manifest, "leaving": self.leaving}
 
     @classmethod
-    def parse(cls, peer_id: Any, value: Any, expires: float) -> "PeerRecord | None":
-        if not isinstance(peer_id, str) or not isinstance(value, dict):
-            return None
+    def from_payload(cls, peer_id: str, value: dict, expires: float) -> "PeerRecord":
+        """Raises RecordError on anything out of shape or range."""
+        loss = value.get("loss")
+        return cls(peer_id=_text(peer_id, MAX_PEER_ID_CHARS), weight=float(_number(value["weight"], 0.0, MAX_WEIGHT)),
+                   client_mode=_flag(value["client_mode"]), step=_number(value["step"], 0, MAX_STEP, integer=True),
+                   version=_number(value["version"], 0, 1 << 31, integer=True), synced=_flag(value["synced"]),
+                   samples_per_s=float(_number(value.get("samples_per_s", 0.0), 0.0, MAX_RATE)),
+                   bytes_up_per_s=float(_number(value.get("bytes_up_per_s", 0.0), 0.0, MAX_RATE)),
+                   bytes_down_per_s=float(_number(value.get("bytes_down_per_s", 0.0), 0.0, MAX_RATE)),
+                   loss=None if loss is None else float(_number(loss, -MAX_RATE, MAX_RATE)),
+                   manifest=_text(value.get("manifest", ""), 64), leaving=_flag(value.get("leaving", False)),
+                   expires=float(expires))
+
+    @classmethod
+    def parse(cls, peer_id: Any, value: Any, expires: Any, *, run_id: str | None = None,
+              verifier: Verifier | None = None) -> "PeerRecord | None":
+        """A peer record as read from ``{run}.peers`` (the signed value), or None if it does not check
+        out. ``run_id`` defaults to the run the record names (fine for monitors; members pass theirs)."""
         try:
-            record = cls(peer_id=peer_id, weight=float(value["weight"]), client_mode=bool(value["client_mode"]),
-                         step=int(value["step"]), version=int(value["version"]), synced=bool(value["synced"]),
-                         samples_per_s=float(value.get("samples_per_s", 0.0)),
-                         bytes_up_per_s=float(value.get("bytes_up_per_s", 0.0)),
-                         bytes_down_per_s=float(value.get("bytes_down_per_s", 0.0)),
-                         loss=None if value.get("loss") is None else float(value["loss"]),
-                         token=bytes(value.get("token", b""))[:64], expires=float(expires))
-        except (KeyError, TypeError, ValueError):
+            if run_id is None:
+                run_id = value.get("r") if isinstance(value, dict) else None
+                if not isinstance(run_id, str):
+                    return None
+            payload = open_record(verifier or _VERIFIER, run_id, "peers", peer_id, value, expires)
+            return cls.from_payload(peer_id, payload, expires)
+        except (RecordError, KeyError, TypeError, ValueError):
             return None
-        return record if record.weight >= 0 and record.step >= 0 else None
+
+
+_VERIFIER = Verifier()
 
 
 @dataclass(frozen=True)
@@ -73,84 +126,137 @@ class GroupRecord:
     from_step: int
     members: tuple[PeerSpec, ...]
     previous: "GroupRecord | None" = field(default=None, compare=False)
-    proof: bytes = field(default=b"", compare=False)  # the leader's HMAC of content() with the run secret
+    author: str = field(default="", compare=False)  # the signer: the leader that decided it
 
-    def content(self) -> bytes:
-        """What the proof covers: epoch, first step and members, canonically."""
-        return repr((self.epoch, self.from_step, [(m.peer_id, m.weight, m.client_mode) for m in self.members])).encode()
-
-    def to_value(self) -> dict[str, Any]:
-        def plain(g: GroupRecord) -> dict[str, Any]:
-            return {"epoch": g.epoch, "from_step": g.from_step,
-                    "members": [[m.peer_id, m.weight, m.client_mode] for m in g.members]}
-
-        value = plain(self)
-        value["previous"] = plain(self.previous) if self.previous is not None else None
-        value["proof"] = self.proof
+    def payload(self, *, nested: bool = False) -> dict[str, Any]:
+        value = {"epoch": self.epoch, "from_step": self.from_step,
+                 "members": [[m.peer_id, float(m.weight), m.client_mode] for m in self.members]}
+        if not nested:
+            value["previous"] = self.previous.payload(nested=True) if self.previous is not None else None
         return value
 
     @classmethod
-    def parse(cls, value: Any, *, nested: bool = False) -> "GroupRecord | None":
-        try:
-            members = value["members"]
-            if not isinstance(members, list) or not 0 < len(members) <= MAX_MEMBERS:
-                return None
-            specs = tuple(PeerSpec(str(pid), float(w), bool(c)) for pid, w, c in members)
-            if len({s.peer_id for s in specs}) != len(specs) or not any(s.reduces for s in specs):
-                return None
-            previous = None
-            if not nested and value.get("previous") is not None:
-                previous = cls.parse(value["previous"], nested=True)
-            proof = bytes(value.get("proof", b""))[:64] if not nested else b""
-            return cls(int(value["epoch"]), int(value["from_step"]), specs, previous, proof)
-        except (KeyError, TypeError, ValueError):
-            return None
+    def from_payload(cls, value: Any, author: str = "", *, nested: bool = False) -> "GroupRecord":
+        """Raises RecordError on anything out of shape or range."""
+        if not isinstance(value, dict):
+            raise RecordError("group is not a map")
+        members = value.get("members")
+        if not isinstance(members, list) or not 0 < len(members) <= MAX_MEMBERS:
+            raise RecordError("group members missing or too many")
+        specs = []
+        for item in members:
+            if not isinstance(item, list) or len(item) != 3:
+                raise RecordError("a member is not [peer id, weight, client mode]")
+            specs.append(PeerSpec(_text(item[0], MAX_PEER_ID_CHARS), float(_number(item[1], 0.0, MAX_WEIGHT)),
+                                  _flag(item[2])))
+        if len({s.peer_id for s in specs}) != len(specs) or not any(s.reduces for s in specs):
+            raise RecordError("group lists a peer twice or has no reducer")
+        previous = None
+        if not nested and value.get("previous") is not None:
+            previous = cls.from_payload(value["previous"], nested=True)
+        epoch = _number(value.get("epoch"), 0, MAX_STEP, integer=True)
+        if previous is not None and previous.epoch != epoch - 1:
+            raise RecordError("previous group is not the epoch before")
+        return cls(epoch, _number(value.get("from_step"), 0, MAX_STEP, integer=True), tuple(specs), previous, author)
 
     def member_ids(self) -> list[str]:
         return [m.peer_id for m in self.members]
 
 
 class Directory:
-    """The run's records in the DHT. Methods are coroutines for the swarm's event loop."""
+    """The run's membership records in the DHT. Methods are coroutines for the swarm's event loop;
+    each DHT call is bounded by ``timeout`` and a failed read returns nothing rather than raising."""
 
-    def __init__(self, dht: DHT, run_id: str, group_namespace: str = ""):
-        self.dht = dht
-        self.peers_key = f"{run_id}.peers"
-        # runs with a secret keep their group record under a key derived from it: a peer with another
-        # secret can neither read nor overwrite it (it would only find, or found, a group of its own)
-        self.group_key = f"{run_id}.group" + (f".{group_namespace}" if group_namespace else "")
+    def __init__(self, dht: DHT, run_id: str, identity: Identity, *, timeout: float = DHT_TIMEOUT):
+        self.dht, self.run_id, self.identity, self.timeout = dht, run_id, identity, timeout
+        self.peers_key, self.group_key = dht_key(run_id, "peers"), dht_key(run_id, "group")
+        self.verifier = Verifier()
+        self.bad = RateLimitedLog(logger)
 
-    async def announce(self, record: PeerRecord, ttl: float) -> None:
-        await self.dht.store(self.peers_key, record.to_value(), get_dht_time() + ttl, subkey=record.peer_id,
-                             return_future=True)
+    async def _store(self, kind: str, payload: dict, expiration: float) -> bool:
+        return await store_record(self.dht, self.identity, self.run_id, kind, payload, expiration, timeout=self.timeout)
+
+    async def read(self, kind: str) -> list[tuple[str, dict, float]]:
+        """(author, payload, expiration) of every valid, unexpired record of ``kind``."""
+        return await read_records(self.dht, self.run_id, kind, self.verifier, self.bad, timeout=self.timeout,
+                                  limit=MAX_RECORDS)
+
+    async def announce(self, record: PeerRecord, ttl: float, *, expiration: float | None = None) -> bool:
+        return await self._store("peers", record.payload(), expiration or get_dht_time() + ttl)
 
     async def peers(self) -> dict[str, PeerRecord]:
-        found = await self.dht.get(self.peers_key, latest=True, return_future=True)
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        now, records = get_dht_time(), {}
-        for subkey, item in found.value.items():
-            record = PeerRecord.parse(subkey, getattr(item, "value", None), getattr(item, "expiration_time", 0.0))
-            if record is not None and record.expires > now:
-                records[record.peer_id] = record
+        records = {}
+        for author, payload, expires in await self.read("peers"):
+            try:
+                records[author] = PeerRecord.from_payload(author, payload, expires)
+            except (RecordError, KeyError) as e:
+                self.bad.warning(f"peer:{str(e)[:40]}", "ignoring the peer record of %.60s: %s", author, e)
         return records
 
+    async def groups(self) -> list[GroupRecord]:
+        """Every valid group record, each signed by its author (who must be one of its members)."""
+        groups = []
+        for author, payload, _ in await self.read("group"):
+            try:
+                group = GroupRecord.from_payload(payload, author)
+                if author not in group.member_ids():
+                    raise RecordError("its author is not a member")
+                groups.append(group)
+            except (RecordError, KeyError) as e:
+                self.bad.warning(f"group:{str(e)[:40]}", "ignoring the group record of %.60s: %s", author, e)
+        return groups
+
     async def group(self) -> GroupRecord | None:
-        found = await self.dht.get(self.group_key, latest=True, return_future=True)
-        return GroupRecord.parse(found.value) if found is not None else None
+        """The newest group record found (unverified beyond its signature: for reports, not for trust)."""
+        groups = await self.groups()
+        return max(groups, key=lambda g: g.epoch) if groups else None
 
     async def publish_group(self, record: GroupRecord, ttl: float) -> bool:
-        return bool(await self.dht.store(self.group_key, record.to_value(), get_dht_time() + ttl,
-                                         return_future=True))
+        return await self._store("group", record.payload(), get_dht_time() + ttl)
+
+
+def next_group(candidates: list[GroupRecord], history: "GroupHistory", *, step: int, window: int,
+               log: RateLimitedLog | None = None) -> GroupRecord | None:
+    """The group record a member with ``history`` accepts next, if any.
+
+    Only from a member of its latest groups (an outsider's record, however well signed, is never
+    followed), only for the next ``MAX_EPOCH_GAP`` epochs, and only for a first step no further than
+    ``window`` steps past this peer's step and the current group's start (a forged far-future step
+    cannot freeze group changes). Among several, the newest; for one epoch, the author listed first."""
+    latest = history.latest
+    if latest is None:
+        return None
+    signers = {pid for g in history.by_epoch.values() if g.epoch >= latest.epoch - 1 for pid in g.member_ids()}
+    order = {pid: i for i, pid in enumerate(latest.member_ids())}
+    limit = max(step, latest.from_step) + window
+    accepted = []
+    for group in candidates:
+        if group.epoch <= latest.epoch:
+            continue
+        problem = None
+        if group.author not in signers:
+            problem = "its author is not a member of this peer's group"
+        elif group.epoch > latest.epoch + MAX_EPOCH_GAP:
+            problem = f"epoch {group.epoch} is more than {MAX_EPOCH_GAP} past {latest.epoch}"
+        elif group.from_step > limit:
+            problem = f"it starts at step {group.from_step}, more than {window} steps ahead"
+        if problem:
+            if log is not None:
+                log.warning(f"next:{group.author}", "not following the group record of %.60s: %s", group.author,
+                            problem)
+            continue
+        accepted.append(group)
+    if not accepted:
+        return None
+    return max(accepted, key=lambda g: (g.epoch, -order.get(g.author, len(order))))
 
 
 class GroupHistory:
-    """The groups this peer has seen, by epoch: which group votes at a given step."""
+    """The groups this peer has accepted, by epoch: which group votes at a given step."""
 
     def __init__(self, keep: int = 16):
         self.keep = keep
         self.by_epoch: dict[int, GroupRecord] = {}
-        self.seen_at = 0.0
 
     def add(self, record: GroupRecord | None) -> None:
         while record is not None:
@@ -158,7 +264,9 @@ class GroupHistory:
             record = record.previous
         for epoch in sorted(self.by_epoch)[: -self.keep]:
             del self.by_epoch[epoch]
-        self.seen_at = time.monotonic()
+
+    def clear(self) -> None:
+        self.by_epoch.clear()
 
     @property
     def latest(self) -> GroupRecord | None:

@@ -1,34 +1,47 @@
 """Swarm: a volunteer's membership in a run, and the aggregator its LionCub optimizer votes through.
 
     swarm = Swarm("my-run", initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/Qm..."])
-    opt = LionCub(model.parameters(), lr=3e-4, aggregator=swarm)
+    model = build_model(swarm.manifest)  # the run's settings, adopted where this peer has no opinion
+    opt = LionCub(model.named_parameters(), lr=3e-4, aggregator=swarm)
     swarm.join(opt)                      # starts the run, or downloads the swarm's state
     for x, y in data:                    # an ordinary training loop
         loss_fn(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    swarm.shutdown()
+    swarm.shutdown()                     # tells the group at once, stops the DHT and its daemon
 
-Every step: this peer votes in the round of its step with the group the DHT names for that step,
+Starting: the peer runs with a libp2p identity (a file, or a fresh key in a private temporary
+directory), reads the run's signed group and manifest records, and asks the group's author to admit
+it (``admit.py``): a private run's members and newcomers prove the run key to each other there, and
+a refused peer stops at once with one line (``AdmissionRefused``). It adopts the run's manifest
+where its config has no opinion (None) and stops with one line where it differs (``ManifestMismatch``).
+
+Every step: this peer votes in the round of its step with the group it accepted for that step,
 sending a digest of its parameters along. If most voters' digest differs from its own, it diverged
 (it missed a result, or a bit flipped): it downloads the state of the next step from a member and
 carries on. After the update: momenta are averaged on the schedule (bf16, trimmed mean by default;
 a failed sync is logged and skipped), snapshots are made for peers that asked, checkpoints written.
+Anything that goes wrong in a round is a missed round (a zero update, repaired by the digest if it
+split anyone), never an exception out of ``optimizer.step()``.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
+import inspect
 import logging
+import os
 import random
+import signal
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 
 import torch
 from hivemind import DHT
+from hivemind.utils import get_dht_time
 
 from .. import failpoints
 from ..aio import BackgroundLoop
@@ -36,12 +49,16 @@ from ..allreduce import AllReduceConfig, PeerSpec, RoundReport, RoundSpec, VoteN
 from ..allreduce.admission import Admission
 from ..allreduce.allgather import GatherNode
 from ..codecs import AverageResult, Bf16Upload, result_codec, upload_codec
+from ..identity import Identity, Verifier
 from ..momentum import MomentumSchedule
 from ..optim import LionCub
 from ..wire import PROTOCOL_VERSION
-from . import checkpoint, snapshot
-from .membership import Directory, GroupHistory, GroupRecord, PeerRecord
+from . import checkpoint, manifest as manifests, snapshot
+from .admit import AdmitServer, ask_admission
+from .manifest import DEFAULTS, Manifest, ManifestError, ManifestMismatch
+from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, next_group
 from .probe import serve_probe
+from .records import RateLimitedLog, RunRecordValidator
 from .state_transfer import StateServer, download_state
 
 logger = logging.getLogger(__name__)
@@ -49,48 +66,78 @@ logger = logging.getLogger(__name__)
 
 SYNC_GRACE_ROUNDS = 30  # rounds a joining member may miss before it is dropped
 DROP_AFTER_S = 5.0  # ...and seconds any member may miss rounds: fast rounds must not drop a peer that is starting up
+STEP_WINDOW = 100  # steps a member's announced step may lead the leader's and still count (forged far-future steps)
+MAX_CANDIDATES = 8  # group records a newcomer asks for admission, most populated first
+MAX_RECORD_TTL = 300.0
+LISTEN_ALL = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
 
 
 class SwarmError(RuntimeError):
-    """Something a volunteer has to act on (unreachable coordinators, version mismatch, ...)."""
+    """Something a volunteer has to act on (unreachable coordinators, version mismatch, ...); one line."""
+
+
+class AdmissionRefused(SwarmError):
+    """The run's group refused this peer (wrong or missing run secret, not on the allow-list)."""
+
+
+class SettingsMismatch(SwarmError):
+    """This peer's settings or model differ from the run's manifest."""
 
 
 @dataclass
 class SwarmConfig:
-    """Knobs of a swarm member. Timeouts are in seconds."""
+    """Knobs of a swarm member. Timeouts are in seconds.
+
+    Settings every peer of a run must share (``upload`` ... ``seed``, and ``manifest`` for the
+    trainer's: task, lr, batch size, ...) default to None: adopt the run's manifest (the library
+    defaults when founding a run); a value given is an opinion the run must share, else joining stops
+    with one line naming the field."""
 
     run_id: str
     initial_peers: list[str] = field(default_factory=list)
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    host_maddrs: list[str] = field(default_factory=lambda: list(LISTEN_ALL))  # all interfaces, TCP and QUIC
     announce_maddrs: list[str] = field(default_factory=list)
-    identity_path: str | None = None
+    identity_path: str | None = None  # None: a fresh key in a private temporary directory
     client_mode: bool = False  # behind NAT: dial out only, reduce nothing
     weight: float = 1.0  # share of the reduction work (e.g. upload Mbit/s)
     nat_probing: bool = False  # UPnP / AutoNAT probing of the real network card
-    upload: str = "sign"
-    result: str = "majority"
-    transport: str = "butterfly"  # or "allgather": D-Lion's all-gather of every vote (a baseline)
-    momentum: MomentumSchedule = field(default_factory=lambda: MomentumSchedule(every=20))
-    momentum_rule: str = "trimmed_mean"  # or "average"
+    upload: str | None = None  # "sign", "l1:BITS"
+    result: str | None = None  # "majority", "ternary", "mean"
+    transport: str | None = None  # "butterfly", or "allgather": D-Lion's all-gather of every vote (a baseline)
+    momentum: MomentumSchedule | None = None  # default every 20 steps
+    momentum_rule: str | None = None  # "trimmed_mean" (default) or "average"
+    audit_every: int | None = None  # every this many rounds one sampled part is reduced twice (0: never; default 5)
+    full_digest_every: int | None = None  # the state tag hashes every parameter byte on these steps (default 10)
+    seed: int | None = None  # keys the shared random bits of rounds (default 0)
+    manifest: Manifest | None = None  # opinions on the trainer's settings (task, lr, batch size, ...)
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
     lead_steps: int = 3  # a new group takes effect this many steps after the leader decides it
     record_ttl: float = 10.0
     refresh_period: float = 0.5
-    full_digest_every: int = 10  # the state tag hashes every parameter byte on these steps
-    audit_every: int = 5  # every this many rounds one sampled part is reduced twice (0: never)
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     max_state_uploads: int = 2
     join_timeout: float = 120.0
     run_secret: str | None = None  # admission: only peers knowing it vote, reduce, serve state, average
     allow_peers: list[str] = field(default_factory=list)  # admission: only these peer ids (if given)
-    seed: int = 0
 
     def __post_init__(self) -> None:
         if not self.run_id or "." in self.run_id:
             raise ValueError(f"run_id must be a non-empty name without dots, got {self.run_id!r}")
-        if self.transport not in ("butterfly", "allgather"):
-            raise ValueError(f"transport must be butterfly or allgather, got {self.transport!r}")
+        if not 0 < self.record_ttl <= MAX_RECORD_TTL:
+            raise ValueError(f"record_ttl must be in (0, {MAX_RECORD_TTL:.0f}] s, got {self.record_ttl}")
+        if not self.weight >= 0 or self.weight > 1e6:
+            raise ValueError(f"weight must be in [0, 1e6], got {self.weight}")
+        self.opinions()  # checks every setting given (ManifestError, a ValueError, names the field)
+
+    def opinions(self) -> Manifest:
+        """What this config says about the run's manifest (None where it has no opinion)."""
+        own = Manifest(**{name: getattr(self, name) for name in manifests.SWARM_FIELDS if getattr(self, name) is not None})
+        base = self.manifest or Manifest()
+        clash = base.conflicts(own)
+        if clash:
+            raise ManifestError(f"{clash[0][0]} is set differently in SwarmConfig and in SwarmConfig.manifest")
+        return replace(base.merged(own), protocol=PROTOCOL_VERSION, secret_required=self.run_secret is not None)
 
 
 @dataclass
@@ -106,29 +153,73 @@ class StepStats:
     bits_per_param: float = 0.0
     repaired: bool = False
     momentum_synced: bool = False
+    missed: bool = False  # the round failed here: no update applied
+
+
+def _anchor_ids(maddrs: list[str]) -> list[str]:
+    """Peer ids named in multiaddrs (``.../p2p/ID``): the coordinators this peer was told to trust."""
+    ids = []
+    for maddr in maddrs:
+        parts = str(maddr).split("/")
+        for i, part in enumerate(parts[:-1]):
+            if part in ("p2p", "ipfs") and parts[i + 1] not in ids:
+                ids.append(parts[i + 1])
+    return ids
+
+
+def _descendants(pid: int) -> list[int]:
+    """Process ids below ``pid`` (Linux /proc), deepest last: the DHT process's p2pd and helpers."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 class Swarm:
     def __init__(self, config: SwarmConfig | None = None, **kwargs):
         self.config = config = config or SwarmConfig(**kwargs)
-        self.upload = upload_codec(config.upload)
-        self.result = result_codec(config.result)
         self.loop = BackgroundLoop(f"swarm-{config.run_id}")
         self.history = GroupHistory()
-        self._refused: set[str] = set()  # peers (and "group") already warned about
+        self.log = RateLimitedLog(logger)
         self.records: dict[str, PeerRecord] = {}
         self.failures: Counter[str] = Counter()  # rounds in a row a member was not counted...
         self.failing_since: dict[str, float] = {}  # ...since when
         self.disputes: dict[str, set[str]] = {}  # peer -> the peers whose results disagreed with its own
         self.evicted: dict[str, float] = {}  # dropped peer -> expiry of its record when it was dropped
+        self.admitted: set[str] = set()  # peers that proved the run key to this peer, or were members of its groups
+        self._proved_to: set[str] = set()  # members that admitted this peer
         self.optimizer: LionCub | None = None
         self.stats = StepStats()
         self.repairs = 0
+        self.missed_rounds = 0
         self.last_report: RoundReport | None = None
         self.__synced = False
-        self._refresher: asyncio.Task | None = None
+        self._refresher: concurrent.futures.Future | None = None
         self._progress = (time.monotonic(), 0)  # (time, step) at the last announcement, for samples/s
         self._published = 0.0
+        self._manifest_published = 0.0
+        self._last_expiration = 0.0  # of this peer's newest record (a leaving record must outlive it)
+        self._closed = False
+        self._joined = False
         # Held by the training thread from aggregate() to the end of after_step(): a snapshot taken
         # under it is a state between steps.
         self._step_lock = threading.Lock()
@@ -136,30 +227,64 @@ class Swarm:
         self._idle = True  # not stepping yet (joining, waiting for peers): group changes can take effect at once
         self.samples_per_step = 0  # set by the training loop, for monitors
         self.last_loss: float | None = None
+        self.opinions = config.opinions()
+        fresh = config.identity_path is None or not os.path.exists(config.identity_path)
         try:
+            self.identity = Identity.load_or_create(config.identity_path)
+        except (OSError, ValueError) as e:
+            self.loop.stop()
+            raise SwarmError(f"cannot use the identity file {config.identity_path} ({e}): give a writable path "
+                             f"or another file") from None
+        try:
+            # a key made just now is not anyone else's: skip hivemind's check (it starts a second daemon, ~0.45 s)
             self.dht = DHT(start=True, initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
-                           announce_maddrs=config.announce_maddrs or None, identity_path=config.identity_path,
+                           announce_maddrs=config.announce_maddrs or None, identity_path=self.identity.path,
+                           check_if_identity_free=not fresh, record_validators=[RunRecordValidator([config.run_id])],
                            client_mode=config.client_mode, no_listen=config.client_mode,
                            nat_port_map=config.nat_probing, auto_nat=config.nat_probing)
         except Exception as e:
             self.loop.stop()
             raise SwarmError(f"could not start the DHT ({e}); check --initial-peers and that the coordinators "
                              f"are reachable") from e
+        try:
+            self._start(config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, config: SwarmConfig) -> None:
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=30)
         self.peer_id = self.p2p.peer_id.to_base58()
+        if self.peer_id != self.identity.peer_id:
+            raise SwarmError("the DHT runs with another key than the identity file")
         self.admission = Admission(config.run_id, config.run_secret.encode() if config.run_secret else None,
                                    frozenset(config.allow_peers))
-        namespace = hashlib.blake2b(config.run_secret.encode(), digest_size=6).hexdigest() if config.run_secret else ""
-        self.directory = Directory(self.dht, config.run_id, namespace)
-        self.node = VoteNode(self.p2p, config.allreduce, self.admission)
-        self.gather = GatherNode(self.p2p, config.allreduce, self.admission) if config.transport == "allgather" else None
+        self.directory = Directory(self.dht, config.run_id, self.identity)
+        self.verifier = Verifier()
+        self.anchors = _anchor_ids(config.initial_peers)
+        self.run_manifest: Manifest | None = None  # the run's, as published by its leader (or a coordinator)
+        self._unreachable = 0  # group authors that did not answer the last admission requests
+        self.manifest = self.opinions.merged(DEFAULTS)  # this peer's settings (the run's, adopted)
+        self._discover()
+        self._apply_settings()
+        node_kwargs = {"identity": self.identity} if "identity" in inspect.signature(VoteNode).parameters else {}
+        self.node = VoteNode(self.p2p, config.allreduce, self.admission, **node_kwargs)
+        self.gather = GatherNode(self.p2p, config.allreduce, self.admission) \
+            if self.config.transport == "allgather" else None
         self.state_server = StateServer(self.p2p, config.run_id, max_uploads=config.max_state_uploads,
                                         provider=self._snapshot_between_steps, admission=self.admission)
+        self.admit_server = AdmitServer(self.p2p, self.admission, self.admitted.add)
         self._synced = False  # the state server serves only once this peer holds the swarm's state
         self.loop.run(self._start_services(), timeout=30)
         self._round = ("vote", 0)  # the kind and step of the round in progress, for failpoints
         if failpoints.ARMED is not None:
             self.node.on_event.append(self._failpoint)
+
+    def visible_maddrs(self) -> list[str]:
+        """The addresses other peers can dial this one at (give them as --initial-peers)."""
+        if self.config.client_mode:
+            return []
+        return [str(m) for m in self.dht.get_visible_maddrs()]
 
     def _failpoint(self, event: str) -> None:
         kind, step = self._round
@@ -185,30 +310,130 @@ class Swarm:
         if self.gather is not None:
             await self.gather.start()
         await self.state_server.start()
+        await self.admit_server.start()
+
+    # -- finding the run -----------------------------------------------------------------------------
+
+    def _discover(self) -> None:
+        """Read the run's group and manifest; if a group exists, ask its author to admit this peer and
+        adopt the run's manifest. Raises AdmissionRefused or SettingsMismatch (one line each)."""
+        if self.history.latest is None:
+            candidates = self.loop.run(self.directory.groups(), timeout=30)
+            if candidates:
+                self.records = self.loop.run(self.directory.peers(), timeout=30)
+                group = self._admitted_group(candidates)
+                if group is not None:
+                    self._trust(group)
+        found = self.loop.run(manifests.read(self.dht, self.config.run_id, self.verifier, self.log), timeout=30)
+        latest = self.history.latest
+        members = ([latest.author] + latest.member_ids()) if latest is not None else []
+        run = manifests.choose(found, members, self.anchors)
+        if run is not None:
+            try:
+                self.manifest = manifests.resolve(self.opinions, run, self.config.run_id).merged(DEFAULTS)
+            except ManifestMismatch as e:
+                raise self._mismatch(e, run) from None
+            self.run_manifest = run
+
+    def _mismatch(self, error: ManifestMismatch, run: Manifest) -> SwarmError:
+        if run.secret_required is not None and run.secret_required != self.opinions.secret_required:
+            if run.secret_required:
+                return AdmissionRefused(f"run {self.config.run_id} is private: pass its --run-secret")
+            return AdmissionRefused(f"run {self.config.run_id} is open (no run secret): drop --run-secret")
+        return SettingsMismatch(str(error))
+
+    def _admitted_group(self, candidates: list[GroupRecord]) -> GroupRecord | None:
+        """Ask the authors of the run's group records, most populated first, to admit this peer; the first
+        that does (and, in a private run, proves the run key back) gives the group this peer trusts.
+        Raises AdmissionRefused if every author answered and refused."""
+        self._unreachable = 0
+        live = {pid for pid, r in self.records.items() if not r.leaving}
+        ranked = sorted(candidates, key=lambda g: (-sum(pid in live for pid in g.member_ids()), -g.epoch))
+        refusals, failures = [], 0
+        for group in ranked[:MAX_CANDIDATES]:
+            if group.author == self.peer_id:
+                continue
+            try:
+                verdict = self.loop.run(ask_admission(self.p2p, group.author, self.admission), timeout=15)
+            except Exception as e:  # unreachable, or not a lioncub peer: try the next
+                failures += 1
+                self.log.warning(f"ask:{group.author}", "could not ask %s for admission: %s: %s", group.author,
+                                 type(e).__name__, e)
+                continue
+            run = self.config.run_id
+            if not verdict.admitted and verdict.secret_required and not self.admission.needs_secret:
+                refusals.append(f"run {run} is private: pass its --run-secret (its leader {group.author} refused "
+                                f"this peer)")
+            elif not verdict.admitted and verdict.reason == "not on the run's allow-list":
+                refusals.append(f"run {run} refused this peer: not on the run's allow-list (asked {group.author}): "
+                                f"ask the run's organizer to add peer id {self.peer_id}")
+            elif not verdict.admitted:
+                refusals.append(f"run {run} refused this peer: {verdict.reason} (asked {group.author}): check "
+                                f"--run-secret")
+            elif self.admission.needs_secret and not verdict.secret_required:
+                refusals.append(f"run {run} is open (no run secret): drop --run-secret")
+            elif self.admission.needs_secret and not verdict.member_proved:
+                self.log.warning(f"impostor:{group.author}", "%s did not prove the run secret: ignoring its group",
+                                 group.author)
+            else:
+                self._proved_to.add(group.author)
+                return group
+        self._unreachable = failures
+        if refusals and not failures:
+            raise AdmissionRefused(refusals[0])
+        return None
+
+    def _trust(self, group: GroupRecord) -> None:
+        self.history.add(group)
+        for g in self.history.by_epoch.values():
+            self.admitted.update(g.member_ids())
+        if hasattr(self, "node"):
+            self.node.group_epoch = self.history.latest.epoch
+
+    def _apply_settings(self) -> None:
+        """Make this peer run with ``self.manifest``'s swarm settings (codecs, schedule, ...)."""
+        m = self.manifest
+        self.config = replace(self.config, upload=m.upload, result=m.result, transport=m.transport,
+                              momentum=m.momentum_schedule(), momentum_rule=m.momentum_rule, audit_every=m.audit_every,
+                              full_digest_every=m.full_digest_every, seed=m.seed)
+        self.upload = upload_codec(m.upload)
+        self.result = result_codec(m.result)
 
     # -- joining ---------------------------------------------------------------------------------
 
     def join(self, optimizer: LionCub, timeout: float | None = None) -> int:
         """Become a voting member: resume a checkpoint, then start the run or fetch the swarm's state.
-        Returns the step training continues from."""
+        Returns the step training continues from. Raises SwarmError (one line) for what the volunteer
+        must fix: a refused admission, a model or settings that differ from the run's, no group in time."""
         if optimizer.aggregator is not self:
             raise ValueError("create the optimizer with aggregator=<this swarm>")
+        try:
+            self.config.momentum.check_names(name for name, _ in optimizer.momentum_buffers())
+        except ValueError as e:
+            raise SwarmError(str(e)) from None
         self.optimizer = optimizer
         if self.config.checkpoint_dir:
             restored = checkpoint.restore(self.config.checkpoint_dir, optimizer)
             if restored is not None:
                 logger.info("resumed checkpoint at step %d", restored)
         self._start_step = optimizer.step_count  # before any download: where this peer came in
-        self._refresher = asyncio.run_coroutine_threadsafe(self._refresh_forever(), self.loop.loop)
         deadline = time.monotonic() + (timeout or self.config.join_timeout)
-        self.loop.run(self._refresh_group(), timeout=30)
+        self._discover()
         if self.history.latest is None:
             time.sleep(1.0)  # a group record stored moments ago may not have reached us yet
-            self.loop.run(self._refresh_group(), timeout=30)
+            self._discover()
+        while self.history.latest is None and self._unreachable and time.monotonic() < deadline:
+            time.sleep(2.0)  # the run's group exists but its author did not answer: wait for it or a new leader
+            self._discover()
+        self._settle_manifest(optimizer)
         founded = False
         if self.history.latest is None:
-            self._check_not_locked_out()
             founded = self._found()
+            if not founded:  # another peer founded the run at the same moment: take its settings
+                self._discover()
+                self._settle_manifest(optimizer)
+        self._joined = True
+        self._refresher = asyncio.run_coroutine_threadsafe(self._refresh_forever(), self.loop.loop)
         latest = self.history.latest
         if self.peer_id not in latest.member_ids():
             self._sync_from_swarm(deadline)
@@ -218,6 +443,43 @@ class Swarm:
         self.loop.run(self._announce(), timeout=30)
         self._prepare(optimizer.step_count)
         return optimizer.step_count
+
+    def _settle_manifest(self, optimizer: LionCub) -> None:
+        """Add what the optimizer says (layout, lr, ...) to this peer's opinions and check them against
+        the run's manifest; the founder's become the run's."""
+        layout = snapshot.Layout.of(optimizer)
+        found = {"layout_hash": layout.digest(), "param_count": layout.param_count()}
+        for key in ("lr", "weight_decay", "betas"):
+            values = {tuple(g[key]) if key == "betas" else g[key] for g in optimizer.param_groups}
+            if len(values) == 1:  # one value for every group: part of the run's settings
+                found[key] = values.pop()
+        try:
+            from_optimizer = Manifest(**found)
+        except ManifestError:  # e.g. an lr beyond what a manifest holds: compare the layout only
+            from_optimizer = Manifest(layout_hash=found["layout_hash"], param_count=found["param_count"])
+        clash = from_optimizer.conflicts(self.opinions)
+        if clash:
+            name, mine, theirs = clash[0]
+            raise SettingsMismatch(f"the optimizer's {name}={mine} differs from this peer's setting {name}={theirs}")
+        own = self.opinions.merged(from_optimizer)
+        run = self.run_manifest
+        try:
+            settled = manifests.resolve(own, run, self.config.run_id).merged(DEFAULTS)
+        except ManifestMismatch as e:
+            if run is not None and run.layout_hash not in (None, own.layout_hash):
+                raise SettingsMismatch(
+                    f"this peer's model differs from run {self.config.run_id}'s ({own.param_count} parameters, layout "
+                    f"{own.layout_hash[:8]}; the run: {run.param_count} parameters, layout {run.layout_hash[:8]}): "
+                    f"build the run's model (task {run.task or '?'}, {run.task_args or {}})") from None
+            raise self._mismatch(e, run) from None
+        applied = Manifest(**{name: getattr(self.config, name) for name in manifests.SWARM_FIELDS})
+        changed = [name for name in manifests.SWARM_FIELDS if getattr(applied, name) != getattr(settled, name)]
+        if changed:
+            raise SettingsMismatch(f"run {self.config.run_id}'s manifest appeared after this Swarm was created and "
+                                   f"sets {', '.join(changed)} otherwise: create the Swarm again to adopt it")
+        self.manifest = settled
+        if self.history.latest is None:  # this peer founds the run: its settings become the run's
+            self.run_manifest = settled
 
     def wait_for_peers(self, count: int, timeout: float = 300.0) -> None:
         """Block until the group has ``count`` members holding the swarm's state (all start together).
@@ -240,39 +502,66 @@ class Swarm:
                 raise SwarmError(f"only {len(latest.members) if latest else 0} of {count} peers joined in time")
             time.sleep(self.config.refresh_period)
 
-    def _check_not_locked_out(self) -> None:
-        """Peers of this run are around but none shares our secret: founding a group of our own would
-        only train alone. Say so."""
-        self.records = self.loop.run(self.directory.peers(), timeout=30)
-        others = [r for pid, r in self.records.items() if pid != self.peer_id]
-        if others and not self.admission.open and not any(self.admission.admits(r.peer_id, r.token) for r in others):
-            raise SwarmError(f"{len(others)} peers of run {self.config.run_id} are online but none shares this "
-                             f"peer's run secret: check --run-secret (or the allow-list)")
-
     def _found(self) -> bool:
-        """Publish a group of this peer alone; True if it is the group the DHT kept."""
+        """Publish the run's manifest and a group of this peer alone; True if this peer keeps it.
+
+        Two peers founding at once both publish; the one with the smaller peer id keeps its group and
+        the other joins it (if it admits it)."""
         step = self.optimizer.step_count
-        record = self._signed(GroupRecord(0, step, (self._my_spec(),)))
+        record = GroupRecord(0, step, (self._my_spec(),), author=self.peer_id)
+        self.loop.run(manifests.store(self.dht, self.config.run_id, self.run_manifest, self.identity), timeout=30)
+        self._manifest_published = time.monotonic()
         self.loop.run(self.directory.publish_group(record, ttl=60.0), timeout=30)
-        time.sleep(0.5)  # let a concurrent founder's record land too; the DHT keeps one of them
-        self.loop.run(self._refresh_group(), timeout=30)
-        started = self.history.latest.epoch == 0 and self.history.latest.member_ids() == [self.peer_id]
-        logger.info("no group found for run %s: %s", self.config.run_id, "started it" if started else "another peer did")
-        return started
+        self._published = time.monotonic()
+        time.sleep(0.5)  # let a concurrent founder's record land too
+        others = [g for g in self.loop.run(self.directory.groups(), timeout=30)
+                  if g.author != self.peer_id and (g.epoch > 0 or g.author < self.peer_id)]
+        if others:
+            self.records = self.loop.run(self.directory.peers(), timeout=30)
+            group = self._admitted_group(others)
+            if group is not None:
+                self._trust(group)
+                logger.info("no group found for run %s: another peer started it", self.config.run_id)
+                return False
+        self._trust(record)
+        logger.info("no group found for run %s: started it", self.config.run_id)
+        return True
 
     def _sync_from_swarm(self, deadline: float) -> None:
         """Wait until the leader adds this peer to a group, then download the state of that step."""
         logger.info("waiting to be added to the group of run %s", self.config.run_id)
+        asked = time.monotonic()
         while True:
+            self.loop.run(self._refresh_group(), timeout=30)
             latest = self.history.latest
             if latest is not None and self.peer_id in latest.member_ids():
                 break
             if time.monotonic() > deadline:
                 raise SwarmError("no group took this peer in time. Is the run alive? Is --run-secret the run's? "
                                  f"Does the run speak protocol version {PROTOCOL_VERSION} (upgrade lioncub-p2p if not)?")
+            if time.monotonic() - asked > 3.0:  # a new leader, or a lineage this peer lost: ask to be admitted again
+                asked = time.monotonic()
+                self._ask_again(latest)
             self.loop.run(self._announce(), timeout=30)
             time.sleep(self.config.refresh_period)
         self._download(min_step=latest.from_step, group=latest)
+
+    def _ask_again(self, latest: GroupRecord | None) -> None:
+        if latest is not None and latest.author not in self._proved_to and latest.author != self.peer_id:
+            try:
+                verdict = self.loop.run(ask_admission(self.p2p, latest.author, self.admission), timeout=15)
+                if verdict.admitted:
+                    self._proved_to.add(latest.author)
+            except Exception as e:
+                logger.debug("asking %s for admission failed: %s", latest.author, e)
+        live = set(self.records)
+        if latest is None or not live & set(latest.member_ids()):  # the group this peer knows is gone: find the run's
+            candidates = self.loop.run(self.directory.groups(), timeout=30)
+            group = self._admitted_group([g for g in candidates if latest is None or g.epoch > latest.epoch
+                                          or g.author not in latest.member_ids()])
+            if group is not None:
+                self.history.clear()
+                self._trust(group)
 
     def _download(self, min_step: int, group: GroupRecord) -> None:
         members = [m for m in group.members if m.peer_id != self.peer_id and not m.client_mode]
@@ -351,8 +640,25 @@ class Swarm:
             raise SwarmError("call swarm.join(optimizer) before training")
         self._enter_step()
         self._idle = False
-        started = time.perf_counter()
         self.stats = StepStats(step=step)
+        try:
+            return self._aggregate(upload, step)
+        except Exception as e:  # never into the training loop: a missed round (the digest repairs a split)
+            self.log.warning(f"round:{type(e).__name__}", "step %d: the round failed here (%s: %s); applying no update",
+                             step, type(e).__name__, e)
+            return self._missed(step)
+
+    def _missed(self, step: int) -> torch.Tensor:
+        self.missed_rounds += 1
+        self.stats.missed = True
+        try:
+            self._prepare(step + 1)
+        except Exception as e:
+            logger.debug("not preparing step %d: %s", step + 1, e)
+        return torch.zeros(self.optimizer.buffer_bytes * 8)
+
+    def _aggregate(self, upload: torch.Tensor, step: int) -> torch.Tensor | None:
+        started = time.perf_counter()
         group = self.history.for_step(step)
         if group is None or self.peer_id not in group.member_ids():
             logger.warning("step %d: this peer is not in the group (dropped after a stall?): rejoining", step)
@@ -371,8 +677,7 @@ class Swarm:
             update, report = self.loop.run(node.run_round(spec, upload, tag), timeout=timeout)
         except Exception as e:  # never into the training loop: apply nothing; the digest repairs us next step
             logger.warning("step %d: the vote round failed (%s: %s); applying no update", step, type(e).__name__, e)
-            self._prepare(step + 1)
-            return torch.zeros(self.optimizer.buffer_bytes * 8)
+            return self._missed(step)
         self._observe(spec, report, started)
         if report.group_epoch > self.history.latest.epoch:  # a group change we have not seen: fetch it now
             try:
@@ -388,8 +693,7 @@ class Swarm:
                 self._download(min_step=step + 1, group=group)
             except Exception as e:  # apply nothing: still diverged, so the next round tries again
                 logger.warning("step %d: repair failed (%s); retrying next step", step, e)
-                self._prepare(step + 1)
-                return torch.zeros(self.optimizer.buffer_bytes * 8)
+                return self._missed(step)
             self.repairs += 1
             self.stats.repaired = True
             self._prepare(self.optimizer.step_count)
@@ -435,16 +739,28 @@ class Swarm:
             self.stats.wait_s = max(timings["first_result"] - timings.get("upload", 0.0), 0.0)
 
     def after_step(self, optimizer: LionCub) -> None:
+        """Momentum averaging, snapshots for joiners, checkpoints: each failure is logged, never raised."""
         try:
             step = optimizer.step_count
             if self.config.momentum.due(step):
-                self.stats.momentum_synced = self._average_momentum(step)
+                try:
+                    self.stats.momentum_synced = self._average_momentum(step)
+                except Exception as e:
+                    self.log.warning("momentum", "step %d: momentum averaging failed, skipped: %s: %s", step,
+                                     type(e).__name__, e)
             wanted = self.state_server.wanted_step()
             if wanted is not None and wanted <= step:
-                blob, digest = snapshot.encode(optimizer)
-                self.loop.run(self.state_server.offer(step, blob, digest), timeout=30)
+                try:
+                    blob, digest = snapshot.encode(optimizer)
+                    self.loop.run(self.state_server.offer(step, blob, digest), timeout=30)
+                except Exception as e:
+                    self.log.warning("offer", "step %d: no snapshot for joiners: %s: %s", step, type(e).__name__, e)
             if self.config.checkpoint_dir and self.config.checkpoint_every and step % self.config.checkpoint_every == 0:
-                checkpoint.save(self.config.checkpoint_dir, optimizer)
+                try:
+                    checkpoint.save(self.config.checkpoint_dir, optimizer)
+                except OSError as e:
+                    self.log.warning("checkpoint", "step %d: checkpoint not written to %s: %s", step,
+                                     self.config.checkpoint_dir, e)
         finally:
             self._exit_step()
 
@@ -488,33 +804,51 @@ class Swarm:
                 await self._lead()
             except asyncio.CancelledError:
                 raise
-            except Exception as e:
-                logger.debug("membership refresh failed: %s", e)
+            except Exception as e:  # the DHT, a bad record: upkeep goes on with the next refresh
+                self.log.warning(f"upkeep:{type(e).__name__}", "membership refresh failed: %s: %s", type(e).__name__, e)
             await asyncio.sleep(self.config.refresh_period)
 
     async def _refresh_group(self) -> None:
-        record = await self.directory.group()
-        if record is not None and not self.admission.verifies(record.content(), record.proof):
-            if "group" not in self._refused:
-                self._refused.add("group")
-                logger.warning("ignoring a group record of run %s not signed with this run's secret",
-                               self.config.run_id)
-            record = None
-        self.history.add(record)
-        if self.history.latest is not None:
-            self.node.group_epoch = self.history.latest.epoch
+        """Accept the next group from the run's records (``membership.next_group``)."""
+        if self.history.latest is None:
+            return
+        step = self.optimizer.step_count if self.optimizer is not None else 0
+        window = 2 * STEP_WINDOW + self.config.lead_steps
+        chosen = next_group(await self.directory.groups(), self.history, step=step, window=window, log=self.log)
+        if chosen is not None:
+            self._trust(chosen)
 
-    async def _announce(self) -> None:
+    async def _announce(self, *, leaving: bool = False) -> None:
         step = self.optimizer.step_count if self.optimizer is not None else 0
         now, (t0, step0) = time.monotonic(), self._progress
         rate = lambda amount: amount / max(now - t0, 1e-6)  # noqa: E731
+        seconds = max(self.stats.seconds, 1e-6)
         record = PeerRecord(self.peer_id, self.config.weight, self.config.client_mode, step, PROTOCOL_VERSION,
-                            self._synced, samples_per_s=self.samples_per_step * rate(step - step0),
-                            bytes_up_per_s=self.stats.bytes_up / max(self.stats.seconds, 1e-6),
-                            bytes_down_per_s=self.stats.bytes_down / max(self.stats.seconds, 1e-6), loss=self.last_loss,
-                            token=self.admission.token(self.peer_id))
+                            self._synced and not leaving, samples_per_s=max(self.samples_per_step * rate(step - step0), 0.0),
+                            bytes_up_per_s=self.stats.bytes_up / seconds, bytes_down_per_s=self.stats.bytes_down / seconds,
+                            loss=self.last_loss, manifest=self.run_manifest.digest() if self.run_manifest else "",
+                            leaving=leaving)
         self._progress = (now, step)
-        await self.directory.announce(record, ttl=self.config.record_ttl)
+        # a newer record must expire later than the last (the DHT keeps the latest-expiring one)
+        expiration = max(get_dht_time() + self.config.record_ttl, self._last_expiration + 1e-3)
+        if await self.directory.announce(record, self.config.record_ttl, expiration=expiration):
+            self._last_expiration = expiration
+
+    def _may_join(self, record: PeerRecord) -> bool:
+        """Whether the leader may add the peer of ``record`` to the group (logged, rate-limited, if not)."""
+        problem = None
+        if record.version != PROTOCOL_VERSION:
+            problem = f"it speaks protocol version {record.version}, this peer {PROTOCOL_VERSION}"
+        elif self.run_manifest is None or record.manifest != self.run_manifest.digest():
+            problem = "it follows another manifest (other settings or model)"
+        elif self.admission.allow and record.peer_id not in self.admission.allow:
+            problem = "not on the run's allow-list"
+        elif self.admission.needs_secret and record.peer_id not in self.admitted:
+            problem = "it has not proved the run secret to this peer"
+        if problem:
+            self.log.warning(f"refuse:{record.peer_id}", "peer %s asked to join but is not added: %s",
+                             record.peer_id, problem)
+        return problem is None
 
     async def _lead(self) -> None:
         """If this peer leads the group, keep it equal to the live, admitted, compatible peers.
@@ -522,11 +856,13 @@ class Swarm:
         A member that is still downloading the swarm's state votes with weight 0 (it reduces no part,
         so nobody waits for its part); it gets its weight once its record says it is synced. A member
         that was not counted in two rounds in a row, for at least ``DROP_AFTER_S``, is dropped; one still
-        syncing gets ``SYNC_GRACE_ROUNDS`` before that; a peer caught lying by audits is dropped at once."""
+        syncing gets ``SYNC_GRACE_ROUNDS`` before that; a peer caught lying by audits, or that announced
+        it is leaving, is dropped at once. Only signed, validated records count, and a member's step
+        counts only within ``STEP_WINDOW`` of this peer's."""
         latest = self.history.latest
         if latest is None or self.optimizer is None or not self._synced:
             return
-        alive = set(self.records) | {self.peer_id}
+        alive = {pid for pid, r in self.records.items() if not r.leaving} | {self.peer_id}
         syncing = {pid for pid, r in self.records.items() if not r.synced}
         suspects = self.suspects()
 
@@ -544,6 +880,9 @@ class Swarm:
         step = self.optimizer.step_count
         if leader != self.peer_id or step < latest.from_step:
             return
+        if self.run_manifest is not None and time.monotonic() - self._manifest_published > manifests.MANIFEST_TTL / 3:
+            self._manifest_published = time.monotonic()  # the leader keeps the run's manifest alive
+            await manifests.store(self.dht, self.config.run_id, self.run_manifest, self.identity)
         known = {m.peer_id for m in latest.members}
         dropped = [m for m in latest.members if not healthy(m.peer_id)]
         keep = [spec(m.peer_id, self._weight_of(m), m.client_mode) for m in latest.members if m not in dropped]
@@ -553,52 +892,79 @@ class Swarm:
         # a dropped peer comes back only with a record announced since (a dead peer's record lingers
         # until it expires; re-adding it would make the group flap)
         new = [spec(r.peer_id, r.weight, r.client_mode) for r in self.records.values()
-               if r.peer_id not in known and r.version == PROTOCOL_VERSION and self._admits(r)
-               and r.expires > self.evicted.get(r.peer_id, 0.0) and r.peer_id not in suspects]
+               if r.peer_id not in known and not r.leaving and r.expires > self.evicted.get(r.peer_id, 0.0)
+               and r.peer_id not in suspects and self._may_join(r)]
         for m in new:  # a returning peer starts with a clean slate
             self.failures[m.peer_id] = 0
             self.failing_since.pop(m.peer_id, None)
         desired = tuple(sorted(keep + new, key=lambda m: m.peer_id))
         if set(desired) == set(latest.members) or not any(m.reduces for m in desired):
-            if time.monotonic() - self._published > 20.0:  # keep the record from expiring
+            if time.monotonic() - self._published > 20.0:  # keep the record from expiring (under our own subkey)
                 self._published = time.monotonic()
+                if latest.author != self.peer_id:
+                    latest = GroupRecord(latest.epoch, latest.from_step, latest.members, latest.previous, self.peer_id)
                 await self.directory.publish_group(latest, ttl=60.0)
             return
-        ahead = max([step] + [r.step for r in self.records.values() if r.peer_id in known])  # the fastest member
+        steps = [r.step for pid, r in self.records.items() if pid in known and step <= r.step <= step + STEP_WINDOW]
+        ahead = max([step] + steps)  # the fastest member (a step beyond the window is a lie, not progress)
         lead = 0 if self._idle and ahead == step else self.config.lead_steps  # nobody steps yet: at once
-        record = self._signed(GroupRecord(latest.epoch + 1, ahead + lead, desired, previous=latest))
+        record = GroupRecord(latest.epoch + 1, ahead + lead, desired, previous=latest, author=self.peer_id)
         if await self.directory.publish_group(record, ttl=60.0):
             self._published = time.monotonic()
-            self.history.add(record)
-            self.node.group_epoch = record.epoch
+            self._trust(record)
             logger.info("group epoch %d from step %d: %d members (+%d, -%d), %d reducing", record.epoch,
                         record.from_step, len(desired), len(new), len(dropped),
                         sum(m.reduces for m in desired))
 
-    def _signed(self, record: GroupRecord) -> GroupRecord:
-        return GroupRecord(record.epoch, record.from_step, record.members, record.previous,
-                           self.admission.sign(record.content()))
-
-    def _admits(self, record: PeerRecord) -> bool:
-        refused = self.admission.reason(record.peer_id, record.token)
-        if refused and record.peer_id not in self._refused:
-            self._refused.add(record.peer_id)
-            logger.warning("peer %s asked to join but is refused: %s", record.peer_id, refused)
-        return refused is None
-
     # -- leaving -----------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Leave the run: stop serving, close the daemon. Safe to call twice."""
+        """Leave the run: tell the group (a signed "leaving" record, so the leader drops this peer at
+        once), stop serving, stop the DHT process and its libp2p daemon. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        loop = getattr(self, "loop", None)
         if self._refresher is not None:
             self._refresher.cancel()
-            self._refresher = None
-        if self.loop is not None:
             try:
-                self.loop.stop()
+                self._refresher.result(timeout=5)
+            except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError, Exception):
+                pass
+            self._refresher = None
+        if loop is not None and self._joined and hasattr(self, "directory"):
+            try:
+                loop.run(self._announce(leaving=True), timeout=5)
+                logger.info("left run %s: told the group", self.config.run_id)
+            except Exception as e:
+                logger.info("could not announce leaving run %s: %s", self.config.run_id, e)
+        if loop is not None:
+            try:
+                if hasattr(self, "p2p"):
+                    loop.run(self.p2p.shutdown(), timeout=5)  # our handle on the daemon (the DHT owns the daemon)
+            except Exception as e:
+                logger.debug("closing the p2p handle: %s", e)
+            try:
+                loop.stop()
             finally:
                 self.loop = None
-                self.dht.shutdown()
+        dht = getattr(self, "dht", None)
+        if dht is not None:
+            self._stop_dht(dht)
+
+    @staticmethod
+    def _stop_dht(dht: DHT) -> None:
+        """Stop the DHT process; make sure its p2pd and helpers are gone with it."""
+        below = _descendants(dht.pid) if dht.pid is not None else []
+        dht.shutdown()
+        dht.join(10)
+        for pid in [dht.pid] + below if dht.is_alive() else below:
+            if pid is not None and _alive(pid):
+                logger.info("process %d of the DHT outlived it: killing it", pid)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def __enter__(self) -> "Swarm":
         return self

@@ -42,6 +42,14 @@ class Layout:
                 entries.append((f"{kind}:{slot.name}", dtype, list(slot.param.shape)))
         return cls(entries)
 
+    def digest(self) -> str:
+        """32 hex digits identifying the layout: peers whose models differ in any name, dtype or shape differ here."""
+        body = json.dumps([list(e) for e in self.entries], separators=(",", ":")).encode()
+        return hashlib.blake2b(body, digest_size=16).hexdigest()
+
+    def param_count(self) -> int:
+        return sum(torch.Size(shape).numel() for name, _, shape in self.entries if name.startswith("param:"))
+
     def nbytes(self, kind: str | None = None) -> int:
         total = 0
         for name, dtype, shape in self.entries:

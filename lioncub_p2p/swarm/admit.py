@@ -1,0 +1,163 @@
+"""The admission exchange ``lioncub/admit/1``: a newcomer and a member prove the run key to each other.
+
+A newcomer N asks the author M of the run's group record (a member, reachable: it leads and listens)
+to admit it, on a libp2p stream (both peer ids authenticated by the transport):
+
+    N -> M  HELLO      magic, N's fresh 32-byte nonce
+    M -> N  CHALLENGE  magic, flags (secret required, allow-list), M's fresh 32-byte nonce
+    N -> M  PROOF      magic, HMAC(run key, "newcomer" | run | N | M | both nonces), zeros without a secret
+    M -> N  VERDICT    magic, code, HMAC(run key, "member" | ...) if admitted in a private run, reason
+
+The newcomer proves first: a peer that dials a member learns nothing it could test guesses against,
+and M proves back only to a newcomer that proved. What an impostor M (someone who published a group
+record to lure newcomers) gets is one newcomer proof; each guess against it costs a scrypt of the
+run key (~80 ms). A newcomer trusts a group record only from an author that proved the key (private
+runs). A member admits a newcomer for itself (the leader then lists it); the verdict tells a refused
+newcomer why, within one exchange, so it stops at once with one line instead of waiting for ever.
+
+Fixed-size messages (no protobuf: nothing here but nonces, MACs and a short reason); every read is
+bounded in size and time; a member serves at most ``MAX_CONCURRENT`` exchanges and a few per peer per
+minute (online guessing costs the guesser a round trip and a scrypt each, and is rate-limited here).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Callable
+
+from hivemind.p2p import P2P, PeerID
+
+from ..allreduce.admission import PROOF_BYTES, Admission
+
+logger = logging.getLogger(__name__)
+
+ADMIT_PROTOCOL = "lioncub/admit/1"
+MAGIC = b"LCA1"
+NONCE_BYTES = 32
+MAX_REASON_BYTES = 200
+EXCHANGE_TIMEOUT = 10.0
+MAX_CONCURRENT = 16
+MAX_PER_PEER_PER_MINUTE = 6
+
+SECRET_REQUIRED, ALLOW_LIST = 1, 2
+ADMITTED, WRONG_SECRET, NOT_ALLOWED, BUSY = 0, 1, 2, 3
+_REASONS = {WRONG_SECRET: "wrong or missing run secret", NOT_ALLOWED: "not on the run's allow-list",
+            BUSY: "too many admission attempts; try again later"}
+
+
+class AdmitError(ConnectionError):
+    """The exchange broke off (malformed message, timeout, closed stream)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    admitted: bool
+    member_proved: bool  # the member showed it holds the run key (private runs)
+    secret_required: bool
+    reason: str = ""
+
+
+async def _read(reader: asyncio.StreamReader, n: int) -> bytes:
+    data = await reader.readexactly(n)
+    if data[:4] != MAGIC:
+        raise AdmitError("not an admission message")
+    return data[4:]
+
+
+class AdmitServer:
+    """A member's end: answers newcomers, and calls ``on_admitted(peer_id)`` for each it admits."""
+
+    def __init__(self, p2p: P2P, admission: Admission, on_admitted: Callable[[str], None]):
+        self.p2p, self.admission, self.on_admitted = p2p, admission, on_admitted
+        self.peer_id = p2p.peer_id.to_base58()
+        self._active = 0
+        self._attempts: OrderedDict[str, deque[float]] = OrderedDict()
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(ADMIT_PROTOCOL, self._on_stream)
+
+    def _rate_limited(self, peer_id: str) -> bool:
+        now = time.monotonic()
+        recent = self._attempts.setdefault(peer_id, deque(maxlen=MAX_PER_PEER_PER_MINUTE))
+        self._attempts.move_to_end(peer_id)
+        while len(self._attempts) > 4096:
+            self._attempts.popitem(last=False)
+        if len(recent) == recent.maxlen and now - recent[0] < 60.0:
+            return True
+        recent.append(now)
+        return False
+
+    async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        newcomer = info.peer_id.to_base58()
+        busy = self._active >= MAX_CONCURRENT or self._rate_limited(newcomer)
+        self._active += 1
+        try:
+            await asyncio.wait_for(self._exchange(newcomer, reader, writer, busy), EXCHANGE_TIMEOUT)
+        except (AdmitError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            logger.debug("admission exchange with %s broke off: %s", newcomer, e)
+        finally:
+            self._active -= 1
+            writer.close()
+
+    async def _exchange(self, newcomer: str, reader, writer, busy: bool) -> None:
+        newcomer_nonce = await _read(reader, 4 + NONCE_BYTES)
+        member_nonce = os.urandom(NONCE_BYTES)
+        flags = (SECRET_REQUIRED if self.admission.needs_secret else 0) | (ALLOW_LIST if self.admission.allow else 0)
+        writer.write(MAGIC + bytes([flags]) + member_nonce)
+        await writer.drain()
+        proof = await _read(reader, 4 + PROOF_BYTES)
+        if busy:
+            code = BUSY
+        elif self.admission.allow and newcomer not in self.admission.allow:
+            code = NOT_ALLOWED
+        elif not self.admission.checks_proof(proof, "newcomer", newcomer, self.peer_id, newcomer_nonce, member_nonce):
+            code = WRONG_SECRET
+        else:
+            code = ADMITTED
+        answer = self.admission.proof("member", newcomer, self.peer_id, newcomer_nonce, member_nonce) \
+            if code == ADMITTED and self.admission.needs_secret else b""
+        reason = _REASONS.get(code, "").encode()[:MAX_REASON_BYTES]
+        writer.write(MAGIC + bytes([code]) + answer.ljust(PROOF_BYTES, b"\0") + bytes([len(reason)]) + reason)
+        await writer.drain()
+        if code == ADMITTED:
+            self.on_admitted(newcomer)
+        else:
+            logger.info("refused admission to %s: %s", newcomer, _REASONS[code])
+
+
+async def ask_admission(p2p: P2P, member: str, admission: Admission, *, timeout: float = EXCHANGE_TIMEOUT) -> Verdict:
+    """Ask ``member`` to admit this peer; raises AdmitError (or a network error) if the exchange breaks."""
+    me = p2p.peer_id.to_base58()
+    _, reader, writer = await asyncio.wait_for(
+        p2p.call_binary_stream_handler(PeerID.from_base58(member), ADMIT_PROTOCOL), timeout)
+    try:
+        return await asyncio.wait_for(_ask(me, member, admission, reader, writer), timeout)
+    finally:
+        writer.close()
+
+
+async def _ask(me: str, member: str, admission: Admission, reader, writer) -> Verdict:
+    newcomer_nonce = os.urandom(NONCE_BYTES)
+    writer.write(MAGIC + newcomer_nonce)
+    await writer.drain()
+    challenge = await _read(reader, 4 + 1 + NONCE_BYTES)
+    flags, member_nonce = challenge[0], challenge[1:]
+    required = bool(flags & SECRET_REQUIRED)
+    # prove only to a member that asks for the secret: an open "member" has no use for our proof
+    proof = admission.proof("newcomer", me, member, newcomer_nonce, member_nonce) if required else b""
+    writer.write(MAGIC + proof.ljust(PROOF_BYTES, b"\0"))
+    await writer.drain()
+    verdict = await _read(reader, 4 + 1 + PROOF_BYTES + 1)
+    code, answer, length = verdict[0], verdict[1 : 1 + PROOF_BYTES], verdict[1 + PROOF_BYTES]
+    if length > MAX_REASON_BYTES:
+        raise AdmitError("reason too long")
+    reason = (await reader.readexactly(length)).decode("utf-8", "replace") if length else ""
+    proved = required and admission.needs_secret and admission.checks_proof(
+        answer, "member", me, member, newcomer_nonce, member_nonce)
+    if code != ADMITTED:
+        return Verdict(False, False, required, "".join(ch for ch in reason if ch.isprintable()) or f"code {code}")
+    return Verdict(True, proved, required)
