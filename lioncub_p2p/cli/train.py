@@ -125,7 +125,10 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
     """Check everything, then train (or run the preflight); returns the exit code."""
     initial_peers = check_settings(args)
     task = load_task(args.task, seed=args.seed, batch=args.batch, hidden=args.hidden)
-    batches_for = task.checked_batches(args.batch)
+    try:
+        batches_for = task.checked_batches(args.batch)
+    except TaskError as e:
+        raise UsageError(f"--task {args.task}: {e}") from None
     if args.checkpoint_dir:  # a checkpoint of another model: one line now, not a SnapshotError after joining
         check_checkpoint_fits(args.checkpoint_dir, LionCub(task.model.parameters(), lr=args.lr, upload=args.upload),
                               hint="--task and --hidden")

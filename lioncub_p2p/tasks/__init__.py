@@ -73,7 +73,10 @@ def load_task(spec: str, **options: Any) -> TrainingTask:
     if not isinstance(result, (tuple, list)) or len(result) not in (3, 4):
         raise TaskError(f"--task {spec}: {function_name}() must return (model, data, loss) or "
                         f"(model, data, loss, evaluate), got {_describe(result)}")
-    return TrainingTask(*result, name=name)
+    try:
+        return TrainingTask(*result, name=name)
+    except TaskError as e:
+        raise TaskError(f"--task {spec}: {e}") from None
 
 
 def _accepted(function: Any, options: dict[str, Any]) -> dict[str, Any]:
@@ -90,4 +93,4 @@ def _accepted(function: Any, options: dict[str, Any]) -> dict[str, Any]:
 def _describe(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {len(value)}"
-    return f"a {type(value).__name__}"
+    return f"an object of type {type(value).__name__}"

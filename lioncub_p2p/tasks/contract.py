@@ -19,7 +19,8 @@ Evaluate = Callable[[nn.Module], "float | dict[str, float]"]
 
 
 class TaskError(ValueError):
-    """A task that cannot be loaded or does not keep the contract; the message is one line for the user."""
+    """A task that cannot be loaded or does not keep the contract; the message is one line for the user
+    (the command line prefixes it with ``--task NAME:``)."""
 
 
 @dataclass
@@ -34,17 +35,17 @@ class TrainingTask:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
-            raise TaskError(f"task {self.name}: the model must be a torch.nn.Module, got {type(self.model).__name__}")
+            raise TaskError(f"the model must be a torch.nn.Module, got {type(self.model).__name__}")
         if not any(p.requires_grad for p in self.model.parameters()):
-            raise TaskError(f"task {self.name}: the model has no trainable parameters")
+            raise TaskError("the model has no trainable parameters")
         if not (callable(self.data) or isinstance(self.data, Iterable)):
-            raise TaskError(f"task {self.name}: the data must be an iterable of batches or a function "
+            raise TaskError("the data must be an iterable of batches or a function "
                             f"(batch_size, generator) -> batch, got {type(self.data).__name__}")
         if not callable(self.loss):
-            raise TaskError(f"task {self.name}: the loss must be a function (model, batch) -> loss, "
+            raise TaskError("the loss must be a function (model, batch) -> loss, "
                             f"got {type(self.loss).__name__}")
         if self.evaluate is not None and not callable(self.evaluate):
-            raise TaskError(f"task {self.name}: evaluate must be a function (model) -> float or dict, "
+            raise TaskError("evaluate must be a function (model) -> float or dict, "
                             f"got {type(self.evaluate).__name__}")
 
     @property
@@ -89,7 +90,7 @@ class TrainingTask:
                 return {k: float(v) for k, v in result.items()}
             except (TypeError, ValueError):
                 pass
-        raise TaskError(f"task {self.name}: evaluate must return a float (test loss) or a dict of named floats, "
+        raise TaskError("evaluate must return a float (test loss) or a dict of named floats, "
                         f"got {type(result).__name__}")
 
     def checked_batches(self, batch_size: int) -> Callable[[torch.Generator], Iterator]:
@@ -106,9 +107,9 @@ class TrainingTask:
         except TaskError:
             raise
         except Exception as e:
-            raise TaskError(f"task {self.name}: its data failed: {type(e).__name__}: {one_line(e)}") from e
+            raise TaskError(f"the data failed: {type(e).__name__}: {one_line(e)}") from e
         if first is None:
-            raise TaskError(f"task {self.name}: its data yields no batches")
+            raise TaskError("the data yields no batches")
         self.check(first)
         return lambda generator: itertools.chain([first], stream)
 
@@ -117,13 +118,13 @@ class TrainingTask:
         try:
             loss = self.loss(self.model, batch)
         except Exception as e:
-            raise TaskError(f"task {self.name}: its loss failed on a batch of its data: {type(e).__name__}: "
+            raise TaskError(f"the loss failed on a batch of the data: {type(e).__name__}: "
                             f"{one_line(e)}") from e
         if not torch.is_tensor(loss) or loss.numel() != 1 or not loss.is_floating_point():
-            raise TaskError(f"task {self.name}: the loss must return a scalar float tensor, got "
+            raise TaskError("the loss must return a scalar float tensor, got "
                             f"{type(loss).__name__}{list(loss.shape) if torch.is_tensor(loss) else ''}")
         if not loss.requires_grad:
-            raise TaskError(f"task {self.name}: no gradient flows from the loss to the model's parameters "
+            raise TaskError("no gradient flows from the loss to the model's parameters "
                             f"(computed under torch.no_grad(), or detached?)")
         return loss
 

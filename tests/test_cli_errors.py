@@ -1,0 +1,237 @@
+"""Every class of user mistake ends in one line naming the problem and the fix, a non-zero exit, no
+traceback, and nothing lost; the trainer finds them all before it starts a daemon or joins a run.
+
+The tools run in-process (``main(argv)``): SystemExit with a string is what Python prints as one
+line to stderr with exit status 1; ``test_errors_reach_the_shell_as_one_line`` checks that end to end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from lioncub_p2p import LionCub
+from lioncub_p2p.cli import coordinator, plot, train
+from lioncub_p2p.sim import launcher
+from lioncub_p2p.swarm import checkpoint
+from lioncub_p2p.tasks.digits import digits_task
+
+PEER_ID = "12D3KooWA5YjZ5cu4eMJ8tdUuDAm8pjZdBHghmLpgNybBqdvyVhd"
+LOOPBACK = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+
+
+@pytest.fixture(autouse=True)
+def no_daemons(monkeypatch):
+    """Every mistake here must be found before a DHT starts: starting one fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a daemon was started before the settings were checked")
+
+    monkeypatch.setattr(train, "Swarm", refuse)
+    monkeypatch.setattr(coordinator, "DHT", refuse)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)  # lioncub-train sets 1 for volunteers' machines
+
+
+def one_line_error(main, argv: list[str], capsys, *words: str) -> str:
+    """Run a tool's main; it must exit with one 'error: ...' line containing each of ``words``."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    message = exited.value.code
+    assert isinstance(message, str), f"exit code {message!r} instead of a message"
+    assert message.startswith("error: ") and "\n" not in message, message
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"
+    streams = capsys.readouterr()
+    assert "Traceback" not in streams.err + streams.out
+    return message
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, ["does not exist", "peers:"]),
+    ("peers: [{up: 100, down: 20}\n  - oops", ["not valid YAML", "line"]),
+    ("peers:\n  - {up: 100, bandwidth: 20}\n", ["peer 0", "unknown field 'bandwidth'", "known:"]),
+    ("peers:\n  - {up: 100}\n  - {up: -5}\n", ["peer 1", "rates must be positive"]),
+    ("peers:\n  - {up: 100, failpoint: 'reslt@20'}\n", ["peer 0", "failpoint 'reslt@20'", "result"]),
+    ("peer:\n  - {up: 100}\n", ["no `peers:` list", "peers: [{up: 100"]),
+    ("- {up: 100}\n", ["no `peers:` list"]),
+    ("peers:\n  - {up: fast}\n", ["peer 0", "up must be a number"]),
+    ("peers:\n  - {up: 10, leave_at: 2.5}\n", ["peer 0", "leave_at is a round number"]),
+    ("peers: []\n", ["non-empty list"]),
+])
+def test_sim_profile_mistakes(tmp_path, capsys, content, words):
+    path = tmp_path / "peers.yaml"
+    if content is not None:
+        path.write_text(content)
+    one_line_error(launcher.main, ["--profile", str(path), "--out", str(tmp_path / "out")], capsys,
+                   f"--profile {path}", *words)
+    assert not (tmp_path / "out").exists()  # nothing was started
+
+
+@pytest.mark.parametrize("links", ["100,abc", "100/x", "", "100,-5"])
+def test_sim_links_that_are_not_rates(tmp_path, capsys, links):
+    message = one_line_error(launcher.main, ["--links", links, "--out", str(tmp_path / "out")], capsys, "--links")
+    assert "100,50" in message or "positive" in message
+
+
+@pytest.mark.parametrize("main", [train.main, coordinator.main])
+def test_run_id_with_a_dot(capsys, main):
+    one_line_error(main, ["--run-id", "my.run"], capsys, "--run-id 'my.run'", "without dots", "--run-id my-run")
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--upload", "foo", ["--upload foo", "sign (1 bit) or l1:BITS"]),
+    ("--upload", "l1:99", ["--upload l1:99", "2 <= bits <= 8"]),
+    ("--upload", "l1:four", ["whole number"]),
+    ("--upload", "bf16", ["not a vote encoding"]),
+    ("--result", "foo", ["--result foo", "majority | ternary | mean"]),
+    ("--result", "average", ["not a vote result"]),
+])
+def test_unknown_vote_encodings(capsys, flag, value, words):
+    one_line_error(train.main, [flag, value], capsys, *words)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--batch", "0"], ["--batch must be at least 1"]),
+    (["--steps", "-1"], ["--steps must be 0 or more"]),
+    (["--upload-timeout", "30", "--result-timeout", "20"], ["less than --result-timeout"]),
+    (["--lr", "0"], ["--lr"]),
+    (["--hidden", "30", "--task", "byte-gpt"], ["multiple of its 4 attention heads"]),
+])
+def test_numbers_out_of_range(capsys, argv, words):
+    one_line_error(train.main, argv, capsys, *words)
+
+
+def test_plot_of_files_that_are_not_metrics(tmp_path, capsys):
+    monitor = tmp_path / "monitor.jsonl"  # valid JSON lines, but a monitor's, not a trainer's
+    monitor.write_text(json.dumps({"time": 1.0, "peers_alive": 3, "global_step": 4}) + "\n")
+    binary = tmp_path / "state.lcub"
+    binary.write_bytes(bytes(range(256)) * 4)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for path, words in ((monitor, ["holds no metrics lines", "--metrics-jsonl"]),
+                        (binary, ["not a metrics file", "--metrics-jsonl"]),
+                        (empty, ["holds no metrics lines"]),
+                        (tmp_path, ["is a folder"]),
+                        (tmp_path / "missing.jsonl", ["does not exist"])):
+        one_line_error(plot.main, [str(path), "--out", str(tmp_path / "m.png")], capsys, str(path), *words)
+    assert not (tmp_path / "m.png").exists()
+
+
+@pytest.mark.parametrize("main", [train.main, coordinator.main])
+@pytest.mark.parametrize("flag, address, words", [
+    ("--initial-peers", "/ip4/1.2.3.4/tcp/31337", ["lacks the peer id", "/p2p/"]),
+    ("--initial-peers", "1.2.3.4:31337", ["is not a multiaddr", "Must begin with /"]),
+    ("--initial-peers", "/ip4/1.2.3.4/tcp/31337/p2p/notapeerid", ["is not a multiaddr", "protocol p2p"]),
+    ("--initial-peers", "/ip4/1.2.3.4/tcp/port/p2p/" + PEER_ID, ["is not a multiaddr", "protocol tcp"]),
+    ("--host-maddrs", "/ip4/0.0.0.0/udp/0/quic", ["/quic-v1"]),
+    ("--announce-maddrs", "203.0.113.7", ["is not a multiaddr"]),
+])
+def test_addresses_checked_before_the_dht_starts(capsys, main, flag, address, words):
+    one_line_error(main, [flag, address], capsys, *words)
+
+
+def test_peers_file_with_a_bad_address(tmp_path, capsys):
+    peers = tmp_path / "coordinator.maddrs"
+    peers.write_text(f"/ip4/127.0.0.1/tcp/31337/p2p/{PEER_ID}\n/ip4/127.0.0.1/tcp/31338\n")
+    one_line_error(train.main, ["--initial-peers-file", str(peers)], capsys, str(peers), "lacks the peer id")
+
+
+def test_unwritable_checkpoint_dir(tmp_path, capsys):
+    """A path below a regular file can never be a folder (root passes permission checks, so that is the
+    portable way to make one that cannot be written)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("keep me")
+    one_line_error(train.main, ["--checkpoint-dir", str(blocker / "ckpt"), *LOOPBACK], capsys,
+                   f"--checkpoint-dir {blocker / 'ckpt'}", "not a folder this process can write", "choose another")
+    one_line_error(train.main, ["--metrics-jsonl", str(blocker / "m.jsonl")], capsys, "--metrics-jsonl",
+                   "choose another path")
+    assert blocker.read_text() == "keep me"
+
+
+def test_checkpoint_of_another_model(tmp_path, capsys):
+    """A checkpoint of a 32-wide MLP under --hidden 64 (and a torn one) is refused before joining, unchanged."""
+    model = digits_task(hidden=32).make_model(0)
+    saved = checkpoint.save(tmp_path / "ckpt", LionCub(model.parameters(), lr=1e-3))
+    blob = saved.read_bytes()
+    one_line_error(train.main, ["--checkpoint-dir", str(tmp_path / "ckpt"), "--hidden", "64", *LOOPBACK], capsys,
+                   "checkpoint of another model", "--task and --hidden", "another --checkpoint-dir")
+    assert saved.read_bytes() == blob
+    saved.write_bytes(blob[:-100])
+    one_line_error(train.main, ["--checkpoint-dir", str(tmp_path / "ckpt"), "--hidden", "32", *LOOPBACK], capsys,
+                   "is truncated", "move it away")
+    saved.write_bytes(b"not a snapshot")
+    one_line_error(train.main, ["--checkpoint-dir", str(tmp_path / "ckpt"), "--hidden", "32", *LOOPBACK], capsys,
+                   "not a readable checkpoint")
+    assert saved.read_bytes() == b"not a snapshot"
+
+
+BAD_TASKS = textwrap.dedent('''
+    import torch
+    from torch import nn
+    import_error = None
+    def ok_model():
+        return nn.Linear(2, 1)
+    def returns_two():
+        return ok_model(), [torch.ones(1, 2)]
+    def returns_number():
+        return 3
+    def raises():
+        raise RuntimeError("the dataset path\\nis missing")
+    def vector_loss():
+        return ok_model(), [torch.ones(3, 2)], lambda m, b: m(b)
+    def detached_loss():
+        return ok_model(), [torch.ones(3, 2)], lambda m, b: m(b).sum().detach()
+    def no_batches():
+        return ok_model(), [], lambda m, b: m(b).sum()
+    def not_a_model():
+        return "model", [torch.ones(1, 2)], lambda m, b: m(b).sum()
+    def broken_sampler():
+        return ok_model(), lambda batch, gen: 1 / 0, lambda m, b: m(b).sum()
+    NOT_CALLABLE = 5
+''')
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("nosuchmodule:make", ["no module named 'nosuchmodule'", "PYTHONPATH"]),
+    ("badtasks:missing", ["has no function 'missing'"]),
+    ("badtasks:NOT_CALLABLE", ["not a function"]),
+    ("badtasks:returns_two", ["must return (model, data, loss)", "a tuple of 2"]),
+    ("badtasks:returns_number", ["of type int"]),
+    ("badtasks:raises", ["raised RuntimeError: the dataset path is missing"]),
+    ("badtasks:vector_loss", ["scalar float tensor"]),
+    ("badtasks:detached_loss", ["no gradient flows"]),
+    ("badtasks:no_batches", ["the data yields no batches"]),
+    ("badtasks:not_a_model", ["torch.nn.Module"]),
+    ("badtasks:broken_sampler", ["the data failed: ZeroDivisionError"]),
+    ("gpt", ["not a built-in task (digits, byte-gpt)", "module:function"]),
+    ("badtasks:", ["module:function"]),
+])
+def test_bad_task(tmp_path, monkeypatch, capsys, spec, words):
+    (tmp_path / "badtasks.py").write_text(BAD_TASKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    one_line_error(train.main, ["--task", spec, *LOOPBACK], capsys, "--task" if ":" in spec or spec == "gpt" else "",
+                   *words)
+
+
+@pytest.mark.slow
+def test_errors_reach_the_shell_as_one_line(tmp_path):
+    """As a user sees them: status 1, exactly one line on stderr, nothing on stdout."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for module, argv in (("lioncub_p2p.cli.train", ["--run-id", "my.run"]),
+                         ("lioncub_p2p.cli.train", ["--upload", "l1:99"]),
+                         ("lioncub_p2p.sim.launcher", ["--links", "100,abc"]),
+                         ("lioncub_p2p.cli.plot", [str(tmp_path)])):
+        done = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path, env=env)
+        assert done.returncode == 1, (module, argv, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (module, argv, done.stderr)
+        assert done.stdout == ""
+    assert sorted(p.name for p in Path(tmp_path).iterdir()) == []  # nothing written
