@@ -4,16 +4,23 @@
         results = swarm.allreduce([ops.pack_signs(torch.randn(1000), seed=i) for i in range(4)])
         print(swarm.reports[0].parts)
 
-Each peer runs its own libp2p daemon (hivemind's p2pd) with NAT probing off; peers in client mode do
-not listen at all and only dial out. ``kill`` SIGKILLs a peer's daemon (optionally at a precise
-moment of the next round), ``stall`` freezes it with SIGSTOP for some seconds.
+Each peer runs its own libp2p daemon (hivemind's p2pd) with NAT probing off and its own identity
+(so it signs its results); peers in client mode do not listen at all and only dial out. ``kill``
+SIGKILLs a peer's daemon (optionally at a precise moment of the next round), ``stall`` freezes it
+with SIGSTOP for some seconds. Leaving (the end of the ``with``) cancels the peers' tasks before
+closing their daemons, as a leaving Swarm does.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import itertools
 import os
+import random
+import shutil
 import signal
+import tempfile
 from typing import Awaitable, Callable, Sequence
 
 import torch
@@ -21,8 +28,11 @@ from hivemind.p2p import P2P
 
 from .aio import BackgroundLoop
 from .allreduce import AllReduceConfig, PeerSpec, RoundReport, RoundSpec, VoteNode
+from .allreduce.commit import result_signed_bytes
 from .allreduce.reducer import PartReduction
 from .codecs import result_codec, upload_codec
+from .identity import Identity
+from .wire import pb
 
 Behavior = Callable[[VoteNode, RoundSpec, torch.Tensor], Awaitable[object]]
 FAST_CONFIG = AllReduceConfig(upload_timeout=3.0, result_timeout=6.0, join_timeout=2.0, recovery_timeout=2.0)
@@ -45,6 +55,8 @@ class LocalSwarm:
         self._rounds = itertools.count()
         self._loop: BackgroundLoop | None = None
         self._tasks: dict[int, asyncio.Task] = {}
+        self._keys: str | None = None
+        self.identities: list[Identity] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -59,11 +71,15 @@ class LocalSwarm:
 
     async def _start(self) -> None:
         listening: list[str] = []
+        self._keys = tempfile.mkdtemp(prefix="lioncub-local-")
         for i in range(self.n):
             client = i in self.client_mode
+            identity = Identity.load_or_create(os.path.join(self._keys, f"peer{i}.key"))
+            self.identities.append(identity)
             p2p = await P2P.create(initial_peers=listening, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
-                                   auto_nat=False, no_listen=client)
-            node = VoteNode(p2p, self.config)
+                                   auto_nat=False, no_listen=client, identity_path=identity.path,
+                                   check_if_identity_free=False)  # fresh keys: nobody else has them
+            node = VoteNode(p2p, self.config, identity=identity)
             await node.start()
             self.nodes.append(node)
             self.alive.append(True)
@@ -73,15 +89,32 @@ class LocalSwarm:
     def __exit__(self, *exc) -> None:
         if self._loop is None:
             return
-        for i, node in enumerate(self.nodes):
+        for i in range(len(self.nodes)):
             if self.alive[i]:
                 self._signal(i, signal.SIGCONT)
+        try:  # tasks first, daemons after: what a leaving Swarm does (its loop stops before the DHT)
+            self._loop.run(_cancel_tasks(), timeout=10)
+        except Exception:
+            pass
+        for i, node in enumerate(self.nodes):
             try:
                 self._loop.run(node.p2p.shutdown(), timeout=10)
             except Exception:
                 self._signal(i, signal.SIGKILL)
         self._loop.stop()
         self._loop = None
+        if self._keys is not None:
+            shutil.rmtree(self._keys, ignore_errors=True)
+
+    def run(self, coro, timeout: float = 60.0):
+        """Run a coroutine on the swarm's event loop (rogue peers, inspections) and return its result."""
+        return self._loop.run(coro, timeout=timeout)
+
+    def settle_audits(self) -> None:
+        """Wait for every peer's background audits of the last round; their verdicts land in
+        ``node.caught`` and in the next round's reports."""
+        self._loop.run(asyncio.gather(*(node.settle_audits() for i, node in enumerate(self.nodes) if self.alive[i])),
+                       timeout=60)
 
     @property
     def group(self) -> tuple[PeerSpec, ...]:
@@ -127,14 +160,16 @@ class LocalSwarm:
                   step: int = 0, seed: int = 0, timeout: float = 120.0,
                   behaviors: dict[int, Behavior] | None = None,
                   delays: dict[int, float] | None = None, tags: Sequence[bytes] | None = None,
-                  audit: bool = False) -> list[torch.Tensor | None]:
+                  audit: bool = False, prepare: bool = True) -> list[torch.Tensor | None]:
         """One round with every live peer voting its upload; one update per peer (None if it failed).
 
         ``uploads[i]`` is peer i's codes: (planes, nbytes) uint8, or packed signs (nbytes,).
         ``behaviors[i]``, if given, replaces peer i's honest ``run_round`` for this round (a rogue
         peer in experiments); its return value is ignored and peer i's result is None.
         ``delays[i]`` starts peer i's round that many seconds after the others (a slow peer).
-        ``tags[i]`` is the state tag peer i sends with its votes; ``audit`` makes it an audit round."""
+        ``tags[i]`` is the state tag peer i sends with its votes; ``audit`` is passed to the spec (it
+        has no effect since protocol 2: every round is audited). ``prepare=False``: peers start
+        reducing only when they vote (a late reducer), not before the round as a swarm does."""
         if len(uploads) != self.n:
             raise ValueError(f"{len(uploads)} uploads for {self.n} peers")
         codes = [u.reshape(1, -1) if u.dim() == 1 else u for u in uploads]
@@ -142,19 +177,20 @@ class LocalSwarm:
                          nbytes=codes[0].shape[1], upload=upload_codec(upload), result=result_codec(result), seed=seed,
                          audit=audit)
         tags = list(tags) if tags is not None else [b""] * self.n
-        outcomes = self._loop.run(self._round(spec, codes, behaviors or {}, delays or {}, tags), timeout=timeout)
+        outcomes = self._loop.run(self._round(spec, codes, behaviors or {}, delays or {}, tags, prepare),
+                                  timeout=timeout)
         self.reports = [o[1] if o is not None else None for o in outcomes]
         return [o[0] if o is not None else None for o in outcomes]
 
     async def _round(self, spec: RoundSpec, codes: list[torch.Tensor], behaviors: dict[int, Behavior],
-                     delays: dict[int, float], tags: list[bytes]):
+                     delays: dict[int, float], tags: list[bytes], prepare: bool = True):
         async def honest(i: int):
             await asyncio.sleep(delays.get(i, 0.0))
             return await self.nodes[i].run_round(spec, codes[i], tags[i])
 
         live = [i for i in range(self.n) if self.alive[i]]
         for i in live:  # as a swarm does at the end of the previous round
-            if i not in behaviors:
+            if i not in behaviors and prepare:
                 self.nodes[i].prepare_round(spec)
         self._tasks = {i: asyncio.create_task(behaviors[i](self.nodes[i], spec, codes[i]) if i in behaviors
                                               else honest(i)) for i in live}
@@ -169,10 +205,66 @@ class LocalSwarm:
         return outcomes
 
 
+async def _cancel_tasks() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class LyingReduction(PartReduction):
-    """A reducer that returns its part's result with every bit flipped, to everyone (experiments, tests)."""
+    """A reducer that returns its part's result with every bit flipped, to everyone (experiments, tests).
+
+    Its header still carries the true roots of the votes it received: only the result lies."""
 
     def __init__(self, spec: RoundSpec, part: int):
         super().__init__(spec, part)
         honest = self.tally.encode
         self.tally.encode = lambda *args, **kwargs: ~honest(*args, **kwargs)
+
+
+def lying_reduction(probability: float = 1.0, seed: int = 0, first_bytes: int | None = None):
+    """A reduction class whose reducer lies in a round with ``probability`` (its own seeded coin),
+    flipping every result byte, or only the first ``first_bytes`` (a liar hiding in one leaf).
+    ``cls.lies`` lists the round ids it lied in."""
+    rng = random.Random(seed)
+
+    class Lying(PartReduction):
+        lies: list[bytes] = []
+
+        def __init__(self, spec: RoundSpec, part: int):
+            super().__init__(spec, part)
+            honest = self.tally.encode
+            if rng.random() >= probability:
+                return
+            Lying.lies.append(spec.round_id)
+
+            def encode(*args, **kwargs):
+                wire = honest(*args, **kwargs).clone()
+                end = wire.numel() if first_bytes is None else min(first_bytes, wire.numel())
+                wire[:end] = ~wire[:end]
+                return wire
+
+            self.tally.encode = encode
+
+    return Lying
+
+
+def lie_to(node: VoteNode, voter: int) -> list[bytes]:
+    """Make ``node`` send group member ``voter`` a different result than everyone else, validly signed
+    (every bit flipped, the header's digest redone). Returns the list of round ids it lied in."""
+    lied: list[bytes] = []
+
+    def outcome_for(state, to: int, outcome):
+        if to != voter:
+            return outcome
+        lied.append(state.spec.round_id)
+        wire = bytes(b ^ 0xFF for b in outcome.wire)
+        header = pb.ResultHeader.FromString(outcome.header)
+        header.wire_digest = hashlib.sha256(wire).digest()
+        raw = header.SerializeToString(deterministic=True)
+        return dataclasses.replace(outcome, wire=wire, header=raw,
+                                   signature=node.identity.sign(result_signed_bytes(raw)))
+
+    node._outcome_for = outcome_for  # type: ignore[method-assign]
+    return lied

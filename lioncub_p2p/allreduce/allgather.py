@@ -14,8 +14,10 @@ import time
 import torch
 from hivemind.p2p import P2P, PeerID
 
+from ..identity import Identity
 from ..ops import majority_vote
 from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
+from ..wire.gate import StreamGate, guard
 from .admission import OPEN, Admission
 from .round import AllReduceConfig, PartReport, RoundReport, RoundSpec, result_wire, upload_wire
 
@@ -24,16 +26,24 @@ GATHER_PROTOCOL = "lioncub/gather/1"
 
 
 class GatherNode:
-    def __init__(self, p2p: P2P, config: AllReduceConfig | None = None, admission: Admission = OPEN):
+    """``identity`` is accepted for symmetry with VoteNode: uploads come straight from their senders
+    over authenticated streams, so there is nothing to sign."""
+
+    def __init__(self, p2p: P2P, config: AllReduceConfig | None = None, admission: Admission = OPEN,
+                 identity: Identity | None = None):
         self.p2p, self.config, self.admission = p2p, config or AllReduceConfig(), admission
         self.peer_id = p2p.peer_id.to_base58()
         self._inbox: dict[bytes, dict[int, torch.Tensor]] = {}
         self._arrived: dict[bytes, asyncio.Event] = {}
         self._specs: dict[bytes, RoundSpec] = {}
         self._bytes_down: dict[bytes, int] = {}
+        cfg = self.config
+        self.gate = StreamGate("gather", per_peer=cfg.max_streams_per_peer, strangers=cfg.max_stranger_streams,
+                               total=cfg.max_streams,
+                               is_member=lambda peer: any(peer in s._index for s in self._specs.values()))
 
     async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(GATHER_PROTOCOL, self._on_stream)
+        await self.p2p.add_binary_stream_handler(GATHER_PROTOCOL, guard(self.gate, self._on_stream))
 
     def _round(self, spec: RoundSpec) -> None:
         rid = spec.round_id
@@ -90,38 +100,42 @@ class GatherNode:
             logger.info("gather round %s: upload to %d failed: %s", spec.round_id.hex()[:12], to, e)
 
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            data, rid, sender = bytearray(), None, None
-            while True:
-                chunk, nread = await asyncio.wait_for(read_frame(reader, pb.VoteChunk), self.config.join_timeout)
-                if chunk is None:
-                    raise WireError("stream ended before the last chunk")
-                if rid is None:
-                    refused = self.admission.reason(info.peer_id.to_base58(), chunk.token)
-                    if refused:
-                        raise WireError(f"not admitted: {refused}")
-                    rid = chunk.round_id
-                    for _ in range(int(self.config.join_timeout / 0.01)):  # the round may not have started here
-                        if rid in self._specs:
-                            break
-                        await asyncio.sleep(0.01)
-                    spec = self._specs.get(rid)
-                    if spec is None:
-                        raise WireError("unknown round")
-                    sender = spec.index_of(info.peer_id.to_base58())
-                if chunk.round_id != rid or chunk.part != sender or chunk.offset != len(data):
-                    raise WireError("chunk out of place")
-                if len(data) + len(chunk.codes) > spec.nbytes:
-                    raise WireError("upload larger than the buffer")
-                data += chunk.codes
-                self._bytes_down[rid] = self._bytes_down.get(rid, 0) + nread
-                if chunk.last:
-                    break
-            if len(data) != spec.nbytes:
-                raise WireError(f"upload of {len(data)} bytes, expected {spec.nbytes}")
+        try:  # the whole upload within the round's upload window, whatever the sender's pace
+            await asyncio.wait_for(self._receive(info, reader), self.config.first_frame_timeout
+                                   + self.config.join_timeout + self.config.upload_timeout)
+        except Exception as e:
+            logger.warning("gather upload from %s rejected: %s", info.peer_id, f"{type(e).__name__}: {e}")
+
+    async def _receive(self, info, reader: asyncio.StreamReader) -> None:
+        data, rid, sender = bytearray(), None, None
+        while True:
+            wait = self.config.first_frame_timeout if rid is None else self.config.join_timeout
+            chunk, nread = await asyncio.wait_for(read_frame(reader, pb.VoteChunk), wait)
+            if chunk is None:
+                raise WireError("stream ended before the last chunk")
+            if rid is None:
+                refused = self.admission.reason(info.peer_id.to_base58(), chunk.token)
+                if refused:
+                    raise WireError(f"not admitted: {refused}")
+                rid = chunk.round_id
+                for _ in range(int(self.config.join_timeout / 0.01)):  # the round may not have started here
+                    if rid in self._specs:
+                        break
+                    await asyncio.sleep(0.01)
+                spec = self._specs.get(rid)
+                if spec is None:
+                    raise WireError("unknown round")
+                sender = spec.index_of(info.peer_id.to_base58())
+            if chunk.round_id != rid or chunk.part != sender or chunk.offset != len(data):
+                raise WireError("chunk out of place")
+            if len(data) + len(chunk.codes) > spec.nbytes:
+                raise WireError("upload larger than the buffer")
+            data += chunk.codes
+            self._bytes_down[rid] = self._bytes_down.get(rid, 0) + nread
+            if chunk.last:
+                break
+        if len(data) != spec.nbytes:
+            raise WireError(f"upload of {len(data)} bytes, expected {spec.nbytes}")
+        if rid in self._inbox:  # not forgotten meanwhile
             self._inbox[rid][sender] = torch.frombuffer(data, dtype=torch.uint8)
             self._check(rid)
-        except Exception as e:
-            logger.warning("gather upload from %s rejected: %s", info.peer_id, e)
-        finally:
-            writer.close()

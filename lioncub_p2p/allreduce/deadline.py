@@ -4,6 +4,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
+from .partition import quorum
+
 
 class AdaptiveDeadline:
     """Wait for every vote, but once a quorum (more than half of the group) is in, wait at most a
@@ -24,7 +26,7 @@ class AdaptiveDeadline:
 
     @staticmethod
     def quorum(group_size: int) -> int:
-        return group_size // 2 + 1
+        return quorum(group_size)
 
     def grace(self) -> float:
         if len(self.spreads) < 3:

@@ -6,53 +6,85 @@ One round, from peer i's point of view (group of n; part j is reduced by member 
    same reducer at once: dial j (or reuse the stream kept from the last round), stream this peer's
    codes for part j in chunks, keep the stream open.
 2. As reducer of part i: count its own codes and every incoming chunk on packed words; when all n
-   votes are in, or ``upload_timeout`` after this peer's round began, encode the part's result with
-   the votes that completed and stream it back on every voter's stream (late voters get it too).
-3. Read each part's result from the stream it was uploaded on, until ``result_timeout``.
+   votes are in, or a learned grace after a quorum, or ``upload_timeout`` after the first vote
+   arrived, encode the part's result with the votes that completed, state it in a header (whom it
+   counted, the Merkle root of each counted voter's codes, the result's digest), sign the header
+   with this peer's libp2p key and stream both back on every voter's stream (late voters too).
+3. Read each part's result from the stream it was uploaded on, until ``result_timeout``; check the
+   header, the reducer's signature and the root of this peer's own codes.
+4. Audit (in the background): pick another reducer's part and a few Merkle leaves with private
+   randomness, have the reducer open every counted voter's codes there, recount (``audit.py``).
 
 Fault rule (every survivor applies the same update):
 * a voter that fails, lies about sizes or is late is left out of that part's count; the part's
-  result names the counted voters;
+  result names the counted voters; a result that counts fewer than a quorum (more than half of the
+  group) is no result, for its reducer as for everyone else;
 * a part whose result did not arrive (its reducer died, stalled or refused us) is asked for from the
-  other peers, who answer only with a result they received directly from that reducer; if anyone got
-  it, everyone who asks gets the same bytes; if nobody did, every peer applies a zero update there;
+  other peers, and only a result signed by that part's reducer is accepted, so a peer forging bytes
+  for a dead reducer's part is ignored; if nobody has one, every peer applies a zero update there
+  (momentum rounds: keeps its own momenta there);
 * what timing can still split (a peer that received a part directly but stalls while others ask)
-  is caught by the swarm's parameter digest and repaired by a state download.
+  is caught by the swarm's parameter digest and repaired by a state download;
+* a reducer caught lying (audits, or a wrong root for a voter's own codes) is reported in
+  ``RoundReport.caught``; what was applied stays applied (everyone applied the same), the swarm
+  drops and refuses the liar.
+
+Resources: every incoming stream passes a ``StreamGate`` (per-peer caps, strangers apart) before a
+byte is read, must send its first message within ``first_frame_timeout``, is admitted (token,
+membership) before it gets a table entry, and serves one round for at most
+``config.serve_deadline`` whatever it sends; a round this peer forgets (``keep_rounds``) takes its
+streams with it. Cancellation (an orderly leave) ends handlers quietly.
+
+Without an ``identity`` (tests, callers not yet wired) a node signs nothing and accepts unsigned
+results from the reducer's own stream only: nothing can then be recovered. Every member of a group
+must run with its identity for recovery, audits with evidence and momentum bounds.
 
 All connections are dialed by the voter, so peers in client mode (behind NAT) take part fully.
-Untrusted input is checked chunk by chunk (round, part, group membership, encodings, offsets, sizes);
-a violation drops that peer's vote with a logged reason and never raises in the caller.
+Untrusted input is checked chunk by chunk; a violation drops that peer's vote with a logged reason
+and never raises in the caller.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import logging
+import random
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 from hivemind.p2p import P2P, PeerID
 
 from ..codecs import Bf16Upload
+from ..identity import Identity, Verifier
 from ..ops import unpack_signs
-from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
+from ..wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
+from ..wire.gate import StreamGate, guard
 from .admission import OPEN, Admission
+from .audit import MAX_AUDIT_LEAVES, check_statements, decoded, judge, make_evidence, value_bound
+from .commit import (DIGEST_BYTES, MAX_HEADER_BYTES, MAX_TAG_BYTES, check_header, leaf_bytes, leaf_count, leaf_of, parse_header,
+                     result_signed_bytes, root_of, statement_signed_bytes)
 from .deadline import AdaptiveDeadline
-from .reducer import MAX_TAG_BYTES, PartReduction
-from .round import AllReduceConfig, PartReport, PartResult, RoundReport, RoundSpec, result_wire, upload_wire
+from .reducer import PartReduction
+from .round import (AllReduceConfig, Caught, PartReport, PartResult, RoundReport, RoundSpec, result_wire,
+                    upload_wire)
 
 logger = logging.getLogger(__name__)
 
 VOTE_PROTOCOL = "lioncub/vote/1"
 FETCH_PROTOCOL = "lioncub/fetch/1"
+AUDIT_PROTOCOL = "lioncub/audit/1"
 NETWORK_ERRORS = (ConnectionError, asyncio.IncompleteReadError, OSError, EOFError)
+RESULT_FRAME_BYTES = MAX_FRAME_BYTES + MAX_HEADER_BYTES + 1024  # a first result chunk carries the header
+MAX_AUDITS_IN_FLIGHT = 8
 
 
 class StreamClosed(WireError):
     """The stream ended before any result came: on a kept stream, the other end closed it meanwhile."""
-
 
 
 @dataclass
@@ -63,31 +95,48 @@ class RoundState:
     reduction: PartReduction | None
     direct: dict[int, asyncio.Future]  # part -> PartResult | None, as received from its reducer
     reducing: asyncio.Task | None = None
-    auditing: asyncio.Task | None = None
     voted: bool = False
     tag: bytes = b""
-    audit_reduction: PartReduction | None = None  # this peer audits the sampled part
-    no_recovery: set = field(default_factory=set)  # parts applied as zero on purpose (audit mismatch)
-    audit_result: asyncio.Future | None = None  # the auditor's result for the sampled part
+    recovered: dict[int, PartResult] = field(default_factory=dict)  # parts received from other peers
+    handlers: set = field(default_factory=set)  # stream handler tasks serving this round here
 
 
 class VoteNode:
-    """Runs vote rounds for one peer. Create inside the event loop that owns ``p2p``; call ``start``."""
+    """Runs vote rounds for one peer. Create inside the event loop that owns ``p2p``; call ``start``.
 
-    def __init__(self, p2p: P2P, config: AllReduceConfig | None = None, admission: Admission = OPEN):
+    ``identity`` is this peer's libp2p key (the daemon must run with ``identity_path=identity.path``):
+    results this peer reduces are signed with it, and results from others must be signed."""
+
+    def __init__(self, p2p: P2P, config: AllReduceConfig | None = None, admission: Admission = OPEN,
+                 identity: Identity | None = None):
         self.p2p = p2p
         self.config = config or AllReduceConfig()
         self.admission = admission
+        self.peer_id = p2p.peer_id.to_base58()
+        if identity is not None and identity.peer_id != self.peer_id:
+            raise ValueError(f"identity {identity.peer_id} is not the daemon's peer id {self.peer_id}: start the "
+                             f"daemon with identity_path=identity.path")
+        self.identity = identity
+        self.verifier = Verifier()
         self.reduction_factory = PartReduction  # what reduces a part (simulations swap in lying reducers)
         self.deadline = AdaptiveDeadline(max_grace=self.config.upload_timeout)
-        self.peer_id = p2p.peer_id.to_base58()
+        self.audit_rng: random.Random = random.SystemRandom()  # private: reducers must not predict audits
         self._rounds: OrderedDict[bytes, RoundState] = OrderedDict()
         self._finished: deque[bytes] = deque(maxlen=256)
-        self._waiting: dict[bytes, asyncio.Event] = {}
-        self._streams = 0
+        self._waiting: dict[bytes, asyncio.Event] = {}  # rounds asked for before this peer started them
+        self._waiters: Counter[bytes] = Counter()
+        self._pending_by_peer: Counter[str] = Counter()
         self._kept: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
-        # Observers of progress ("vote_chunk" / "result_chunk" after each chunk is written), for
-        # metrics and for tests that inject faults at a precise moment.
+        self._audits: set[asyncio.Task] = set()
+        self.caught: dict[str, Caught] = {}  # every reducer this peer caught, by peer id (the first proof)
+        self._new_caught: list[Caught] = []  # not reported yet
+        cfg = self.config
+        caps = dict(per_peer=cfg.max_streams_per_peer, stranger_per_peer=2, strangers=cfg.max_stranger_streams,
+                    total=cfg.max_streams, is_member=self._is_member)
+        self.gates = {VOTE_PROTOCOL: StreamGate("vote", **caps), FETCH_PROTOCOL: StreamGate("fetch", **caps),
+                      AUDIT_PROTOCOL: StreamGate("audit", **dict(caps, per_peer=2))}
+        # Observers of progress ("vote_chunk" / "result_chunk" after each chunk is written, "finalize"),
+        # for metrics and for tests that inject faults at a precise moment.
         self.on_event: list[Callable[[str], None]] = []
         # The newest group epoch this peer knows, sent with every result so peers behind learn of a
         # group change within one round (set by the swarm).
@@ -98,8 +147,17 @@ class VoteNode:
             callback(event)
 
     async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(VOTE_PROTOCOL, self._on_vote_stream)
-        await self.p2p.add_binary_stream_handler(FETCH_PROTOCOL, self._on_fetch_stream)
+        for name, handler in ((VOTE_PROTOCOL, self._on_vote_stream), (FETCH_PROTOCOL, self._on_fetch_stream),
+                              (AUDIT_PROTOCOL, self._on_audit_stream)):
+            await self.p2p.add_binary_stream_handler(name, guard(self.gates[name], handler))
+
+    def _is_member(self, peer_id: str) -> bool:
+        return any(peer_id in state.spec._index for state in self._rounds.values())  # type: ignore[attr-defined]
+
+    async def settle_audits(self, timeout: float | None = None) -> None:
+        """Wait for the audits in flight (tests, and a peer that wants its verdicts before leaving)."""
+        if self._audits:
+            await asyncio.wait(list(self._audits), timeout=timeout or self.config.audit_timeout + 1)
 
     # -- running a round ---------------------------------------------------------------------------
 
@@ -121,12 +179,6 @@ class VoteNode:
         if me in state.direct:
             state.reduction = self.reduction_factory(spec, me)
             state.reducing = asyncio.create_task(self._reduce_part(state, state.reduction, state.direct[me]))
-        if spec.audit_pair is not None:
-            part, auditor = spec.audit_pair
-            state.audit_result = loop.create_future()
-            if auditor == me:
-                state.audit_reduction = self.reduction_factory(spec, part)
-                state.auditing = asyncio.create_task(self._reduce_part(state, state.audit_reduction, state.audit_result))
         self._register(state)
         return state
 
@@ -137,43 +189,51 @@ class VoteNode:
         reducer returns the most common tag of the voters it counted (``RoundReport.consensus_tag``).
 
         The update is packed uint8 (nbytes,) for a complete majority result, else float32
-        (nbytes*8,) with zeros in parts nobody received."""
+        (nbytes*8,) with zeros in parts nobody received (bf16 rounds: values, NaN where missing).
+        Raises ValueError only for the caller's own mistakes (shapes, a repeated round); nothing a
+        peer sends makes it raise: missed parts are in the report."""
         started = time.perf_counter()
         if upload.dtype != torch.uint8 or tuple(upload.shape) != (spec.upload.planes, spec.nbytes):
             raise ValueError(f"upload must be uint8 of shape ({spec.upload.planes}, {spec.nbytes}), "
                              f"got {upload.dtype} {tuple(upload.shape)}")
+        if len(tag) > MAX_TAG_BYTES:
+            raise ValueError(f"tag of {len(tag)} bytes exceeds {MAX_TAG_BYTES}")
         upload = upload.cpu().contiguous()
         state = self.prepare_round(spec)
         if state.voted:
             raise ValueError(f"round {spec.round_id.hex()} was already run by this peer")
-        if len(tag) > MAX_TAG_BYTES:
-            raise ValueError(f"tag of {len(tag)} bytes exceeds {MAX_TAG_BYTES}")
         state.voted, state.tag = True, tag
         me, report, parts = state.me, state.report, state.report.parts
         report.started = started
-        for red in (state.reduction, state.audit_reduction):
-            if red is not None and not red.finalized:
-                a, b = spec.bounds[red.part]
-                red.tags[me] = tag
-                red.add(me, 0, upload[:, a:b].clone(), last=True)
+        codes = upload.numpy()
+        roots = {j: root_of(codes[:, a:b], leaf_bytes(b - a, spec.upload.planes))
+                 for j, (a, b) in enumerate(spec.bounds) if b > a}
+        statements = {j: self._statement(spec, j, upload, roots[j]) for j in roots} \
+            if isinstance(spec.upload, Bf16Upload) and self.identity is not None else {}
+        red = state.reduction
+        if red is not None and not red.closed:
+            a, b = spec.bounds[me]
+            red.tags[me] = tag
+            if me in statements:
+                red.statements[me] = statements[me]
+            red.add(me, 0, upload[:, a:b].clone(), last=True)
 
-        tasks = [t for t in (state.reducing, state.auditing) if t is not None]
+        tasks = [state.reducing] if state.reducing is not None else []
         turn = asyncio.Lock()  # uploads leave one reducer at a time, in rotated order
         n = len(spec.group)
         for k in range(1, n):
             j = (me + k) % n
             if j in state.direct:
-                tasks.append(asyncio.create_task(self._vote_remote(state, j, j, upload, turn, started, state.direct[j])))
-        if spec.audit_pair is not None and spec.audit_pair[1] != me:
-            part, auditor = spec.audit_pair
-            tasks.append(asyncio.create_task(self._vote_remote(state, auditor, part, upload, turn, started,
-                                                               state.audit_result)))
-        await asyncio.gather(*tasks)
-        self._check_audit(state)
+                tasks.append(asyncio.create_task(self._vote_remote(state, j, upload, statements.get(j), turn, started)))
+        await asyncio.gather(*tasks, return_exceptions=True)
         report.timings["results"] = time.perf_counter() - started
 
-        missing = [j for j, fut in state.direct.items() if fut.result() is None and j not in state.no_recovery]
-        outcomes: dict[int, PartResult | None] = {j: fut.result() for j, fut in state.direct.items()}
+        outcomes: dict[int, PartResult | None] = {j: fut.result() if fut.done() else None
+                                                  for j, fut in state.direct.items()}
+        for j, outcome in outcomes.items():
+            if outcome is not None and j != me:
+                self._check_own_root(state, j, outcome, roots[j])
+        missing = [j for j, outcome in outcomes.items() if outcome is None and j != me]
         if missing:
             recovered = await asyncio.gather(*(self._recover(state, j) for j in missing))
             for j, outcome in zip(missing, recovered):
@@ -181,6 +241,8 @@ class VoteNode:
                 parts[j].status = "recovered" if outcome is not None else "missing"
                 if outcome is not None:
                     parts[j].record(outcome)
+                    state.recovered[j] = outcome
+                    self._check_own_root(state, j, outcome, roots[j])
             report.timings["recovery"] = time.perf_counter() - started - report.timings["results"]
         for j, outcome in outcomes.items():
             if parts[j].status == "pending":
@@ -188,8 +250,17 @@ class VoteNode:
         update, undecodable = assemble(spec, outcomes)
         for j, reason in undecodable.items():
             parts[j].status, parts[j].note = "missing", f"undecodable result: {reason}"
+        self._start_audits(state, {j: o for j, o in outcomes.items() if o is not None and j not in undecodable})
+        report.caught, self._new_caught = self._new_caught, []
         report.timings["total"] = time.perf_counter() - started
         return update, report
+
+    def _statement(self, spec: RoundSpec, j: int, upload: torch.Tensor, root: bytes) -> pb.VoterStatement:
+        a, b = spec.bounds[j]
+        values = upload[0, a:b].contiguous().view(torch.bfloat16).float()
+        max_abs = float(values.abs().max()) if values.numel() else 0.0
+        signature = self.identity.sign(statement_signed_bytes(spec.round_id, j, root, max_abs))
+        return pb.VoterStatement(root=root, max_abs=max_abs, signature=signature, public_key=self.identity.public_key)
 
     def _register(self, state: RoundState) -> None:
         rid = state.spec.round_id
@@ -198,34 +269,35 @@ class VoteNode:
         self._rounds[rid] = state
         while len(self._rounds) > self.config.keep_rounds:
             old, old_state = self._rounds.popitem(last=False)
-            for task in (old_state.reducing, old_state.auditing):
-                if task is not None and not task.done():
-                    task.cancel()  # prepared, but no vote ever came
+            self._forget(old_state)
             self._finished.append(old)
         if rid in self._waiting:
             self._waiting.pop(rid).set()
 
-    def _check_audit(self, state: RoundState) -> None:
-        """Compare the audited part's result from its reducer with the auditor's. Different bytes from
-        the same counted voters mean one of the two lies: nobody can tell which from here, so the part
-        is applied as zero and both are reported (the swarm excludes a peer caught with several partners)."""
-        if state.spec.audit_pair is None:
-            return
-        part, auditor = state.spec.audit_pair
-        direct, audit = state.direct[part].result(), state.audit_result.result()
-        if direct is None or audit is None or direct.counted != audit.counted:
-            verdict = "inconclusive"
-        elif direct.wire == audit.wire:
-            verdict = "ok"
-        else:
-            verdict = "mismatch"
-            state.direct[part] = asyncio.get_running_loop().create_future()
-            state.direct[part].set_result(None)
-            state.report.parts[part].note = f"audit mismatch with auditor {auditor}: applied as zero"
-            state.no_recovery.add(part)
-            logger.warning("round %s: part %d's result differs from auditor %d's: one of them lies",
-                           state.spec.round_id.hex()[:12], part, auditor)
-        state.report.audit = (part, auditor, verdict)
+    def _forget(self, state: RoundState) -> None:
+        """Free a round: stop its reduction if no vote ever came, end the streams still serving it."""
+        tasks = [state.reducing, *state.handlers]
+        for task in tasks:
+            if task is not None and not task.done() and task is not asyncio.current_task():
+                task.cancel()
+        state.handlers.clear()
+        if state.reduction is not None:
+            state.reduction.votes.clear()
+            state.reduction.trees.clear()
+
+    def _check_own_root(self, state: RoundState, j: int, outcome: PartResult, own_root: bytes) -> None:
+        """A header that counts this peer must carry the root of exactly the codes it sent."""
+        if state.me in outcome.counted and outcome.roots:
+            if outcome.roots[outcome.counted.index(state.me)] != own_root:
+                self._convict(Caught(state.spec.group[j].peer_id, state.spec.round_id, j, "misrepresented",
+                                     f"round {state.spec.round_id.hex()[:12]} part {j}: its signed header has a "
+                                     f"root for this peer's codes that is not theirs"))
+
+    def _convict(self, caught: Caught) -> None:
+        logger.warning("reducer %s caught (%s): %s", caught.peer_id, caught.kind, caught.reason)
+        if caught.peer_id not in self.caught or (caught.evidence and not self.caught[caught.peer_id].evidence):
+            self.caught[caught.peer_id] = caught
+        self._new_caught.append(caught)
 
     async def _reduce_part(self, state: RoundState, red: PartReduction, result: asyncio.Future) -> None:
         """Finalize when every vote is in, or a grace period after the quorum, or ``upload_timeout``
@@ -243,31 +315,44 @@ class VoteNode:
         except asyncio.TimeoutError:
             self.deadline.observe(None)
         self._emit("finalize")
-        outcome = red.finalize()
-        if red is state.reduction:
-            state.report.parts[state.me].record(outcome)
-            state.report.dropped.extend(red.dropped.items())
-            state.report.timings["reduce"] = time.perf_counter() - started  # from the first vote
+        outcome = red.close()
+        if outcome is not None and self.identity is not None:
+            outcome = dataclasses.replace(outcome, signature=self.identity.sign(result_signed_bytes(outcome.header)),
+                                          public_key=self.identity.public_key)
+            red.outcome = outcome
+        part = state.report.parts[state.me]
+        if outcome is not None:
+            part.record(outcome)
+        else:
+            part.note = f"{len(red.complete)} of {len(state.spec.group)} votes: below the quorum, no result"
+        state.report.dropped.extend(red.dropped.items())
+        state.report.timings["reduce"] = time.perf_counter() - started  # from the first vote
+        red.result.set_result(outcome)
         result.set_result(outcome)
 
-    async def _vote_remote(self, state: RoundState, reducer: int, j: int, upload: torch.Tensor, turn: asyncio.Lock,
-                           started: float, target: asyncio.Future) -> None:
-        """Send part j to ``reducer`` (its own reducer, or the auditor) and put its result in ``target``."""
+    async def _vote_remote(self, state: RoundState, j: int, upload: torch.Tensor,
+                           statement: pb.VoterStatement | None, turn: asyncio.Lock, started: float) -> None:
+        """Send part j to its reducer and put its result (or None) in ``state.direct[j]``."""
         spec, report = state.spec, state.report
         deadline = self.config.result_timeout - (time.perf_counter() - started)
         writer = None
-        audit = reducer != j
 
         async def exchange() -> PartResult:
             nonlocal writer
-            peer = spec.group[reducer].peer_id
+            peer = spec.group[j].peer_id
             for attempt in range(2):
-                reader, writer, kept = await self._vote_stream(peer, fresh=attempt > 0)
+                async with turn:  # dial inside the turn: the reducer expects the first chunk right after the dial
+                    reader, writer, kept = await self._vote_stream(peer, fresh=attempt > 0)
+                    try:
+                        await self._send_votes(writer, state, j, upload, statement)
+                    except NETWORK_ERRORS:
+                        if not kept:
+                            raise
+                        writer.close()
+                        writer = None
+                        continue
+                    report.timings["upload"] = max(report.timings.get("upload", 0.0), time.perf_counter() - started)
                 try:
-                    async with turn:
-                        await self._send_votes(writer, state, j, upload)
-                        report.timings.setdefault("upload", 0.0)
-                        report.timings["upload"] = max(report.timings["upload"], time.perf_counter() - started)
                     outcome = await self._read_result(reader, state, j)
                 except (*NETWORK_ERRORS, StreamClosed):
                     if not kept:
@@ -278,22 +363,21 @@ class VoteNode:
                 self._kept.setdefault(peer, []).append((reader, writer, time.monotonic()))
                 writer = None  # kept for the next round, not closed below
                 return outcome
-            raise AssertionError("unreachable: the second attempt dials a fresh stream")
+            raise StreamClosed("the reducer closed a fresh stream too")
 
         outcome: PartResult | None = None
         try:
             outcome = await asyncio.wait_for(exchange(), max(deadline, 0.0))
-            if not audit:
-                report.parts[j].record(outcome)
+            report.parts[j].record(outcome)
         except Exception as e:  # any failure of this reducer leaves the part to recovery
-            note = f"no result from {'auditor' if audit else 'reducer'} {reducer}: {type(e).__name__}: {e}"
-            if not audit:
-                report.parts[j].note = note
+            note = f"no result from reducer {j}: {type(e).__name__}: {e}"
+            report.parts[j].note = note
             logger.info("round %s: part %d %s", spec.round_id.hex()[:12], j, note)
         finally:
             if writer is not None:
                 writer.close()
-            target.set_result(outcome)
+            if not state.direct[j].done():
+                state.direct[j].set_result(outcome)
 
     async def _vote_stream(self, peer: str, *, fresh: bool = False):
         """(reader, writer, kept): a stream to ``peer``'s vote handler, kept from an earlier round
@@ -310,30 +394,34 @@ class VoteNode:
         _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), VOTE_PROTOCOL)
         return reader, writer, False
 
-    async def _send_votes(self, writer: asyncio.StreamWriter, state: RoundState, j: int, upload: torch.Tensor) -> None:
+    async def _send_votes(self, writer: asyncio.StreamWriter, state: RoundState, j: int, upload: torch.Tensor,
+                          statement: pb.VoterStatement | None) -> None:
         spec = state.spec
         a, b = spec.bounds[j]
         encoding, bits = upload_wire(spec.upload)
         for offset in range(0, b - a, self.config.chunk_bytes):
             length = min(self.config.chunk_bytes, b - a - offset)
             codes = upload[:, a + offset : a + offset + length].contiguous().numpy().tobytes()
+            first = offset == 0
             chunk = pb.VoteChunk(version=PROTOCOL_VERSION, round_id=spec.round_id, step=spec.step, part=j,
                                  offset=offset, length=length, upload=encoding, upload_bits=bits,
                                  result=result_wire(spec.result), codes=codes, last=offset + length == b - a,
-                                 tag=state.tag if offset == 0 else b"",
-                                 token=self.admission.token(self.peer_id) if offset == 0 else b"")
+                                 tag=state.tag if first else b"",
+                                 token=self.admission.token(self.peer_id) if first else b"",
+                                 statement=statement if first and statement is not None else None)
             sent = await write_frame(writer, chunk)  # not `+= await`: that reads the total before awaiting
             state.report.bytes_up += sent
             state.report.payload_up += len(codes)
             self._emit("vote_chunk")
 
-    async def _read_result(self, reader: asyncio.StreamReader, state: RoundState, j: int) -> PartResult:
-        """Read and check a part's result chunks (from its reducer or a recovering peer)."""
+    async def _read_result(self, reader: asyncio.StreamReader, state: RoundState, j: int, *,
+                           forwarded: bool = False) -> PartResult:
+        """Read and check a part's result chunks, from its reducer or (``forwarded``) another peer."""
         spec, report = state.spec, state.report
-        data, voters, counted, expected = bytearray(), None, None, None
+        data, header, first, expected = bytearray(), None, None, 0
         while True:
-            msg, nread = await read_frame(reader, pb.ResultChunk)
-            if msg is None and voters is None:
+            msg, nread = await read_frame(reader, pb.ResultChunk, RESULT_FRAME_BYTES)
+            if msg is None and header is None:
                 raise StreamClosed("stream closed before the first result chunk")
             if msg is None:
                 raise WireError("stream closed before the last result chunk")
@@ -341,19 +429,17 @@ class VoteNode:
             if msg.error:
                 raise WireError(f"peer refused: {msg.error}")
             report.timings.setdefault("first_result", time.perf_counter() - report.started)
-            report.group_epoch = max(report.group_epoch, msg.group_epoch)
+            if not forwarded:
+                report.group_epoch = max(report.group_epoch, msg.group_epoch)
             if msg.round_id != spec.round_id or msg.part != j or msg.result != result_wire(spec.result):
                 raise WireError("result chunk for another round, part or encoding")
-            if voters is None:
-                voters, counted, tag, tag_votes = msg.voters, list(msg.counted), msg.tag, msg.tag_votes
-                if len(tag) > MAX_TAG_BYTES or tag_votes > voters:
-                    raise WireError(f"result claims tag of {len(tag)} bytes with {tag_votes} of {voters} votes")
-                if not 1 <= voters <= len(spec.group) or len(counted) != voters or len(set(counted)) != voters \
-                        or any(c >= len(spec.group) for c in counted):
-                    raise WireError(f"result claims {voters} voters with counted={counted[:8]}")
-                expected = spec.result_size(j, voters)
-            elif msg.voters != voters or list(msg.counted) != counted:
-                raise WireError("result chunks disagree on the counted voters")
+            if header is None:
+                if not msg.header:
+                    raise WireError("the first result chunk has no header")
+                header, first = check_header(spec, j, msg.header), msg
+                expected = spec.result_size(j, len(header.counted))
+            elif msg.header or msg.signature:
+                raise WireError("a later result chunk repeats the header")
             if msg.offset != len(data) or len(data) + len(msg.data) > expected:
                 raise WireError(f"result chunk at {msg.offset} (+{len(msg.data)}) after {len(data)} of {expected} bytes")
             data += msg.data
@@ -361,23 +447,53 @@ class VoteNode:
             if msg.last:
                 if len(data) != expected:
                     raise WireError(f"result ended at {len(data)} of {expected} bytes")
-                return PartResult(bytes(data), counted, tag, tag_votes)
+                outcome = PartResult(bytes(data), list(header.counted), header.tag, header.tag_votes,
+                                     tuple(header.roots), first.header, first.signature, first.public_key)
+                self._check_result(spec, j, header, outcome, forwarded)
+                return outcome
+
+    def _check_result(self, spec: RoundSpec, j: int, header: pb.ResultHeader, outcome: PartResult,
+                      forwarded: bool) -> None:
+        """The bytes match the signed digest, the part's reducer signed the header (required unless an
+        unsigned node reads its reducer's own stream), and momentum values respect the signed bounds."""
+        if hashlib.sha256(outcome.wire).digest() != header.wire_digest:
+            raise WireError("result bytes do not match the digest in their header")
+        if outcome.signature or forwarded or self.identity is not None:
+            if not self.verifier.verify(spec.group[j].peer_id, outcome.public_key, result_signed_bytes(outcome.header),
+                                        outcome.signature):
+                raise WireError("the result is not signed by the part's reducer")
+        if isinstance(spec.upload, Bf16Upload):
+            if header.statements:
+                check_statements(header, [p.peer_id for p in spec.group], self.verifier)
+                values = decoded(header, spec.result, spec.upload, outcome.wire)
+                bound = value_bound(header, spec.result)
+                if values.numel() and not float(values.abs().max()) <= bound:
+                    raise WireError(f"momentum result holds |value| {float(values.abs().max()):.3g} above the "
+                                    f"bound {bound:.3g} its counted voters signed")
+            elif self.identity is not None:
+                raise WireError("momentum result without its voters' signed statements")
+
+    def _outcome_for(self, state: RoundState, voter: int, outcome: PartResult) -> PartResult:
+        """The result sent to ``voter``: the same for everyone (simulations override it to lie to one)."""
+        return outcome
 
     async def _send_result(self, writer: asyncio.StreamWriter, state: RoundState, part: int, outcome: PartResult) -> None:
         wire, step = outcome.wire, self.config.chunk_bytes
         for offset in range(0, max(len(wire), 1), step):
+            first = offset == 0
             chunk = pb.ResultChunk(version=PROTOCOL_VERSION, round_id=state.spec.round_id, part=part, offset=offset,
                                    data=wire[offset : offset + step], last=offset + step >= len(wire),
-                                   voters=len(outcome.counted), counted=outcome.counted,
-                                   result=result_wire(state.spec.result), tag=outcome.tag, tag_votes=outcome.tag_votes,
-                                   group_epoch=self.group_epoch)
+                                   result=result_wire(state.spec.result), group_epoch=self.group_epoch,
+                                   header=outcome.header if first else b"",
+                                   signature=outcome.signature if first else b"",
+                                   public_key=outcome.public_key if first else b"")
             sent = await write_frame(writer, chunk)
             state.report.bytes_up += sent
             state.report.payload_up += min(step, len(wire) - offset)
             self._emit("result_chunk")
 
     async def _recover(self, state: RoundState, j: int) -> PartResult | None:
-        """Ask every other reachable member for part j's result as it came from its reducer."""
+        """Ask every other reachable member for part j's result; accept the first one its reducer signed."""
         spec = state.spec
         askers = [i for i, p in enumerate(spec.group) if i not in (j, state.me) and not p.client_mode]
 
@@ -388,7 +504,7 @@ class VoteNode:
                 sent = await write_frame(writer, pb.FetchResult(version=PROTOCOL_VERSION, round_id=spec.round_id, part=j,
                                                                 token=self.admission.token(self.peer_id)))
                 state.report.bytes_up += sent
-                return await self._read_result(reader, state, j)
+                return await self._read_result(reader, state, j, forwarded=True)
             finally:
                 writer.close()
 
@@ -401,48 +517,121 @@ class VoteNode:
                 for task in done:
                     if task.exception() is None:
                         return task.result()
+                    if isinstance(task.exception(), WireError):
+                        logger.info("round %s: refused a result for part %d: %s", spec.round_id.hex()[:12], j,
+                                    task.exception())
         finally:
             for task in pending:
                 task.cancel()
         return None
 
+    # -- audits ------------------------------------------------------------------------------------
+
+    def _start_audits(self, state: RoundState, outcomes: dict[int, PartResult]) -> None:
+        """Audit ``audits_per_round`` other reducers' parts, chosen now that their results are in."""
+        candidates = sorted(j for j, outcome in outcomes.items() if j != state.me and outcome.header)
+        if not candidates or len(self._audits) >= MAX_AUDITS_IN_FLIGHT:
+            return
+        for j in self.audit_rng.sample(candidates, min(self.config.audits_per_round, len(candidates))):
+            header = parse_header(outcomes[j].header)
+            count = leaf_count(header.stop - header.start, header.leaf_bytes)
+            leaves = self.audit_rng.sample(range(count), min(self.config.audit_leaves, count))
+            task = asyncio.create_task(self._audit(state, j, outcomes[j], header, leaves))
+            self._audits.add(task)
+            task.add_done_callback(self._audits.discard)
+
+    async def _audit(self, state: RoundState, j: int, outcome: PartResult, header: pb.ResultHeader,
+                     leaves: list[int]) -> None:
+        spec = state.spec
+        reducer = spec.group[j].peer_id
+        verdict = "ok"
+        try:
+            answers = await asyncio.wait_for(self._ask_audit(spec, j, leaves, len(header.counted)),
+                                             self.config.audit_timeout)
+            for k in leaves:
+                reason = judge(header, outcome.wire, k, answers[k])
+                if reason:
+                    evidence = make_evidence(outcome.header, outcome.signature, outcome.public_key, outcome.wire, k,
+                                             answers[k]) if outcome.signature else b""
+                    self._convict(Caught(reducer, spec.round_id, j, "lie",
+                                         f"round {spec.round_id.hex()[:12]} part {j}: {reason}", evidence))
+                    verdict = "lie"
+                    break
+        except asyncio.CancelledError:
+            return
+        except (asyncio.TimeoutError, WireError, *NETWORK_ERRORS) as e:
+            verdict = "unanswered"
+            self._convict(Caught(reducer, spec.round_id, j, "unanswered",
+                                 f"round {spec.round_id.hex()[:12]} part {j}: audit not answered "
+                                 f"({type(e).__name__}: {e})"))
+        except Exception as e:  # a bug here must not look like a lie
+            logger.warning("audit of part %d failed: %s: %s", j, type(e).__name__, e)
+            return
+        state.report.audit = (j, j, verdict)
+
+    async def _ask_audit(self, spec: RoundSpec, j: int, leaves: list[int], voters: int) -> dict[int, list]:
+        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[j].peer_id),
+                                                                      AUDIT_PROTOCOL)
+        try:
+            await write_frame(writer, pb.AuditRequest(version=PROTOCOL_VERSION, round_id=spec.round_id, part=j,
+                                                      leaves=leaves, token=self.admission.token(self.peer_id)))
+            answers: dict[int, list] = {k: [] for k in leaves}
+            for k in leaves:
+                for _ in range(voters):
+                    msg, _ = await read_frame(reader, pb.AuditAnswer)
+                    if msg is None:
+                        raise WireError("audit stream closed early")
+                    if msg.error:
+                        raise WireError(f"reducer refused the audit: {msg.error}")
+                    answers[k].append(msg)
+            return answers
+        finally:
+            writer.close()
+
     # -- serving other peers ---------------------------------------------------------------------
 
-    async def _find_round(self, round_id: bytes) -> RoundState:
+    async def _find_round(self, round_id: bytes, peer: str) -> RoundState:
+        """The round, waiting up to ``join_timeout`` for this peer to start it; each peer may wait for at
+        most ``max_pending_rounds`` rounds at once (the stream gate bounds the streams doing so)."""
         if round_id in self._rounds:
             return self._rounds[round_id]
         if round_id in self._finished:
             raise WireError("round already finished")
-        if round_id not in self._waiting and len(self._waiting) >= 8:
+        if self._pending_by_peer[peer] >= self.config.max_pending_rounds:
             raise WireError("too many rounds not started here yet")
         event = self._waiting.setdefault(round_id, asyncio.Event())
+        self._waiters[round_id] += 1
+        self._pending_by_peer[peer] += 1
         try:
             await asyncio.wait_for(event.wait(), self.config.join_timeout)
         except asyncio.TimeoutError:
-            self._waiting.pop(round_id, None)
-            raise WireError(f"unknown round {round_id.hex()[:16]} (not started here within the join timeout)")
+            raise WireError(f"unknown round {round_id.hex()[:16]} (not started here within the join timeout)") from None
+        finally:
+            self._pending_by_peer[peer] -= 1
+            if self._pending_by_peer[peer] <= 0:
+                del self._pending_by_peer[peer]
+            self._waiters[round_id] -= 1
+            if self._waiters[round_id] <= 0:
+                del self._waiters[round_id]
+                if not event.is_set():
+                    self._waiting.pop(round_id, None)
+        if round_id not in self._rounds:
+            raise WireError("round already finished")
         return self._rounds[round_id]
 
     async def _on_vote_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._streams >= self.config.max_streams:
-            logger.warning("refused a stream from %s: %d streams open", info.peer_id, self._streams)
-            writer.close()
-            return
-        self._streams += 1
-        try:
-            first = True
-            while await self._serve_round(info, reader, writer, first):
-                first = False  # the voter keeps this stream for its next round
-        finally:
-            self._streams -= 1
-            writer.close()
+        first = True
+        while await self._serve_round(info, reader, writer, first):
+            first = False  # the voter keeps this stream for its next round
 
     async def _serve_round(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, first: bool) -> bool:
         """Count one round's votes from this stream and answer them. True: the stream may carry the
         voter's next round; False: it is done (closed by the voter, idle, or refused)."""
         state = voter = red = None
+        peer = info.peer_id.to_base58()
+        task = asyncio.current_task()
         try:
-            wait = self.config.join_timeout if first else 2 * self.config.keep_streams_s
+            wait = self.config.first_frame_timeout if first else 2 * self.config.keep_streams_s
             try:
                 chunk, nread = await asyncio.wait_for(read_frame(reader, pb.VoteChunk), wait)
             except (asyncio.TimeoutError, *NETWORK_ERRORS):
@@ -451,25 +640,29 @@ class VoteNode:
                 return False  # a kept stream: idle too long, or the voter went away between rounds
             if chunk is None:
                 return False
-            refused = self.admission.reason(info.peer_id.to_base58(), chunk.token)
+            until = time.monotonic() + self.config.serve_deadline
+            refused = self.admission.reason(peer, chunk.token)
             if refused:
                 raise WireError(f"not admitted: {refused}")
-            state = await self._find_round(chunk.round_id)
+            state = await self._find_round(chunk.round_id, peer)
+            state.handlers.add(task)
             spec = state.spec
-            voter = spec.index_of(info.peer_id.to_base58())
-            if chunk.part == state.me and state.reduction is not None:
-                red = state.reduction
-            elif state.audit_reduction is not None and chunk.part == state.audit_reduction.part:
-                red = state.audit_reduction
-            else:
+            voter = spec.index_of(peer)
+            if chunk.part != state.me or state.reduction is None:
                 raise WireError(f"part {chunk.part} is not reduced by this peer")
+            red = state.reduction
             if len(chunk.tag) > MAX_TAG_BYTES:
                 raise WireError(f"tag of {len(chunk.tag)} bytes")
+            self._take_statement(state, red, voter, peer, chunk)
             red.tags.setdefault(voter, chunk.tag)
             state.report.bytes_down += nread
-            await self._receive_votes(state, red, voter, chunk, reader)
-            outcome = await asyncio.shield(red.result)
-            await self._send_result(writer, state, red.part, outcome)
+            await asyncio.wait_for(self._receive_votes(state, red, voter, chunk, reader),
+                                   max(until - time.monotonic(), 0.0))
+            outcome = await asyncio.wait_for(asyncio.shield(red.result), max(until - time.monotonic(), 0.0))
+            if outcome is None:
+                raise WireError("no result: fewer than a quorum of votes were counted")
+            await asyncio.wait_for(self._send_result(writer, state, red.part, self._outcome_for(state, voter, outcome)),
+                                   max(until - time.monotonic(), 0.0))
             return True
         except WireError as e:
             self._refuse(state, red, voter, info, str(e))
@@ -477,9 +670,31 @@ class VoteNode:
         except (asyncio.TimeoutError, *NETWORK_ERRORS) as e:
             self._refuse(state, red, voter, info, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
         except Exception as e:  # never let a peer's bytes crash this peer
-            logger.exception("vote stream from %s failed", info.peer_id)
+            logger.warning("vote stream from %s failed: %s: %s", info.peer_id, type(e).__name__, e)
             self._refuse(state, red, voter, info, f"internal error: {e}")
+        finally:
+            if state is not None:
+                state.handlers.discard(task)
         return False
+
+    def _take_statement(self, state: RoundState, red: PartReduction, voter: int, peer: str,
+                        chunk: pb.VoteChunk) -> None:
+        """Momentum rounds: the voter's signed root and bound (required from everyone when this peer signs)."""
+        if not isinstance(state.spec.upload, Bf16Upload):
+            if chunk.HasField("statement"):
+                raise WireError("a statement in a vote round")
+            return
+        if not chunk.HasField("statement"):
+            if self.identity is not None:
+                raise WireError("momentum votes without the voter's signed statement")
+            return
+        st = chunk.statement
+        if not np.isfinite(st.max_abs) or st.max_abs < 0 or len(st.root) != DIGEST_BYTES:
+            raise WireError("statement with a bad bound or root")
+        if not self.verifier.verify(peer, st.public_key, statement_signed_bytes(state.spec.round_id, red.part, st.root,
+                                                                                st.max_abs), st.signature):
+            raise WireError("statement not signed by the voter")
+        red.statements.setdefault(voter, st)
 
     async def _receive_votes(self, state: RoundState, red: PartReduction, voter: int, chunk: pb.VoteChunk,
                              reader: asyncio.StreamReader) -> None:
@@ -492,7 +707,7 @@ class VoteNode:
             spec.check_vote_header(chunk)
             codes = red.codes_from(chunk)
             state.report.payload_down += codes.numel()
-            if red.finalized:  # late: drain without counting, then answer like everyone else
+            if red.closed:  # late: drain without counting, then answer like everyone else
                 received += codes.numel()
                 if received > limit:
                     raise WireError("late voter sent more than its part")
@@ -523,34 +738,76 @@ class VoteNode:
 
     async def _on_fetch_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         state = None
+        peer = info.peer_id.to_base58()
         try:
-            req, _ = await asyncio.wait_for(read_frame(reader, pb.FetchResult, 1024), self.config.join_timeout)
+            req, _ = await asyncio.wait_for(read_frame(reader, pb.FetchResult, 1024), self.config.first_frame_timeout)
             if req is None:
                 return
-            refused = self.admission.reason(info.peer_id.to_base58(), req.token)
+            refused = self.admission.reason(peer, req.token)
             if refused:
                 raise WireError(f"not admitted: {refused}")
             state = self._rounds.get(req.round_id)
             if state is None:
                 raise WireError("unknown round")
-            state.spec.index_of(info.peer_id.to_base58())
+            state.spec.index_of(peer)
             future = state.direct.get(req.part)
             if future is None:
                 raise WireError(f"no part {req.part} in this round")
+            state.handlers.add(asyncio.current_task())
             outcome = await asyncio.wait_for(asyncio.shield(future), self.config.result_timeout)
-            if outcome is None:
-                raise WireError(f"part {req.part} was not received from its reducer here")
-            await self._send_result(writer, state, req.part, outcome)
+            outcome = outcome or state.recovered.get(req.part)
+            if outcome is None or not outcome.signature:
+                raise WireError(f"part {req.part}: no result signed by its reducer here")
+            await asyncio.wait_for(self._send_result(writer, state, req.part, outcome), self.config.result_timeout)
         except WireError as e:
             (logger.warning if "not admitted" in str(e) else logger.info)(
                 "refused a result request from %s: %s", info.peer_id, e)
             await self._try_send_error(writer, state, 0, str(e))
         except (asyncio.TimeoutError, *NETWORK_ERRORS):
             pass
-        except Exception:
-            logger.exception("fetch stream from %s failed", info.peer_id)
+        except Exception as e:
+            logger.warning("fetch stream from %s failed: %s: %s", info.peer_id, type(e).__name__, e)
         finally:
-            writer.close()
+            if state is not None:
+                state.handlers.discard(asyncio.current_task())
+
+    async def _on_audit_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Open every counted voter's codes in the asked leaves of the part this peer reduced."""
+        peer = info.peer_id.to_base58()
+        try:
+            req, _ = await asyncio.wait_for(read_frame(reader, pb.AuditRequest, 1024), self.config.first_frame_timeout)
+            if req is None:
+                return
+            refused = self.admission.reason(peer, req.token)
+            if refused:
+                raise WireError(f"not admitted: {refused}")
+            state = self._rounds.get(req.round_id)
+            if state is None:
+                raise WireError("unknown or forgotten round")
+            state.spec.index_of(peer)
+            red = state.reduction
+            if red is None or req.part != red.part or red.outcome is None or not red.trees:
+                raise WireError(f"no result of part {req.part} here")
+            leaf = leaf_bytes(red.nbytes, state.spec.upload.planes)
+            count = leaf_count(red.nbytes, leaf)
+            if not 0 < len(req.leaves) <= MAX_AUDIT_LEAVES or any(k >= count for k in req.leaves):
+                raise WireError(f"audit of leaves {list(req.leaves)[:8]} of {count}")
+            for k in req.leaves:
+                for voter in red.outcome.counted:
+                    answer = pb.AuditAnswer(version=PROTOCOL_VERSION, leaf=k, voter=voter,
+                                            codes=leaf_of(red.votes[voter], leaf, k), path=red.trees[voter].path(k))
+                    await asyncio.wait_for(write_frame(writer, answer), self.config.audit_timeout)
+        except WireError as e:
+            logger.info("refused an audit from %s: %s", info.peer_id, e)
+            try:
+                await asyncio.wait_for(write_frame(writer, pb.AuditAnswer(version=PROTOCOL_VERSION, error=str(e)[:200])),
+                                       1.0)
+            except Exception:
+                pass
+        except (asyncio.TimeoutError, *NETWORK_ERRORS):
+            pass
+        except Exception as e:
+            logger.warning("audit stream from %s failed: %s: %s", info.peer_id, type(e).__name__, e)
 
 
 def assemble(spec: RoundSpec, outcomes: dict[int, PartResult | None]) -> tuple[torch.Tensor, dict[int, str]]:

@@ -7,6 +7,11 @@ from typing import Sequence
 ALIGN = 8  # parts start on 64-bit words so reducers count on whole words
 
 
+def quorum(group_size: int) -> int:
+    """Votes a part's result must count to be applied: more than half of the group."""
+    return group_size // 2 + 1
+
+
 @dataclass(frozen=True)
 class PeerSpec:
     """One member of a round's group.

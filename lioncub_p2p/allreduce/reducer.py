@@ -3,17 +3,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 import time
+from collections import Counter
 
+import numpy as np
 import torch
 
+from ..codecs import Bf16Upload, FloatTally
 from ..wire import WireError, pb
+from .commit import MAX_TAG_BYTES, MerkleTree, build_header, leaf_bytes
+from .partition import quorum
 from .round import PartResult, RoundSpec
 
-MAX_TAG_BYTES = 32
-
 logger = logging.getLogger(__name__)
+
+__all__ = ["PartReduction", "MAX_TAG_BYTES"]
 
 
 class PartReduction:
@@ -21,8 +25,9 @@ class PartReduction:
 
     Invariants: a voter's chunks arrive in order without gaps or repeats; the tally holds the sum
     of every chunk received from voters not dropped; a voter is counted only if its whole slice
-    arrived before ``finalize``. Memory is bounded by the part: the tally, plus each voter's received
-    chunks (kept so an incomplete voter can be taken out again)."""
+    arrived before ``close``; a result counts at least a quorum of the group, else there is none.
+    Memory is bounded by the part: the tally plus each voter's received codes (kept so an
+    incomplete voter can be taken out again, then for audits until the round is forgotten)."""
 
     def __init__(self, spec: RoundSpec, part: int):
         self.spec, self.part = spec, part
@@ -35,18 +40,25 @@ class PartReduction:
         self.first_in = asyncio.Event()  # a first chunk arrived: the upload timeout runs from here
         self.all_in = asyncio.Event()
         self.quorum_in = asyncio.Event()
-        self.quorum = len(spec.group) // 2 + 1
+        self.quorum = quorum(len(spec.group))
         self.last_arrival = self.quorum_time = 0.0
         self.tags: dict[int, bytes] = {}
-        self.result: asyncio.Future[PartResult] = asyncio.get_running_loop().create_future()
+        self.statements: dict[int, pb.VoterStatement] = {}  # momentum rounds: each voter's signed bound
+        self.closed = False
+        self.outcome: PartResult | None = None
+        # what audits open: each counted voter's codes and their Merkle tree, until the round is forgotten
+        self.votes: dict[int, np.ndarray] = {}
+        self.trees: dict[int, MerkleTree] = {}
+        # the result as sent (signed), or None: below the quorum
+        self.result: asyncio.Future[PartResult | None] = asyncio.get_running_loop().create_future()
 
     @property
     def finalized(self) -> bool:
-        return self.result.done()
+        return self.closed
 
     def add(self, voter: int, offset: int, codes: torch.Tensor, last: bool) -> None:
         """Count one chunk (planes, length) of ``voter``'s slice; raises WireError if it breaks the rules."""
-        if self.finalized:
+        if self.closed:
             raise WireError("the part was already reduced")
         if voter in self.complete or voter in self.dropped:
             raise WireError(f"voter {voter} already {'voted' if voter in self.complete else 'was dropped'}")
@@ -60,6 +72,10 @@ class PartReduction:
             raise WireError(f"chunk ends at {offset + length} of {self.nbytes} bytes but last={last}")
         if not last and length % 8:
             raise WireError(f"a non-final chunk of {length} bytes is not a multiple of 8")
+        if voter in self.statements and length % 2 == 0:
+            values = codes.reshape(-1).contiguous().view(torch.bfloat16).float()
+            if values.numel() and float(values.abs().max()) > self.statements[voter].max_abs:
+                raise WireError(f"values above the bound {self.statements[voter].max_abs} the voter signed")
         self.first_in.set()
         try:
             self.tally.add(voter, codes, offset)
@@ -73,10 +89,14 @@ class PartReduction:
 
     def drop(self, voter: int, reason: str) -> None:
         """Leave ``voter`` out of the count (a protocol violation, a dead or late stream)."""
-        if self.finalized or voter in self.complete or voter in self.dropped:
+        if self.closed or voter in self.complete or voter in self.dropped:
             return
+        self._remove(voter, reason)
+
+    def _remove(self, voter: int, reason: str) -> None:
         self.tally.remove(voter)
         self.next_offset.pop(voter, None)
+        self.complete.discard(voter)
         self.dropped[voter] = reason
         logger.info("round %s part %d: vote of peer %d dropped: %s", self.spec.round_id.hex()[:12], self.part, voter,
                     reason)
@@ -92,19 +112,47 @@ class PartReduction:
                 self.quorum_time = time.perf_counter()
                 self.quorum_in.set()
 
-    def finalize(self) -> PartResult:
-        """Count the complete voters, subtract the rest, encode the result (once)."""
-        if not self.finalized:
-            for voter in list(self.next_offset):
-                if voter not in self.complete:
-                    self.drop(voter, "upload incomplete at the deadline")
-            counted = sorted(self.complete)
-            wire = self.tally.encode(self.spec.result, counted, seed=self.spec.seed, step=self.spec.step,
-                                     offset=self.start)
-            tags = Counter(self.tags.get(v, b"") for v in counted)
-            tag, votes = min(tags.items(), key=lambda kv: (-kv[1], kv[0])) if tags else (b"", 0)
-            self.result.set_result(PartResult(wire.numpy().tobytes(), counted, tag, votes))
-        return self.result.result()
+    def close(self) -> PartResult | None:
+        """Stop counting: take out incomplete voters (and, in momentum rounds, voters whose codes do
+        not match the root they signed), then encode the result with its header (once). None when
+        fewer than a quorum of the group were counted: then no peer applies anything here."""
+        if self.closed:
+            return self.outcome
+        for voter in list(self.next_offset):
+            if voter not in self.complete:
+                self._remove(voter, "upload incomplete at the deadline")
+        leaf = leaf_bytes(self.nbytes, self.spec.upload.planes)
+        for voter in sorted(self.complete):
+            self.votes[voter] = self._codes_of(voter)
+            self.trees[voter] = MerkleTree(self.votes[voter], leaf)
+            statement = self.statements.get(voter)
+            if isinstance(self.spec.upload, Bf16Upload) and statement is not None \
+                    and statement.root != self.trees[voter].root:
+                self._remove(voter, "codes do not match the root it signed")
+                del self.votes[voter], self.trees[voter]
+        self.closed = True
+        counted = sorted(self.complete)
+        if len(counted) < self.quorum:
+            logger.info("round %s part %d: %d of %d votes counted, below the quorum of %d: no result",
+                        self.spec.round_id.hex()[:12], self.part, len(counted), len(self.spec.group), self.quorum)
+            self.votes.clear(), self.trees.clear()
+            return None
+        wire = self.tally.encode(self.spec.result, counted, seed=self.spec.seed, step=self.spec.step,
+                                 offset=self.start).numpy().tobytes()
+        tags = Counter(self.tags.get(v, b"") for v in counted)
+        tag, votes = min(tags.items(), key=lambda kv: (-kv[1], kv[0]))
+        roots = tuple(self.trees[v].root for v in counted)
+        statements = [self.statements[v] for v in counted] if all(v in self.statements for v in counted) else []
+        header = build_header(self.spec, self.part, counted, roots, tag, votes, wire, statements)
+        self.outcome = PartResult(wire, counted, tag, votes, roots, header)
+        self.tally = None  # the counts are encoded; the kept codes live on in ``votes`` for audits
+        return self.outcome
+
+    def _codes_of(self, voter: int) -> np.ndarray:
+        """A complete voter's (planes, nbytes) codes for the part, as received."""
+        if isinstance(self.tally, FloatTally):
+            return self.tally.rows[voter].to(torch.bfloat16).view(torch.uint8).numpy().reshape(1, -1).copy()
+        return torch.cat([codes for _, codes in self.tally.kept[voter]], dim=1).numpy()
 
     def codes_from(self, chunk: pb.VoteChunk) -> torch.Tensor:
         """The chunk's codes as (planes, length) uint8, after checking its size."""

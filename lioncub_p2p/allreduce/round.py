@@ -1,7 +1,6 @@
 """What every peer of a round must agree on, the knobs, and the round's report."""
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 from ..codecs import Bf16Upload, MajorityResult, ResultCodec, SignUpload, UploadCodec
@@ -11,11 +10,11 @@ from .partition import PeerSpec, part_bounds
 
 @dataclass(frozen=True)
 class AllReduceConfig:
-    """Timeouts (seconds) and sizes of a vote round. Tuning guide:
+    """Timeouts (seconds), sizes and caps of a vote round. Tuning guide:
 
-    * ``upload_timeout``: how long a reducer waits, from the start of its own round, for votes.
-      A voter whose upload is not complete by then is left out of that part's count (it still gets
-      the result). Set it above the slowest peer's compute skew plus its upload time.
+    * ``upload_timeout``: how long a reducer waits for votes, from the first vote of the part it
+      received. A voter whose upload is not complete by then is left out of that part's count (it
+      still gets the result). Set it above the slowest peer's compute skew plus its upload time.
     * ``result_timeout``: how long a voter waits, from the start of its round, for each part's
       result; must exceed ``upload_timeout`` plus the result's transfer time.
     * ``join_timeout``: how long a reducer holds a stream that arrived before its own round started.
@@ -23,22 +22,42 @@ class AllReduceConfig:
     * ``chunk_bytes``: payload per message (≤ 1 MiB); 256 KiB was fastest on loopback.
     * ``keep_streams_s``: a voter keeps its stream to each reducer for the next round if that comes
       within this many seconds (opening a libp2p stream costs milliseconds per reducer per round);
-      reducers close a kept stream idle for twice that."""
+      reducers close a kept stream idle for twice that.
+    * ``first_frame_timeout``: a new incoming stream must deliver its first message within this;
+      nothing is allocated to it before (see ``wire/gate.py`` for the stream caps).
+    * ``audits_per_round``: parts each voter audits after a round (chosen privately, see
+      ``audit.py``); ``audit_leaves``: Merkle leaves opened per audit; ``audit_timeout``: how long
+      an auditor waits for the reducer's answer (audits run in the background)."""
 
     chunk_bytes: int = 256 << 10
     upload_timeout: float = 10.0
     result_timeout: float = 20.0
     join_timeout: float = 5.0
     recovery_timeout: float = 5.0
-    max_streams: int = 256  # concurrent incoming streams per peer; more are refused
-    keep_rounds: int = 4  # finished rounds kept to serve late voters and recovery requests
+    max_streams: int = 256  # concurrent incoming streams per handler, all peers together
+    max_streams_per_peer: int = 8  # ... from one group member
+    max_stranger_streams: int = 16  # ... from all peers in no recent group together (2 each at most)
+    max_pending_rounds: int = 2  # rounds one peer may ask for before this peer started them
+    keep_rounds: int = 4  # finished rounds kept to serve late voters, recovery requests and audits
     keep_streams_s: float = 30.0
+    first_frame_timeout: float = 2.0
+    audits_per_round: int = 1
+    audit_leaves: int = 2
+    audit_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         if not 8 <= self.chunk_bytes <= MAX_CHUNK_BYTES or self.chunk_bytes % 8:
             raise ValueError(f"chunk_bytes must be a multiple of 8 in [8, {MAX_CHUNK_BYTES}], got {self.chunk_bytes}")
         if not 0 < self.upload_timeout < self.result_timeout:
             raise ValueError("need 0 < upload_timeout < result_timeout")
+        if not 1 <= self.audit_leaves <= 8 or self.audits_per_round < 0:
+            raise ValueError("need 1 <= audit_leaves <= 8 and audits_per_round >= 0")
+
+    @property
+    def serve_deadline(self) -> float:
+        """The longest a reducer serves one round on one stream, from its first message: the votes,
+        a wait for the round to start here, and the result. Whatever the stream does, it ends then."""
+        return self.join_timeout + self.upload_timeout + self.result_timeout
 
 
 _RESULT_ENUM = {"majority": pb.RESULT_MAJORITY, "ternary": pb.RESULT_TERNARY, "mean": pb.RESULT_MEAN,
@@ -68,7 +87,7 @@ class RoundSpec:
     upload: UploadCodec = field(default_factory=SignUpload)
     result: ResultCodec = field(default_factory=MajorityResult)
     seed: int = 0
-    audit: bool = False  # also reduce one sampled part at a second reducer and compare (lying reducers)
+    audit: bool = False  # no effect since protocol 2: voters audit every round (see audit.py)
 
     def __post_init__(self) -> None:
         ids = [p.peer_id for p in self.group]
@@ -82,18 +101,6 @@ class RoundSpec:
     @property
     def bounds(self) -> list[tuple[int, int]]:
         return self._bounds  # type: ignore[attr-defined]
-
-    @property
-    def audit_pair(self) -> tuple[int, int] | None:
-        """(audited part, auditor) of an audit round: a part drawn from the round id, and the next
-        reducer after it. Every peer derives the same pair; None when fewer than two parts."""
-        if not self.audit:
-            return None
-        parts = [j for j, (a, b) in enumerate(self.bounds) if b > a]
-        if len(parts) < 2:
-            return None
-        k = int.from_bytes(hashlib.blake2b(self.round_id, digest_size=4).digest(), "big") % len(parts)
-        return parts[k], parts[(k + 1) % len(parts)]
 
     def index_of(self, peer_id: str) -> int:
         if peer_id not in self._index:  # type: ignore[attr-defined]
@@ -118,12 +125,32 @@ class RoundSpec:
 
 @dataclass(frozen=True)
 class PartResult:
-    """A part's encoded result as its reducer produced it, with whom it counted and their consensus tag."""
+    """A part's encoded result as its reducer produced it, with whom it counted, their consensus tag,
+    the Merkle root of each counted voter's codes, and the reducer's signed header (empty when the
+    reducer runs without an identity)."""
 
     wire: bytes
     counted: list[int]
     tag: bytes = b""
     tag_votes: int = 0
+    roots: tuple[bytes, ...] = ()
+    header: bytes = b""  # serialized ResultHeader, exactly the signed bytes
+    signature: bytes = b""
+    public_key: bytes = b""
+
+
+@dataclass(frozen=True)
+class Caught:
+    """A reducer this peer caught. ``kind``: "lie" (``evidence`` proves it to anyone, see
+    ``audit.check_evidence``), "misrepresented" (its signed header has a wrong root for this peer's
+    own codes), "unanswered" (audited, it did not open its commitments)."""
+
+    peer_id: str
+    round_id: bytes
+    part: int
+    kind: str
+    reason: str
+    evidence: bytes = b""
 
 
 @dataclass
@@ -158,7 +185,13 @@ class RoundReport:
     dropped: list[tuple[int, str]] = field(default_factory=list)  # (voter, reason) in parts this peer reduced
     started: float = 0.0  # perf_counter when this peer began voting; timings are seconds from here
     group_epoch: int = 0  # the newest group epoch any reducer mentioned
-    audit: tuple[int, int, str] | None = None  # (part, auditor, "ok" | "mismatch" | "inconclusive")
+    # This peer's audit of this round: (part, reducer, verdict), verdict "ok" | "lie" |
+    # "unanswered"; set when the audit ends, which may be after run_round returned (it runs in the
+    # background), so read ``caught`` to act.
+    audit: tuple[int, int, str] | None = None
+    # Reducers this peer caught since its previous round returned: in this round (a wrong root for its
+    # own codes) or by audits of earlier rounds that ended meanwhile. The swarm drops and refuses them.
+    caught: list[Caught] = field(default_factory=list)
 
     @property
     def missing_parts(self) -> list[int]:

@@ -1,9 +1,12 @@
 """Serving and downloading training state between peers, chunked and resumable.
 
 A donor serves at most ``max_uploads`` downloads at once and answers "busy" beyond that, so
-newcomers spread over donors. A download that loses its donor resumes at the same byte from another
-donor whose snapshot has the same step and parameter digest; a donor that moved on to a newer step
-sends its own snapshot from the start instead (a training swarm does not wait for a newcomer).
+newcomers spread over donors; only admitted requests count (a stream that says nothing within
+``FIRST_FRAME_S``, or is refused, never holds a download slot), and streams are capped per peer
+before anything is read (``wire/gate.py``). A download that loses its donor resumes at the same
+byte from another donor whose snapshot has the same step and parameter digest; a donor that moved
+on to a newer step sends its own snapshot from the start instead (a training swarm does not wait
+for a newcomer).
 """
 from __future__ import annotations
 
@@ -19,11 +22,13 @@ from hivemind.p2p import P2P, PeerID
 from .. import failpoints
 from ..allreduce.admission import OPEN, Admission
 from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
+from ..wire.gate import StreamGate, guard
 
 logger = logging.getLogger(__name__)
 
 STATE_PROTOCOL = "lioncub/state/1"
 CHUNK_BYTES = 256 << 10
+FIRST_FRAME_S = 5.0
 
 
 class StateTransferError(RuntimeError):
@@ -51,10 +56,12 @@ class StateServer:
         self.provider = provider
         self.admission = admission
         self.serving = True  # False while this peer holds no state of the swarm (joining): refuse at once
+        # streams before admission: 2 per peer, 16 in all (a download holds its stream; busy ones end at once)
+        self.gate = StreamGate("state", per_peer=2, stranger_per_peer=2, strangers=16, total=16)
 
     async def start(self) -> None:
         self._offered = asyncio.Condition()
-        await self.p2p.add_binary_stream_handler(STATE_PROTOCOL, self._on_stream)
+        await self.p2p.add_binary_stream_handler(STATE_PROTOCOL, guard(self.gate, self._on_stream))
 
     def wanted_step(self) -> int | None:
         """The lowest step someone waits for and the current snapshot does not satisfy."""
@@ -95,21 +102,22 @@ class StateServer:
                 self._pending[min_step] -= 1
 
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        busy = self._uploads >= self.max_uploads
-        self._uploads += 1
+        counted = False
         try:
-            req, _ = await asyncio.wait_for(read_frame(reader, pb.StateRequest, 4096), 10.0)
+            req, _ = await asyncio.wait_for(read_frame(reader, pb.StateRequest, 4096), FIRST_FRAME_S)
             if req is None:
                 return
             refused = self.admission.reason(info.peer_id.to_base58(), req.token)
             if refused:
                 raise WireError(f"not admitted: {refused}")
-            if busy:
-                raise WireError("busy: too many downloads from this donor, try another")
             if not self.serving:
                 raise WireError("this peer is joining and holds no state yet")
             if req.run_id != self.run_id:
                 raise WireError("state request for another run")
+            if self._uploads >= self.max_uploads:
+                raise WireError("busy: too many downloads from this donor, try another")
+            self._uploads += 1
+            counted = True
             step, blob, digest = await self._wait_snapshot(req.min_step)
             if step == 0 and req.have_step == 0 and req.have_digest == digest and req.offset == 0:
                 # a fresh run where both started from the same initialization: momenta are zero on both
@@ -137,8 +145,8 @@ class StateServer:
         except (asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError, OSError) as e:
             logger.info("state upload to %s ended: %s", info.peer_id, type(e).__name__)
         finally:
-            self._uploads -= 1
-            writer.close()
+            if counted:
+                self._uploads -= 1
 
 
 class _Download:

