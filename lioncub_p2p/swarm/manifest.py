@@ -14,9 +14,11 @@ line naming the field when an opinion it holds differs (``resolve``). Fields:
 * what the trainer should use: ``lr``, ``weight_decay``, ``betas``, ``lr_schedule`` (a description),
   ``batch_size``; and ``secret_required`` (whether the run is private).
 
-Which manifest a joiner trusts: one signed by a coordinator it was given (a peer id in its
-``initial_peers``), else one signed by a member of the run's group (found through the admission
-exchange in private runs); a coordinator's fields win, the group leader's fill the rest.
+Which manifest a joiner trusts (``choose``): the one published by the run group's leader (or another
+member; the group is found through the admission exchange, which in a private run proves its author
+holds the run key), else, before any group exists, one signed by a coordinator it was given (a peer
+id in its ``initial_peers``). The founder adopts its coordinator's manifest, completes it (layout,
+the optimizer's lr, defaults) and publishes the result, which every leader keeps alive unchanged.
 """
 from __future__ import annotations
 
@@ -305,15 +307,11 @@ def _show(value: Any) -> str:
     return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list, tuple)) else str(value)
 
 
-def choose(found: dict[str, Manifest], anchors: list[str], members: list[str]) -> Manifest | None:
-    """The run's manifest from the signed ones ``found`` (by author): the first anchor's (a
-    coordinator this peer was given) overlaid on nothing, with the first member's (group order,
-    leader first) filling what the anchor left unset. Others' manifests are ignored."""
-    anchor = next((found[a] for a in anchors if a in found), None)
-    member = next((found[m] for m in members if m in found), None)
-    if anchor is None:
-        return member
-    return anchor.merged(member)
+def choose(found: dict[str, Manifest], members: list[str], anchors: list[str]) -> Manifest | None:
+    """The run's manifest among the signed ones ``found`` (by author): the first of the group's
+    members' (leader first: what the running group uses), else, before a group exists, the first of
+    the anchors' (coordinators this peer was given). Anyone else's is ignored."""
+    return next((found[a] for a in list(members) + list(anchors) if a in found), None)
 
 
 # -- in the DHT --------------------------------------------------------------------------------------

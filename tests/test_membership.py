@@ -1,0 +1,193 @@
+"""Signed membership records, their DHT validator, group acceptance windows, and the admission exchange."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import msgpack
+import pytest
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
+
+from lioncub_p2p.allreduce import PeerSpec
+from lioncub_p2p.allreduce.admission import Admission
+from lioncub_p2p.identity import Identity, Verifier
+from lioncub_p2p.swarm import admit
+from lioncub_p2p.swarm.membership import MAX_EPOCH_GAP, GroupHistory, GroupRecord, PeerRecord, next_group
+from lioncub_p2p.swarm.records import (REGULAR_VALUE_TAG, RateLimitedLog, RecordError, RunRecordValidator, canonical,
+                                       open_record, seal, signed_bytes)
+
+ALICE, MALLORY = Identity.load_or_create(None), Identity.load_or_create(None)
+PAYLOAD = PeerRecord(ALICE.peer_id, step=5).payload()
+
+
+def _expires(ahead: float = 10.0) -> float:
+    return get_dht_time() + ahead
+
+
+# -- signed records ----------------------------------------------------------------------------------
+
+def test_a_record_opens_only_as_what_its_author_signed():
+    verifier, exp = Verifier(), _expires()
+    value = seal(ALICE, "run", "peers", exp, PAYLOAD)
+    assert open_record(verifier, "run", "peers", ALICE.peer_id, value, exp) == PAYLOAD
+    cases = {
+        "another run": ("other", "peers", ALICE.peer_id, value, exp),
+        "another kind": ("run", "group", ALICE.peer_id, {**value, "t": "group"}, exp),
+        "another subkey": ("run", "peers", MALLORY.peer_id, value, exp),
+        "a later expiration": ("run", "peers", ALICE.peer_id, value, exp + 5),  # replayed to shadow newer records
+        "the author's key swapped": ("run", "peers", ALICE.peer_id, {**value, "k": MALLORY.public_key}, exp),
+        "the payload changed": ("run", "peers", ALICE.peer_id, {**value, "p": value["p"].replace(b"5", b"6")}, exp),
+    }
+    for name, args in cases.items():
+        with pytest.raises(RecordError):
+            open_record(verifier, *args)
+    # a record signed by Mallory for Alice's subkey (the forgery that crashed every trainer) is refused
+    forged = seal(MALLORY, "run", "peers", exp, {**PAYLOAD, "weight": 1e6})
+    with pytest.raises(RecordError, match="signature"):
+        open_record(verifier, "run", "peers", ALICE.peer_id, forged, exp)
+    with pytest.raises(RecordError, match="ahead"):  # a far-future expiration cannot pin a record
+        far = get_dht_time() + 3600
+        open_record(verifier, "run", "peers", ALICE.peer_id, seal(ALICE, "run", "peers", far, PAYLOAD), far)
+
+
+def _signed_raw(identity: Identity, body: bytes, exp: float, run: str = "run", kind: str = "peers") -> dict:
+    """A record whose payload bytes are exactly ``body`` (what a hostile author can sign)."""
+    sig = identity.sign(signed_bytes(run, kind, identity.peer_id, exp, body))
+    return {"r": run, "t": kind, "p": body, "k": identity.public_key, "s": sig}
+
+
+def test_hostile_payloads_are_refused_before_conversion():
+    verifier, exp = Verifier(), _expires()
+    body = json.loads(canonical(PAYLOAD))
+    hostile = {
+        "NaN weight": canonical(body).replace(b'"weight":1.0', b'"weight":NaN'),
+        "infinite weight": canonical(body).replace(b'"weight":1.0', b'"weight":1e400'),
+        "huge weight": canonical({**body, "weight": 1e300}),
+        "step 2**62": canonical({**body, "step": 1 << 62}),
+        "negative step": canonical({**body, "step": -1}),
+        "float step": canonical({**body, "step": 5.0}),
+        "bool weight": canonical({**body, "weight": True}),
+        "deep nesting": b"[" * 100_000,  # over the size cap: never parsed
+        "not a map": b"[1,2,3]",
+        "long manifest field": canonical({**body, "manifest": "x" * 65}),
+        "a 2**62 token field": canonical({**body, "token": 1 << 62}),  # ignored, never converted
+    }
+    for name, raw in hostile.items():
+        value = _signed_raw(ALICE, raw, exp) if len(raw) < 8192 else {
+            "r": "run", "t": "peers", "p": raw, "k": ALICE.public_key, "s": b"x" * 256}
+        record = PeerRecord.parse(ALICE.peer_id, value, exp, run_id="run", verifier=verifier)
+        if name == "a 2**62 token field":  # extra fields are dropped, not converted
+            assert record is not None and not hasattr(record, "token"), name
+        else:
+            assert record is None, name
+    with pytest.raises(RecordError, match="too large"):
+        open_record(verifier, "run", "peers", ALICE.peer_id, {"r": "run", "t": "peers", "p": b"x" * (1 << 20),
+                                                                "k": ALICE.public_key, "s": b""}, exp)
+
+
+def _record(key: str, subkey, value: bytes, exp: float) -> DHTRecord:
+    subkey_bytes = REGULAR_VALUE_TAG if subkey is None else msgpack.packb(subkey)
+    return DHTRecord(DHTID.generate(key).to_bytes(), subkey_bytes, value, exp)
+
+
+def test_dht_validator_refuses_forgeries_junk_and_unkeyed_values_under_run_keys():
+    validator, exp = RunRecordValidator(["run"]), _expires()
+    good = msgpack.packb(seal(ALICE, "run", "peers", exp, PAYLOAD))
+    assert validator.validate(_record("run.peers", ALICE.peer_id, good, exp))
+    assert validator.validate(_record("run.peers", ALICE.peer_id, good, exp))  # cached verdict, same answer
+    refused = {
+        "forged subkey": _record("run.peers", MALLORY.peer_id, good, exp),
+        "later expiration": _record("run.peers", ALICE.peer_id, good, exp + 1),
+        "undecodable": _record("run.peers", ALICE.peer_id, b"\xc1\xc1garbage", exp),
+        "not an envelope": _record("run.peers", ALICE.peer_id, msgpack.packb({"weight": float("inf")}), exp),
+        "no subkey": _record("run.peers", None, good, exp),  # would block every subkey store of the key
+        "group key": _record("run.group", ALICE.peer_id, good, exp),
+    }
+    for name, record in refused.items():
+        assert not validator.validate(record), name
+    # other keys are not the validator's business, unless the value claims to be a lioncub record
+    assert validator.validate(_record("something.else", "x", b"\xc1junk", exp))
+    other_run = msgpack.packb(seal(ALICE, "run2", "peers", exp, PAYLOAD))
+    assert validator.validate(_record("run2.peers", ALICE.peer_id, other_run, exp))
+    assert not validator.validate(_record("run2.peers", MALLORY.peer_id, other_run, exp))
+
+
+# -- which group a member follows ----------------------------------------------------------------------
+
+def _group(epoch: int, from_step: int, members: list[str], author: str, previous=None) -> GroupRecord:
+    return GroupRecord(epoch, from_step, tuple(PeerSpec(m) for m in members), previous, author)
+
+
+def test_members_follow_only_their_group_within_windows(caplog):
+    history = GroupHistory()
+    current = _group(4, 100, ["a", "b"], "a")
+    history.add(current)
+    log = RateLimitedLog(logging.getLogger("test"))
+    pick = lambda groups, step=120: next_group(groups, history, step=step, window=50, log=log)  # noqa: E731
+    follow = _group(5, 123, ["a", "b", "c"], "b", current)
+    outsider = _group(6, 123, ["m", "a"], "m")  # validly signed by m, who is not a member
+    far_future = _group(6, 4611686018427387907, ["a", "b"], "a", follow)  # the frozen-groups attack
+    too_many_epochs = _group(5 + MAX_EPOCH_GAP, 123, ["a", "b"], "a")
+    older = _group(3, 50, ["a"], "a")
+    assert pick([follow]) == follow
+    assert pick([outsider, far_future, too_many_epochs, older]) is None
+    assert pick([outsider, far_future, follow]) == follow
+    assert pick([_group(5, 160, ["a", "b"], "a")], step=110) is not None  # within window of step 110
+    assert pick([_group(5, 161, ["a", "b"], "a")], step=110) is None
+    # two members decided the same epoch: everyone takes the one whose author is listed first
+    assert pick([_group(5, 123, ["a", "b"], "b"), _group(5, 124, ["a", "b"], "a")]).author == "a"
+    caplog.clear()
+    log = RateLimitedLog(logging.getLogger("test"))
+    with caplog.at_level(logging.WARNING):
+        for _ in range(5):
+            pick([outsider])
+    assert sum("not following" in r.message for r in caplog.records) == 1  # rate-limited
+
+
+# -- the admission exchange between two daemons ----------------------------------------------------------
+
+async def _exchanges(cases: list[tuple[Admission, Admission]], repeat_last: int = 1):
+    """Run each (member's admission, newcomer's admission) exchange on one pair of daemons."""
+    member = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    newcomer = await P2P.create(initial_peers=[str(m) for m in await member.get_visible_maddrs()],
+                                host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    admitted: list[str] = []
+    server = admit.AdmitServer(member, Admission(), admitted.append)
+    try:
+        await server.start()
+        results = []
+        for i, (member_admission, newcomer_admission) in enumerate(cases):
+            server.admission = member_admission
+            server._attempts.clear()  # each case its own quota (the last one tests it)
+            admitted.clear()
+            verdicts = [await admit.ask_admission(newcomer, member.peer_id.to_base58(), newcomer_admission)
+                        for _ in range(repeat_last if i == len(cases) - 1 else 1)]
+            results.append((verdicts, list(admitted)))
+        return results, newcomer.peer_id.to_base58()
+    finally:
+        await asyncio.gather(member.shutdown(), newcomer.shutdown())
+
+
+def test_admission_exchange_proves_the_key_both_ways_says_why_it_refuses_and_rate_limits():
+    secret, wrong, none = Admission("run", b"s3cret"), Admission("run", b"wrong"), Admission("run")
+    listed = Admission("run", None, frozenset({"somebody-else"}))
+    cases = [(secret, secret), (secret, wrong), (secret, none), (wrong, secret), (none, secret), (listed, none),
+             (secret, Admission("run", b"guess"))]
+    results, newcomer = asyncio.run(_exchanges(cases, repeat_last=admit.MAX_PER_PEER_PER_MINUTE + 2))
+    [(ok,), ok_admitted], [(bad,), bad_admitted], [(missing,), missing_admitted] = results[:3]
+    assert ok.admitted and ok.member_proved and ok_admitted == [newcomer]
+    assert not bad.admitted and bad.reason == "wrong or missing run secret" and not bad_admitted
+    assert not missing.admitted and missing.secret_required and not missing_admitted
+    (impostor,), _ = results[3]  # a member with another key cannot prove ours (and refuses our proof)...
+    assert not impostor.admitted and not impostor.member_proved
+    (open_member,), _ = results[4]  # ...nor can an open one: it gets no proof from us, so none to check
+    assert open_member.admitted and not open_member.member_proved and not open_member.secret_required
+    (not_listed,), _ = results[5]
+    assert not not_listed.admitted and not_listed.reason == "not on the run's allow-list"
+    guesses, guessed_admitted = results[6]  # online guessing: a few tries per peer per minute, then "busy"
+    assert [v.reason for v in guesses[-2:]] == ["too many admission attempts; try again later"] * 2
+    assert all(not v.admitted for v in guesses) and not guessed_admitted
