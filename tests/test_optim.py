@@ -141,3 +141,124 @@ def test_in_process_average_is_exact_mean_of_selected():
                 torch.testing.assert_close(now, mean, rtol=0, atol=1e-7)
             else:
                 assert torch.equal(now, b[k])
+
+
+# -- lr_schedule, step(closure), and the fused kernels against the per-tensor path -------------------
+
+
+class EchoAggregator:
+    """Returns this peer's own packed signs: the fused upload path, then the fused apply path."""
+
+    upload = SignUpload()
+
+    def aggregate(self, upload, *, step):
+        return upload[0].clone()
+
+
+def _two_group_model(seed=0):
+    model = _model(seed)
+    groups = [{"params": list(model[0].parameters()), "lr": 1e-2},
+              {"params": list(model[2].parameters()), "lr": 4e-3, "weight_decay": 0.3}]
+    return model, groups
+
+
+@pytest.mark.parametrize("aggregator", [None, "echo"])
+def test_lr_schedule_scales_every_groups_lr_by_the_step(aggregator):
+    """Each step moves each parameter by exactly group lr × schedule(step) (a hand-computed Lion step
+    in numpy; c is never 0 here, so sign and packed vote agree)."""
+    model, groups = _two_group_model()
+    seen = []
+
+    def schedule(step):
+        seen.append(step)
+        return 1.0 / (1 + step)
+
+    opt = LionCub(groups, betas=(0.9, 0.99), weight_decay=0.1, lr_schedule=schedule,
+                  aggregator=EchoAggregator() if aggregator else None)
+    params = [p.detach().numpy().astype(np.float32).copy() for p in model.parameters()]
+    moms = [np.zeros_like(p) for p in params]
+    group_of = [0, 0, 1, 1]
+    for step, (x, y) in enumerate(_batches(4)):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        for i, p in enumerate(model.parameters()):
+            group = groups[group_of[i]]
+            lr = group["lr"] * (1.0 / (1 + step))
+            wd = group.get("weight_decay", 0.1)
+            g = p.grad.numpy()
+            c = 0.9 * moms[i] + 0.1 * g
+            params[i] = params[i] * (1 - lr * wd) - lr * np.sign(c)
+            moms[i] = 0.99 * moms[i] + 0.01 * g
+        opt.step()
+        for p, e in zip(model.parameters(), params):
+            np.testing.assert_allclose(p.detach().numpy(), e, rtol=0, atol=2e-6)
+    assert set(seen) == {0, 1, 2, 3} and opt.step_count == 4
+
+
+@pytest.mark.parametrize("aggregator", [None, "echo"])
+def test_step_with_closure_computes_the_loss_with_grad_and_returns_it(aggregator):
+    model = _model()
+    opt = LionCub(model.parameters(), lr=1e-2, aggregator=EchoAggregator() if aggregator else None)
+    x, y = _batches(1)[0]
+    calls = []
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()  # raises if the closure ran without grad
+        calls.append((torch.is_grad_enabled(), loss))
+        return loss
+
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        loss = opt.step(closure)
+    assert len(calls) == 1 and calls[0][0] is True
+    assert loss is calls[0][1]
+    for b, p in zip(before, model.parameters()):  # one Lion step from zero momentum: θ − lr·sign(g)
+        g = p.grad
+        assert torch.equal(p.detach()[g != 0], (b - 1e-2 * torch.sign(g))[g != 0])
+    assert opt.step_count == 1
+
+
+def _many_tensor_model(seed, dtype=torch.float32):
+    """Many small tensors of odd sizes, two groups, one parameter without a gradient."""
+    torch.manual_seed(seed)
+    layers = [nn.Linear(9, 13), nn.Tanh(), nn.Linear(13, 7), nn.Tanh(), nn.Linear(7, 3)]
+    model = nn.Sequential(*layers).to(dtype)
+    model.register_parameter("unused", nn.Parameter(torch.randn(5).to(dtype)))
+    params = list(model.named_parameters())
+    groups = [{"params": [p for _, p in params[:3]], "betas": (0.9, 0.99)},
+              {"params": [p for _, p in params[3:]], "betas": (0.8, 0.95), "lr": 3e-3, "weight_decay": 0.2}]
+    return model, groups
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_upload_and_apply_equal_the_per_tensor_path_bitwise(dtype):
+    """compute_upload/apply_aggregate (one numba call for all float32 tensors) give the bytes,
+    momenta and parameters of the per-tensor torch path they replaced, step after step; exact
+    zeros in the direction (dead inputs) take the seeded stream's bits in both."""
+    from lioncub_p2p.optim import reference_apply, reference_upload
+
+    model_a, groups_a = _many_tensor_model(3, dtype)
+    model_b = copy.deepcopy(model_a)
+    groups_b = [{**g, "params": [dict(model_b.named_parameters())[n] for n, p in model_a.named_parameters()
+                                 if any(p is q for q in g["params"])]} for g in groups_a]
+    opt_a = LionCub(groups_a, lr=1e-2, weight_decay=0.1, seed=11, aggregator=EchoAggregator())
+    opt_b = LionCub(groups_b, lr=1e-2, weight_decay=0.1, seed=11, aggregator=EchoAggregator())
+    g = torch.Generator().manual_seed(4)
+    for step in range(4):
+        x = torch.randn(16, 9, generator=g).to(dtype)
+        x[:, :3] = 0  # inputs that never fire: exact zeros in gradients and momenta
+        for model in (model_a, model_b):
+            model.zero_grad()
+            model(x).float().square().mean().backward()
+        up_a, up_b = opt_a.compute_upload(), reference_upload(opt_b)
+        assert torch.equal(up_a, up_b), f"upload differs at step {step}"
+        update = torch.rand(opt_a.buffer_bytes * 8, generator=g) * 2 - 1 if step % 2 else up_a[0]
+        opt_a.apply_aggregate(update)
+        reference_apply(opt_b, update)
+        for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+            assert torch.equal(a, b), f"{name} differs at step {step}"
+        for (_, ma), (_, mb) in zip(opt_a.momentum_buffers(), opt_b.momentum_buffers()):
+            assert torch.equal(ma, mb)
+    assert opt_a.step_count == opt_b.step_count == 4

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from lioncub_p2p.ops import torch_impl, triton_impl, zero_sign_key, tie_key
+from lioncub_p2p.ops import torch_impl, triton_impl, zero_sign_key, zero_sign_keys, tie_key
+from lioncub_p2p.ops.multi_tensor import _TritonBatch
 
 from reference import pack
 
@@ -17,8 +18,13 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
+def _gen(seed: int) -> torch.Generator:
+    """Every random input comes from a seeded generator, so a failure reproduces."""
+    return torch.Generator().manual_seed(seed)
+
+
 def _x(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    x = torch.randn(numel)
+    x = torch.randn(numel, generator=_gen(numel))
     x[::5] = 0.0
     x[::13] = -0.0
     x[7::50] = float("nan")
@@ -38,14 +44,14 @@ def test_pack_signs_same_bytes(dtype, numel):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_unpack_same_values(dtype):
-    packed = torch.randint(0, 256, (130,), dtype=torch.uint8)
+    packed = torch.randint(0, 256, (130,), dtype=torch.uint8, generator=_gen(2))
     got = triton_impl.unpack_signs(packed.to(DEVICE), 1037, dtype).cpu()
     assert torch.equal(got, torch_impl.unpack_signs(packed, 1037, dtype))
 
 
 @pytest.mark.parametrize("n", [1, 4, 7])
 def test_counts_and_majority_same_bytes(n):
-    stack = torch.randint(0, 256, (n, 300), dtype=torch.uint8)
+    stack = torch.randint(0, 256, (n, 300), dtype=torch.uint8, generator=_gen(3 + n))
     dev = stack.to(DEVICE)
     assert torch.equal(triton_impl.vote_counts(dev).cpu(), torch_impl.vote_counts(stack))
     for ties in ("random", "zero"):
@@ -55,14 +61,15 @@ def test_counts_and_majority_same_bytes(n):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_lion_and_apply_same_bytes(dtype):
-    g, m = torch.randn(2051).to(dtype), torch.randn(2051).to(dtype)
+    gen = _gen(4)
+    g, m = torch.randn(2051, generator=gen).to(dtype), torch.randn(2051, generator=gen).to(dtype)
     g[:100], m[:100] = 0, 0
     m_ref, m_dev = m.clone(), m.clone().to(DEVICE)
     packed = triton_impl.lion_direction_pack(g.to(DEVICE), m_dev, 0.9, 0.99, zero_sign_key(8)).cpu()
     assert torch.equal(packed, torch_impl.lion_direction_pack(g, m_ref, 0.9, 0.99, zero_sign_key(8)))
     assert torch.equal(m_dev.cpu(), m_ref)
-    for update in (packed, torch.rand(2051) * 2 - 1):
-        p_ref = torch.randn(2051).to(dtype)
+    for update in (packed, torch.rand(2051, generator=gen) * 2 - 1):
+        p_ref = torch.randn(2051, generator=gen).to(dtype)
         p_dev = p_ref.clone().to(DEVICE)
         triton_impl.apply_update(p_dev, update.to(DEVICE), 3e-3, 0.1)
         torch_impl.apply_update(p_ref, update, 3e-3, 0.1)
@@ -74,3 +81,42 @@ def test_bf16_signs_are_not_read_as_raw_integers():
     x = torch.tensor([-1.0, -2.0, 3.0, -0.5, 0.25, -8.0, 1.0, -1e-3], dtype=torch.bfloat16).to(DEVICE)
     got = triton_impl.pack_signs(x, zero_sign_key(0)).cpu().numpy()
     np.testing.assert_array_equal(got, pack(x.cpu().float().numpy() > 0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_many_tensor_kernels_same_bytes(dtype):
+    """One launch over a table of tensors (odd sizes, empty, no gradient, exact zeros) gives the bytes,
+    momenta and parameters of the per-tensor torch path."""
+    gen = _gen(5)
+    shapes = [(3,), (17,), (5, 7), (4099,), (0,), (1,), (1030,)]
+    params = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    moms = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    grads[1] = None
+    grads[3][:100], moms[3][:100] = 0, 0
+    nbytes = [(p.numel() + 7) // 8 for p in params]
+    offsets = np.concatenate([[0], np.cumsum(nbytes)[:-1]]).astype(np.int64)
+    keys = zero_sign_keys((3, 4), len(shapes))
+    betas = np.array([0.9, 0.8, 0.9, 0.95, 0.9, 0.9, 0.5]), np.full(len(shapes), 0.99)
+    expected = torch.empty(sum(nbytes), dtype=torch.uint8)
+    expected_moms = [m.clone() for m in moms]
+    for i, (g, m) in enumerate(zip(grads, expected_moms)):
+        bits = torch_impl.lion_direction_pack(g if g is not None else torch.zeros_like(m), m, float(betas[0][i]),
+                                              float(betas[1][i]), int(keys[i]))
+        expected[offsets[i] : offsets[i] + nbytes[i]] = bits
+    dev = lambda ts: [t.to(DEVICE) if t is not None else None for t in ts]  # noqa: E731
+    batch = _TritonBatch(list(range(len(shapes))), dev(params), dev(moms), offsets)
+    out = torch.empty(sum(nbytes), dtype=torch.uint8, device=DEVICE)
+    batch.direction_pack(dev(grads), torch_impl.coefficients(*betas), keys, out)
+    assert torch.equal(out.cpu(), expected)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(batch.momenta, expected_moms))
+    lr, wd = np.array([1e-2, 3e-3, 1e-2, 1e-2, 1e-2, 1e-2, 5e-2]), np.array([0.1, 0.0, 0.1, 0.1, 0.1, 0.1, 0.3])
+    for update in (expected, torch.rand(8 * sum(nbytes), generator=gen) * 2 - 1):
+        ref = [p.cpu().clone() for p in batch.params]
+        batch.apply(update.to(DEVICE), torch_impl.apply_scalars(lr, wd))
+        for i, p in enumerate(ref):
+            start = int(offsets[i])
+            u = update[start : start + nbytes[i]] if update.dtype == torch.uint8 else \
+                update[8 * start : 8 * start + p.numel()]
+            torch_impl.apply_update(p.view(-1), u, float(lr[i]), float(wd[i]))
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(batch.params, ref))

@@ -175,7 +175,7 @@ def _lion_pack_many_kernel(chunk_tensor_ptr, chunk_start_ptr, m_addr_ptr, numel_
     g_addr = tl.load(g_addr_ptr + t)
     g_ptr = g_addr.to(tl.pointer_type(ELEM))
     m_ptr = tl.load(m_addr_ptr + t).to(tl.pointer_type(ELEM))
-    g = _load_f32(g_ptr, pos, inside & (g_addr != 0), IS_BF16)  # no gradient: g = +0.0
+    g = _load_f32(g_ptr, pos, pos < tl.where(g_addr != 0, numel, 0), IS_BF16)  # no gradient: g = +0.0
     m = _load_f32(m_ptr, pos, inside, IS_BF16)
     beta1, one_minus_beta1 = tl.load(coef_ptr + 4 * t), tl.load(coef_ptr + 4 * t + 1)
     beta2, one_minus_beta2 = tl.load(coef_ptr + 4 * t + 2), tl.load(coef_ptr + 4 * t + 3)
