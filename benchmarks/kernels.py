@@ -1,17 +1,28 @@
-"""Kernel benchmark: throughput of each op and its ratio to ``torch.clone`` of the same bytes.
+"""Kernel and optimizer-step benchmark: each op side by side with a copy of the same bytes.
 
-Each op is timed side by side with a clone of its reference buffer in the same run (median of
---repeats): ratio = clone time / op time, so > 1 means the op processes its buffer faster than
-memory can copy it. Reference buffers:
+Yardstick: ``dst.copy_(src)`` into a buffer allocated once, of as many bytes as the op reads (or
+writes, when that is more). A fresh ``clone`` is the wrong yardstick: at 16M elements its time is
+mostly page faults of new memory. Every op is timed alternately with its copy in the same run
+(median of --repeats), so load on the machine hits both alike; "x copy" = op time / copy time
+(lower is better; the goal for pack and apply is <= 1.5).
 
-  pack_signs          the float32 input            (reads 4 B/elem, writes 1/8)
-  unpack_signs        the float32 output           (reads 1/8 B/elem, writes 4)
-  vote_counts n=k     the (k, numel/8) uint8 stack (reads k/8 B/elem, writes 1)
-  majority_vote n=k   the stack
-  lion_direction_pack grad and momentum, float32   (reads 8 B/elem, writes 4 + 1/8)
-  apply_update        the float32 parameter         (reads 4 + 1/8 B/elem, writes 4)
+Ops ("fused" = the one-pass kernel the optimizer uses: numba on CPU, Triton on CUDA, through
+``ops.LionKernels``; "torch" = the per-tensor torch path, the reference and the fallback):
 
-    python benchmarks/kernels.py [--device cuda] [--sizes 1M 16M] [--json out.json]
+  lion pack     direction + pack + momentum update   reads grad, momentum (8 B/elem), writes 4 + 1/8
+  apply packed  unpack + θ·(1−lr·λ) − lr·u           reads param + bits (4 + 1/8), writes 4
+  apply float   the same with a float32 update       reads 8, writes 4
+  pack_signs, unpack_signs, vote_counts, majority_vote: the single-tensor ops
+
+"zeros" rows put exact zeros in 1% of gradient and momentum positions (the 5.45M-parameter model
+has ~45k per step), which take the seeded random stream's bits.
+
+The optimizer section times ``LionCub.compute_upload`` and ``apply_aggregate`` against the
+per-tensor path they replaced (``optim.reference_upload`` / ``reference_apply``) for the
+simulator's 5.45M-parameter digits MLP (64-2300-2300-10), 200 tensors of 1k elements and one of
+200k.
+
+    python benchmarks/kernels.py [--device cuda] [--sizes 1M 16M] [--threads 1] [--json out.json]
 """
 from __future__ import annotations
 
@@ -21,9 +32,14 @@ import statistics
 import time
 from typing import Callable
 
+import numpy as np
 import torch
+from torch import nn
 
-from lioncub_p2p import ops
+from lioncub_p2p import LionCub, ops
+from lioncub_p2p.codecs import SignUpload
+from lioncub_p2p.ops import torch_impl
+from lioncub_p2p.optim import reference_apply, reference_upload
 
 
 def _sync(device: str) -> None:
@@ -39,12 +55,12 @@ def _seconds(fn: Callable[[], object], device: str) -> float:
     return time.perf_counter() - start
 
 
-def side_by_side(op: Callable[[], object], reference: Callable[[], object], device: str,
-                 repeats: int) -> tuple[float, float]:
-    """Median seconds of ``op`` and ``reference``, timed alternately so drift hits both alike."""
-    op(), reference()  # warm-up (and Triton compilation)
-    pairs = [(_seconds(op, device), _seconds(reference, device)) for _ in range(repeats)]
-    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+def side_by_side(fns: list[Callable[[], object]], device: str, repeats: int) -> list[float]:
+    """Median seconds of each function, timed in turn within every repetition."""
+    for fn in fns:  # warm-up (JIT compilation, caches)
+        fn()
+    runs = [[_seconds(fn, device) for fn in fns] for _ in range(repeats)]
+    return [statistics.median(run[i] for run in runs) for i in range(len(fns))]
 
 
 def parse_size(text: str) -> int:
@@ -52,49 +68,137 @@ def parse_size(text: str) -> int:
     return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
 
 
-def cases(numel: int, device: str) -> list[tuple[str, torch.Tensor, Callable[[], object]]]:
-    x = torch.randn(numel, device=device)
-    packed = ops.pack_signs(x)
-    grad, mom, param = torch.randn(numel, device=device), torch.randn(numel, device=device), x.clone()
-    out = [
-        ("pack_signs", x, lambda: ops.pack_signs(x)),
-        ("unpack_signs", torch.empty(numel, device=device), lambda: ops.unpack_signs(packed, numel)),
+def _copy(nbytes: int, device: str) -> Callable[[], object]:
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def kernel_cases(numel: int, device: str, zeros: bool) -> list[tuple[str, int, Callable, Callable | None]]:
+    """(op, bytes of the yardstick copy, fused op, torch-path op or None)."""
+    gen = torch.Generator().manual_seed(numel)
+    grad, mom = torch.randn(numel, generator=gen), torch.randn(numel, generator=gen)
+    if zeros:
+        where = torch.rand(numel, generator=gen) < 0.01
+        grad[where], mom[where] = 0.0, 0.0
+    grad, mom = grad.to(device), mom.to(device)
+    mom_ref = mom.clone()
+    param = torch.randn(numel, generator=gen).to(device)
+    key = ops.zero_sign_key(1)
+    kernels = ops.LionKernels([param], [mom], [0])
+    packed = torch.empty((numel + 7) // 8, dtype=torch.uint8, device=device)
+    keys = np.array([key], dtype=np.int64)
+    kernels.direction_pack([grad], [(0.9, 0.99)], keys, packed)
+    floats = (torch.rand(numel, generator=gen) * 2 - 1).to(device)
+    suffix = " zeros" if zeros else ""
+    cases = [
+        ("lion pack" + suffix, 8 * numel, lambda: kernels.direction_pack([grad], [(0.9, 0.99)], keys, packed),
+         lambda: torch_impl.lion_direction_pack(grad, mom_ref, 0.9, 0.99, key)),
+        ("apply packed" + suffix, 4 * numel + numel // 8, lambda: kernels.apply(packed, [1e-6], [0.1]),
+         lambda: torch_impl.apply_update(param, packed, 1e-6, 0.1)),
     ]
-    for n in (4, 16, 64):
-        stack = torch.randint(0, 256, (n, numel // 8), dtype=torch.uint8, device=device)
-        out.append((f"vote_counts n={n}", stack, lambda s=stack: ops.vote_counts(s)))
+    if zeros:
+        return cases
+    x = grad
     stack16 = torch.randint(0, 256, (16, numel // 8), dtype=torch.uint8, device=device)
-    out.append(("majority_vote n=16", stack16, lambda: ops.majority_vote(stack16)))
-    out.append(("lion_direction_pack", torch.cat([grad, mom]), lambda: ops.lion_direction_pack(grad, mom, 0.9, 0.99)))
-    out.append(("apply_update", param, lambda: ops.apply_update(param, packed, 1e-6, 0.0)))
-    return out
+    cases += [
+        ("apply float", 8 * numel, lambda: kernels.apply(floats, [1e-6], [0.1]),
+         lambda: torch_impl.apply_update(param, floats, 1e-6, 0.1)),
+        ("pack_signs", 4 * numel, lambda: ops.pack_signs(x), lambda: torch_impl.pack_signs(x, key)),
+        ("unpack_signs", 4 * numel, lambda: ops.unpack_signs(packed, numel),
+         lambda: torch_impl.unpack_signs(packed, numel, torch.float32)),
+        ("vote_counts n=16", 2 * numel, lambda: ops.vote_counts(stack16), None),
+        ("majority_vote n=16", 2 * numel, lambda: ops.majority_vote(stack16), None),
+    ]
+    return cases
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description="packed-sign kernel throughput vs torch.clone")
+def run_kernels(sizes: list[str], device: str, repeats: int) -> list[dict]:
+    rows = []
+    print(f"\n{'op':<22}{'elements':>9}{'fused ms':>10}{'torch ms':>10}{'copy ms':>9}{'copy GB/s':>10}"
+          f"{'fused GB/s':>11}{'fused x copy':>13}{'torch x copy':>13}")
+    for size in sizes:
+        numel = parse_size(size)
+        for zeros in (False, True):
+            for name, nbytes, fused, reference in kernel_cases(numel, device, zeros):
+                fns = [fused, _copy(nbytes, device)] + ([reference] if reference else [])
+                times = side_by_side(fns, device, repeats)
+                t_fused, t_copy = times[0], times[1]
+                t_ref = times[2] if reference else float("nan")
+                row = dict(op=name, numel=numel, device=device, fused_ms=t_fused * 1e3, torch_ms=t_ref * 1e3,
+                           copy_ms=t_copy * 1e3, copy_bytes=nbytes, fused_x_copy=t_fused / t_copy,
+                           torch_x_copy=t_ref / t_copy)
+                rows.append(row)
+                print(f"{name:<22}{size:>9}{t_fused * 1e3:>10.3f}{t_ref * 1e3:>10.3f}{t_copy * 1e3:>9.3f}"
+                      f"{nbytes / t_copy / 1e9:>10.2f}{nbytes / t_fused / 1e9:>11.2f}{t_fused / t_copy:>13.2f}"
+                      f"{t_ref / t_copy:>13.2f}")
+    return rows
+
+
+class _Echo:
+    upload = SignUpload()
+
+
+def _optimizer(shapes: list[tuple[int, ...]], device: str, zeros: bool) -> tuple[LionCub, torch.Tensor]:
+    gen = torch.Generator().manual_seed(len(shapes))
+    params = [nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(device)
+    opt = LionCub(params, lr=1e-6, weight_decay=0.1, aggregator=_Echo())
+    if zeros:  # exact zeros where gradient and momentum are both zero
+        for p, (_, m) in zip(params, opt.momentum_buffers()):
+            where = (torch.rand(p.shape, generator=gen) < 0.01).to(device)
+            p.grad[where], m[where] = 0.0, 0.0
+    return opt, opt.compute_upload()[0]
+
+
+MODELS = {
+    "digits MLP 5.45M (6 tensors)": [(2300, 64), (2300,), (2300, 2300), (2300,), (10, 2300), (10,)],
+    "200 tensors x 1k": [(1000,)] * 200,
+    "1 tensor x 200k": [(200_000,)],
+}
+
+
+def run_optimizer(device: str, repeats: int) -> list[dict]:
+    rows = []
+    print(f"\n{'model':<30}{'zeros':>6}{'upload ms':>11}{'before ms':>11}{'apply ms':>10}{'before ms':>11}"
+          f"{'upload+apply':>14}{'before':>9}")
+    for name, shapes in MODELS.items():
+        for zeros in (False, True):
+            opt, update = _optimizer(shapes, device, zeros)
+            t = side_by_side([opt.compute_upload, lambda: reference_upload(opt),
+                              lambda: opt.apply_aggregate(update), lambda: reference_apply(opt, update)],
+                             device, repeats)
+            row = dict(model=name, zeros=zeros, device=device, upload_ms=t[0] * 1e3, upload_before_ms=t[1] * 1e3,
+                       apply_ms=t[2] * 1e3, apply_before_ms=t[3] * 1e3)
+            rows.append(row)
+            print(f"{name:<30}{'1%' if zeros else '-':>6}{t[0] * 1e3:>11.3f}{t[1] * 1e3:>11.3f}{t[2] * 1e3:>10.3f}"
+                  f"{t[3] * 1e3:>11.3f}{(t[0] + t[2]) * 1e3:>14.3f}{(t[1] + t[3]) * 1e3:>9.3f}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description="one-pass kernels and optimizer step vs a copy of the same bytes")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sizes", nargs="+", default=["1M", "16M"])
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the numba kernels use one)")
+    parser.add_argument("--skip", choices=["kernels", "optimizer"], default=None)
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
-    rows = []
-    print(f"device {args.device}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+    torch.set_num_threads(args.threads)
+    backend = {"cuda": "triton", "cpu": "numba"}.get(args.device, "torch")
+    print(f"device {args.device} (fused path: {backend}), torch {torch.__version__}, threads {args.threads}, "
           f"median of {args.repeats}")
-    print(f"{'op':<22}{'elements':>10}{'ms':>10}{'elem/s':>12}{'clone ms':>10}{'x clone':>9}")
-    for size in args.sizes:
-        numel = parse_size(size)
-        for name, reference, fn in cases(numel, args.device):
-            t_op, t_clone = side_by_side(fn, lambda r=reference: r.clone(), args.device, args.repeats)
-            row = dict(op=name, numel=numel, device=args.device, ms=t_op * 1e3, elements_per_s=numel / t_op,
-                       reference_bytes=reference.numel() * reference.element_size(), clone_ms=t_clone * 1e3,
-                       ratio_to_clone=t_clone / t_op)
-            rows.append(row)
-            print(f"{name:<22}{size:>10}{row['ms']:>10.2f}{row['elements_per_s']:>12.3g}"
-                  f"{row['clone_ms']:>10.2f}{row['ratio_to_clone']:>9.2f}")
+    result = {}
+    if args.skip != "kernels":
+        result["kernels"] = run_kernels(args.sizes, args.device, args.repeats)
+    if args.skip != "optimizer":
+        result["optimizer"] = run_optimizer(args.device, args.repeats)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
-    return rows
+            json.dump(result, f, indent=2)
+    return result
 
 
 if __name__ == "__main__":
