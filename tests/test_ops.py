@@ -386,10 +386,25 @@ def test_lion_kernels_without_numba_use_the_reference_path(monkeypatch):
 
 
 def test_lion_kernels_bad_arguments():
+    """Anything that would make a kernel read or write outside a tensor is refused first."""
     with pytest.raises(ValueError, match="one momentum"):
         ops.LionKernels([torch.zeros(3)], [], [0])
-    kernels = ops.LionKernels([torch.zeros(3)], [torch.zeros(3)], [0])
+    with pytest.raises(ValueError, match="momentum of shape"):
+        ops.LionKernels([torch.zeros(3)], [torch.zeros(4)], [0])
+    kernels = ops.LionKernels([torch.zeros(3), torch.zeros(17)], [torch.zeros(3), torch.zeros(17)], [0, 1])
+    keys = np.zeros(2, np.int64)
     with pytest.raises(ValueError, match="uint8"):
-        kernels.direction_pack([None], [(0.9, 0.99)], np.zeros(1, np.int64), torch.zeros(1))
+        kernels.direction_pack([None, None], [(0.9, 0.99)], keys, torch.zeros(4))
+    with pytest.raises(ValueError, match=">= 4 bytes"):
+        kernels.direction_pack([None, None], [(0.9, 0.99)], keys, torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.direction_pack([None, torch.zeros(16)], [(0.9, 0.99)], keys, torch.zeros(4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.direction_pack([None, torch.zeros(17, dtype=torch.float64)], [(0.9, 0.99)], keys,
+                               torch.zeros(4, dtype=torch.uint8))
     with pytest.raises(TypeError, match="float32"):
-        kernels.apply(torch.zeros(8, dtype=torch.int32), [0.1], [0.0])
+        kernels.apply(torch.zeros(32, dtype=torch.int32), [0.1], [0.0])
+    with pytest.raises(ValueError, match="at least 4"):
+        kernels.apply(torch.zeros(3, dtype=torch.uint8), [0.1], [0.0])
+    with pytest.raises(ValueError, match="at least 25"):
+        kernels.apply(torch.zeros(24), [0.1], [0.0])

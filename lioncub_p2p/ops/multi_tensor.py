@@ -27,17 +27,22 @@ def _addresses(tensors: Sequence[torch.Tensor]) -> np.ndarray:
     return np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=len(tensors))
 
 
-def _grad_addresses(grads: Sequence[torch.Tensor | None], keep: list) -> np.ndarray:
-    """Address of each gradient (0 = none); a non-contiguous one is copied (into ``keep``) first."""
+def _grad_addresses(grads: Sequence[torch.Tensor | None], numels: list[int], dtype: torch.dtype, cuda: bool,
+                    keep: list) -> np.ndarray:
+    """Address of each gradient (0 = none), after checking it fits its parameter (the kernels read
+    exactly numel values of dtype there); a non-contiguous one is copied (into ``keep``) first."""
     out = []
-    for g in grads:
+    for g, numel in zip(grads, numels):
         if g is None:
             out.append(0)
-        elif g.is_contiguous():
-            out.append(g.data_ptr())
-        else:
+            continue
+        if g.dtype != dtype or g.is_cuda != cuda or g.numel() != numel:
+            raise ValueError(f"a gradient of {g.numel()} {g.dtype} values on {g.device} does not fit its parameter "
+                             f"({numel} {dtype} values)")
+        if not g.is_contiguous():
             keep.append(g.contiguous())
-            out.append(keep[-1].data_ptr())
+            g = keep[-1]
+        out.append(g.data_ptr())
     return np.array(out, dtype=np.int64)
 
 
@@ -52,7 +57,13 @@ class _Batch:
         self.p_addrs = _addresses(self.aliases)
         self.m_addrs = _addresses(self.momenta)
         self.numels = np.array([p.numel() for p in self.params], dtype=np.int64)
+        self.numel_list = self.numels.tolist()
+        self.dtype = self.params[0].dtype
+        self.cuda = self.params[0].is_cuda
         self.offsets = offsets[self.index]
+
+    def grad_addresses(self, grads: list, keep: list) -> np.ndarray:
+        return _grad_addresses(grads, self.numel_list, self.dtype, self.cuda, keep)
 
     def unchanged(self) -> bool:
         return np.array_equal(_addresses(self.params), self.p_addrs)
@@ -62,7 +73,7 @@ class _NumbaBatch(_Batch):
     def direction_pack(self, grads: list, coefs: np.ndarray, keys: np.ndarray, out: torch.Tensor) -> None:
         keep: list[torch.Tensor] = []
         impl = numba_impl()
-        impl.lion_pack_many(_grad_addresses(grads, keep), self.m_addrs, self.numels, self.offsets, coefs, keys,
+        impl.lion_pack_many(self.grad_addresses(grads, keep), self.m_addrs, self.numels, self.offsets, coefs, keys,
                             out.data_ptr(), impl.NO_GRAD_ADDRESS)
 
     def apply(self, update: torch.Tensor, scalars: np.ndarray) -> None:
@@ -76,7 +87,6 @@ class _TritonBatch(_Batch):
     def __init__(self, index: list[int], params: list[torch.Tensor], momenta: list[torch.Tensor], offsets: np.ndarray):
         super().__init__(index, params, momenta, offsets)
         impl, device = triton_impl(), self.params[0].device
-        self.dtype = self.params[0].dtype
         as_device = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
         self.d_p, self.d_m = as_device(self.p_addrs), as_device(self.m_addrs)
         self.d_numels, self.d_offsets = as_device(self.numels), as_device(self.offsets)
@@ -88,7 +98,7 @@ class _TritonBatch(_Batch):
         keep: list[torch.Tensor] = []
         n = len(self.index)
         table = np.empty(4 * n, dtype=np.int64)  # g addresses | keys | coefs as float32 pairs: one copy
-        table[:n], table[n : 2 * n] = _grad_addresses(grads, keep), keys
+        table[:n], table[n : 2 * n] = self.grad_addresses(grads, keep), keys
         table[2 * n :] = np.ascontiguousarray(coefs, dtype=np.float32).view(np.int64).reshape(-1)
         d = torch.from_numpy(table).to(out.device)
         triton_impl().lion_pack_many(self.dtype, self.pack_chunks, self.d_m, self.d_numels, self.d_offsets, d[:n],
@@ -111,6 +121,13 @@ class LionKernels:
         self.params = list(params)
         self.momenta = list(momenta)
         self.offsets = np.asarray(offsets, dtype=np.int64)
+        for p, m, offset in zip(self.params, self.momenta, self.offsets):
+            if p.shape != m.shape or p.device != m.device or offset < 0:
+                raise ValueError(f"a momentum of shape {tuple(m.shape)} on {m.device} (offset {offset}) for a "
+                                 f"parameter of shape {tuple(p.shape)} on {p.device}")
+        numels = np.array([p.numel() for p in self.params], dtype=np.int64)
+        self.nbytes = int((self.offsets + (numels + 7) // 8).max())  # bytes a buffer must hold
+        self.nvalues = int((8 * self.offsets + numels).max())  # values a float update must hold
         self.group_index = np.zeros(len(params), dtype=np.int64) if group_index is None else np.asarray(group_index)
         self.device = self.params[0].device
         self._sort()
@@ -150,8 +167,8 @@ class LionKernels:
         stream keyed keys[i]), then m_i ← β2·m_i + (1−β2)·g_i. ``grads[i]`` None means g_i = 0;
         ``betas`` has one (β1, β2) per group; ``out`` is contiguous uint8 on ``device``."""
         self._check_params()
-        if out.device != self.device or out.dtype != torch.uint8 or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous uint8 tensor on {self.device}")
+        if out.device != self.device or out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() < self.nbytes:
+            raise ValueError(f"out must be a contiguous uint8 tensor of >= {self.nbytes} bytes on {self.device}")
         betas = np.asarray(betas, dtype=np.float64).reshape(-1, 2)[self.group_index]
         coefs = coefficients(betas[:, 0], betas[:, 1])
         grads = list(grads)
@@ -171,6 +188,9 @@ class LionKernels:
         packed = update.dtype == torch.uint8
         if not packed and update.dtype != torch.float32:
             raise TypeError(f"update must be packed uint8 or float32, got {update.dtype}")
+        if update.dim() != 1 or update.numel() < (self.nbytes if packed else self.nvalues):
+            raise ValueError(f"update has shape {tuple(update.shape)}; needs at least "
+                             f"{self.nbytes if packed else self.nvalues} values")
         update = update.to(self.device).contiguous()
         lr = np.asarray(lr, dtype=np.float64)[self.group_index]
         weight_decay = np.asarray(weight_decay, dtype=np.float64)[self.group_index]
