@@ -1,47 +1,211 @@
-"""Volunteer-facing commands: preflight verdicts, errors a person can act on, metrics plots."""
+"""Volunteer-facing commands as processes: preflight verdicts, leaving on SIGTERM/SIGINT with no child
+process left, the progress bar, errors a person can act on, metrics plots."""
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from procs import Processes, wait_for_file
+import pytest
+
+from procs import Processes, last_step, wait_for_file
+
+LOOPBACK = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 
 
-def _train(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def _train(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "lioncub_p2p.cli.train", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=ENV)
 
 
-def test_preflight_reports_each_check(tmp_path):
+def _wait(condition, timeout: float, what: str, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+# -- the process tree, read from /proc (independently of lioncub_p2p.cli.lifecycle) -------------------
+
+def _stat(pid: int) -> tuple[int, str, int, str] | None:
+    """(parent, state, start time, name) or None if the pid is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    name = text[text.index("(") + 1 : text.rindex(")")]
+    fields = text[text.rindex(")") + 2 :].split()
+    return int(fields[1]), fields[0], int(fields[19]), name
+
+
+def process_tree(root: int) -> dict[int, tuple[int, str]]:
+    """Every descendant of ``root``: pid -> (start time, name)."""
+    stats = {int(p): s for p in os.listdir("/proc") if p.isdigit() and (s := _stat(int(p))) is not None}
+    found, todo = {}, [root]
+    while todo:
+        parent = todo.pop()
+        for pid, (ppid, state, started, name) in stats.items():
+            if ppid == parent and pid not in found and state != "Z":
+                found[pid] = (started, name)
+                todo.append(pid)
+    return found
+
+
+def still_running(tree: dict[int, tuple[int, str]]) -> list[str]:
+    """Those of ``tree`` that are still the same live process (zombies and reused pids do not count)."""
+    alive = []
+    for pid, (started, name) in tree.items():
+        stat = _stat(pid)
+        if stat is not None and stat[1] != "Z" and stat[2] == started:
+            alive.append(f"{name} ({pid})")
+    return alive
+
+
+def _assert_left_cleanly(proc: subprocess.Popen, tree: dict, log: Path, signal_name: str, timeout: float = 90):
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"no exit {timeout:.0f} s after {signal_name}; log tail:\n{log.read_text()[-3000:]}")
+    out = log.read_text()
+    assert code == 0, f"exit {code} after {signal_name}:\n{out[-3000:]}"
+    assert "Traceback" not in out and " ERROR " not in out, out[-3000:]
+    hivemind = [f"{name} ({pid})" for pid, (_, name) in tree.items() if name in ("p2pd",) or "python" in name]
+    assert not [p for p in still_running(tree) if p in hivemind], f"left running at exit: {still_running(tree)}"
+    # torch's shared-memory manager notices its last client is gone and exits by itself, moments later
+    _wait(lambda: not still_running(tree), 10, f"the children of the exited peer to end: {still_running(tree)}")
+    return out
+
+
+@pytest.mark.slow
+def test_sigterm_leaves_the_run_and_no_child_survives(tmp_path):
+    """A trainer that joined through a coordinator, then the coordinator: SIGTERM (what kill, docker stop
+    and systemd send) ends each with exit code 0, a leave, and none of its processes (DHT child, p2pd) left."""
     procs = Processes(tmp_path)
     try:
-        procs.start("coord", ["lioncub_p2p.cli.coordinator", "--run-id", "pf", "--write-maddrs", str(tmp_path / "a")])
-        wait_for_file(tmp_path / "a", 60)
-        procs.start("t0", ["lioncub_p2p.cli.train", "--run-id", "pf", "--initial-peers-file", str(tmp_path / "a"),
-                           "--steps", "100000", "--step-delay", "0.05", "--quiet"])
-        time.sleep(8)
-        done = _train("--run-id", "pf", "--initial-peers-file", str(tmp_path / "a"), "--preflight", cwd=tmp_path)
-        assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-        out = done.stdout
-        assert "[ OK ] coordinators answer: 1 peers online" in out
-        assert "peers probably cannot dial you" in out  # 127.0.0.1 only: advice to use --client-mode
-        assert "bandwidth to" in out and "Mbit/s" in out and "per round" in out
-        wrong = _train("--run-id", "other-run", "--initial-peers-file", str(tmp_path / "a"), "--preflight",
-                       cwd=tmp_path)
-        assert wrong.returncode == 3 and "is --run-id right?" in wrong.stdout
+        coordinator = procs.start("coord", ["lioncub_p2p.cli.coordinator", "--run-id", "sig", *LOOPBACK,
+                                            "--write-maddrs", str(tmp_path / "a")])
+        wait_for_file(tmp_path / "a", 90)
+        trainer = procs.start("t0", ["lioncub_p2p.cli.train", "--run-id", "sig", "--initial-peers-file",
+                                     str(tmp_path / "a"), *LOOPBACK, "--steps", "100000", "--step-delay", "0.05",
+                                     "--quiet", "--metrics-jsonl", str(tmp_path / "t0.jsonl")])
+        _wait(lambda: last_step(tmp_path / "t0.jsonl") >= 5, 120, "the trainer's 5th step")
+        tree = process_tree(trainer.pid)
+        names = sorted(name for _, name in tree.values())
+        assert "p2pd" in names and any("python" in n for n in names), names  # the DHT child and its daemon
+        os.kill(trainer.pid, signal.SIGTERM)  # the trainer alone, not its process group
+        out = _assert_left_cleanly(trainer, tree, tmp_path / "t0.log", "SIGTERM")
+        step = int(out.split("left the run at step ")[1].split()[0])
+        assert "(SIGTERM)" in out and step >= 5 and "left run sig: told the group" in out
+        assert last_step(tmp_path / "t0.jsonl") == step - 1  # it stopped between steps: the last one is logged
+
+        tree = process_tree(coordinator.pid)
+        assert "p2pd" in [name for _, name in tree.values()]
+        os.kill(coordinator.pid, signal.SIGTERM)
+        out = _assert_left_cleanly(coordinator, tree, tmp_path / "coord.log", "SIGTERM")
+        assert "coordinator stopped" in out
     finally:
         procs.close()
 
 
+@pytest.mark.slow
+def test_sigint_reaches_a_trainer_started_in_the_background_of_a_script(tmp_path):
+    """`trainer &` in a non-interactive script starts it with SIGINT ignored; the trainer handles SIGINT
+    anyway, also while it blocks waiting for peers (--wait-peers 3, alone), and leaves cleanly."""
+    train = " ".join([sys.executable, "-m", "lioncub_p2p.cli.train", "--run-id", "bg", *LOOPBACK, "--wait-peers",
+                      "3", "--quiet"])
+    script = f"sleep 300 & echo $! > sleep.pid\n{train} > t0.log 2>&1 &\necho $! > t0.pid\nwait"
+    shell = subprocess.Popen(["bash", "-c", script], cwd=tmp_path, env=ENV, start_new_session=True)
+    try:
+        sleeper = int(wait_for_file(tmp_path / "sleep.pid", 30))
+        ignored = int(Path(f"/proc/{sleeper}/status").read_text().split("SigIgn:")[1].split()[0], 16)
+        assert ignored & (1 << (signal.SIGINT - 1)), "the premise: background jobs of a script ignore SIGINT"
+        pid = int(wait_for_file(tmp_path / "t0.pid", 30))
+        _wait(lambda: "started it" in (tmp_path / "t0.log").read_text(), 120, "the trainer to found its run")
+        tree = process_tree(pid)
+        os.kill(pid, signal.SIGINT)
+        _wait(lambda: _stat(pid) is None or _stat(pid)[1] == "Z", 90, "the trainer to exit after SIGINT")
+        out = (tmp_path / "t0.log").read_text()
+        assert "left the run at step 0 (SIGINT)" in out and "training digits" not in out, out[-3000:]
+        assert "Traceback" not in out and " ERROR " not in out, out[-3000:]
+        os.kill(sleeper, signal.SIGKILL)
+        assert shell.wait(30) == 0  # `wait` returns the trainer's status last: 0
+        _wait(lambda: not still_running(tree), 10, f"the trainer's children to end: {still_running(tree)}")
+    finally:
+        try:
+            os.killpg(shell.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.slow
+def test_progress_bar_shows_each_field(tmp_path):
+    done = _train("--run-id", "bar", *LOOPBACK, "--steps", "15", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = done.stderr.replace("\r", "\n").split("15/15")[-2:]  # the bar's final state
+    assert len(last) == 2, done.stderr[-2000:]
+    final = last[1].splitlines()[0]
+    for field in ("peers=1/1", "loss=", "up=", "MB/s", "down=", "bits=", "time="):
+        assert field in final, final
+    assert "finished at step 15: test loss" in done.stdout
+
+
+@pytest.mark.slow
+def test_preflight_reports_each_check(tmp_path):
+    procs = Processes(tmp_path)
+    try:
+        procs.start("coord", ["lioncub_p2p.cli.coordinator", "--run-id", "pf", *LOOPBACK,
+                              "--write-maddrs", str(tmp_path / "a")])
+        wait_for_file(tmp_path / "a", 90)
+        peers = ["--initial-peers-file", str(tmp_path / "a"), *LOOPBACK]
+        procs.start("open", ["lioncub_p2p.cli.train", "--run-id", "pf", *peers, "--steps", "100000",
+                             "--step-delay", "0.05", "--quiet", "--metrics-jsonl", str(tmp_path / "open.jsonl")])
+        procs.start("private", ["lioncub_p2p.cli.train", "--run-id", "pf-private", "--run-secret", "s3cret", *peers,
+                                "--steps", "100000", "--step-delay", "0.05", "--quiet", "--metrics-jsonl",
+                                str(tmp_path / "private.jsonl")])
+        _wait(lambda: min(last_step(tmp_path / "open.jsonl"), last_step(tmp_path / "private.jsonl")) >= 3, 180,
+              "both runs to train")
+        checks = {"ok": ["--run-id", "pf"], "wrong run": ["--run-id", "other-run"],
+                  "no secret": ["--run-id", "pf-private"],
+                  "wrong secret": ["--run-id", "pf-private", "--run-secret", "guess"]}
+        running = {name: subprocess.Popen([sys.executable, "-m", "lioncub_p2p.cli.train", *argv, *peers, "--preflight"],
+                                          cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          env=ENV) for name, argv in checks.items()}
+        results = {name: (p.wait(240), p.stdout.read(), p.stderr.read()) for name, p in running.items()}
+
+        code, out, err = results["ok"]
+        assert code == 0, out + err[-2000:]
+        assert "[ OK ] coordinators answer: 1 peers online" in out
+        assert "you listen on loopback only" in out and "--host-maddrs /ip4/0.0.0.0/tcp/0" in out  # the flag to change
+        assert "bandwidth to" in out and "Mbit/s" in out and "per round" in out
+        code, out, _ = results["wrong run"]
+        assert code == 3 and "is --run-id right?" in out
+        for name in ("no secret", "wrong secret"):
+            code, out, err = results[name]
+            assert code == 4, (name, out, err[-2000:])
+            fail = [line for line in out.splitlines() if "[FAIL]" in line]
+            assert len(fail) == 1 and "--run-secret" in fail[0], (name, out)
+        assert "private" in results["no secret"][1]
+    finally:
+        procs.close()
+
+
+@pytest.mark.slow
 def test_unreachable_coordinator_is_one_clear_line(tmp_path):
-    done = _train("--run-id", "x", "--initial-peers",
+    done = _train("--run-id", "x", *LOOPBACK, "--initial-peers",
                   "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWA5YjZ5cu4eMJ8tdUuDAm8pjZdBHghmLpgNybBqdvyVhd", cwd=tmp_path)
     assert done.returncode != 0
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: could not start the DHT") and "--initial-peers" in last
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: could not start the DHT") and "--initial-peers" in lines[-1]
+    assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_plot_turns_metrics_into_png(tmp_path):
     metrics = tmp_path / "peer0.jsonl"
     rows = [dict(step=i, loss=2.0 / (i + 1), compute_s=0.01, step_s=0.05, wait_s=0.01, bytes_up=1000, bytes_down=900,
@@ -56,11 +220,12 @@ def test_plot_turns_metrics_into_png(tmp_path):
     assert missing.returncode != 0 and "does not exist" in missing.stderr
 
 
+@pytest.mark.slow
 def test_metrics_go_to_jsonl_and_tensorboard_alike(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    done = _train("--run-id", "tb", "--steps", "12", "--quiet", "--metrics-jsonl", "m.jsonl", "--tensorboard", "tb",
-                  cwd=tmp_path)
+    done = _train("--run-id", "tb", *LOOPBACK, "--steps", "12", "--quiet", "--metrics-jsonl", "m.jsonl",
+                  "--tensorboard", "tb", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     board = EventAccumulator(str(tmp_path / "tb"))
@@ -69,3 +234,46 @@ def test_metrics_go_to_jsonl_and_tensorboard_alike(tmp_path):
     assert len(rows) == 12 and sorted(logged) == [r["step"] for r in rows]
     assert all(abs(logged[r["step"]] - r["loss"]) < 1e-6 * max(1.0, abs(r["loss"])) for r in rows)
     assert {"peers", "bits_per_param", "compute_s", "wait_s", "bytes_up"} <= set(board.Tags()["scalars"])
+
+
+def test_every_visible_option_has_help_and_test_options_are_hidden():
+    """--help of each tool: every option it shows has a line of help; test-only options are not shown."""
+    import argparse
+
+    from lioncub_p2p.cli import coordinator, plot, train
+    from lioncub_p2p.sim import launcher
+
+    parsers = {}
+    real = argparse.ArgumentParser.parse_args
+
+    def capture(self, args=None, namespace=None):
+        parsers[self.prog] = self
+        return real(self, [] if self.prog != "lioncub-plot" else ["m.jsonl"], namespace)
+
+    argparse.ArgumentParser.parse_args = capture
+    try:
+        train.parse_args([])
+        coordinator.parse_args([])
+        coordinator.parse_args([], monitor_default=True)
+        launcher.parse_args([])
+        try:
+            plot.main(["m.jsonl"])
+        except SystemExit:
+            pass
+    finally:
+        argparse.ArgumentParser.parse_args = real
+    assert set(parsers) == {"lioncub-train", "lioncub-coordinator", "lioncub-monitor", "lioncub-sim", "lioncub-plot"}
+    hidden = {"--final-state", "--final-eval", "--step-delay", "--duration"}
+    for prog, parser in parsers.items():
+        text = parser.format_help()
+        for action in parser._actions:
+            flags = action.option_strings or [action.dest]
+            if set(flags) & hidden:
+                assert action.help == argparse.SUPPRESS and not any(f in text for f in flags), (prog, flags)
+                continue
+            assert action.help and action.help.strip(), f"{prog} {flags[0]} has no help"
+            assert flags[0] in text or action.dest in text, (prog, flags)
+    train_help = parsers["lioncub-train"].format_help()
+    for shown in ("(default: demo)", "(default: 1000)", "/ip4/0.0.0.0/tcp/0", "[digits]", "[0.0003]", "[32]"):
+        assert shown in train_help, shown
+    assert "(default: None)" not in train_help and "(default: False)" not in train_help

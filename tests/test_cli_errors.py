@@ -19,7 +19,7 @@ import torch
 from lioncub_p2p import LionCub
 from lioncub_p2p.cli import coordinator, plot, train
 from lioncub_p2p.sim import launcher
-from lioncub_p2p.swarm import checkpoint
+from lioncub_p2p.swarm import Manifest, checkpoint
 from lioncub_p2p.tasks.digits import digits_task
 
 PEER_ID = "12D3KooWA5YjZ5cu4eMJ8tdUuDAm8pjZdBHghmLpgNybBqdvyVhd"
@@ -155,10 +155,28 @@ def test_unwritable_checkpoint_dir(tmp_path, capsys):
     assert blocker.read_text() == "keep me"
 
 
-def test_checkpoint_of_another_model(tmp_path, capsys):
+class SwarmThatMustNotBeJoined:
+    """Stands in for the DHT: the run's manifest says nothing (digits, defaults); joining fails the test."""
+
+    def __init__(self, config):
+        self.manifest = Manifest()
+        self.shut = False
+
+    def visible_maddrs(self) -> list[str]:
+        return []
+
+    def join(self, optimizer):
+        raise AssertionError("joined the run with a checkpoint that does not fit")
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+def test_checkpoint_of_another_model(tmp_path, capsys, monkeypatch):
     """A checkpoint of a 32-wide MLP under --hidden 64 (and a torn one) is refused before joining, unchanged."""
+    monkeypatch.setattr(train, "Swarm", SwarmThatMustNotBeJoined)
     model = digits_task(hidden=32).make_model(0)
-    saved = checkpoint.save(tmp_path / "ckpt", LionCub(model.parameters(), lr=1e-3))
+    saved = checkpoint.save(tmp_path / "ckpt", LionCub(model.named_parameters(), lr=1e-3))  # as lioncub-train names them
     blob = saved.read_bytes()
     one_line_error(train.main, ["--checkpoint-dir", str(tmp_path / "ckpt"), "--hidden", "64", *LOOPBACK], capsys,
                    "checkpoint of another model", "--task and --hidden", "another --checkpoint-dir")

@@ -25,8 +25,10 @@ from .train import evaluate_into, finish
 logger = logging.getLogger("lioncub.train")
 
 
-def train_with_hivemind_averager(args, task: TrainingTask, batches_for: Callable[[torch.Generator], Iterator],
-                                 initial_peers: list[str], stop: StopSignals) -> None:
+def train_with_hivemind_averager(args, settings, task: TrainingTask,
+                                 batches_for: Callable[[torch.Generator], Iterator], initial_peers: list[str],
+                                 stop: StopSignals) -> None:
+    """``settings``: the trainer's ``train.Settings`` (lr, weight decay, batch), from its flags."""
     from hivemind import DHT
     from hivemind.averaging import DecentralizedAverager
     from hivemind.compression import Float16Compression, NoCompression
@@ -36,7 +38,7 @@ def train_with_hivemind_averager(args, task: TrainingTask, batches_for: Callable
               announce_maddrs=args.announce_maddrs or None, client_mode=args.client_mode,
               no_listen=args.client_mode, nat_port_map=False, auto_nat=False)
     averager = None
-    optimizer = LionCub(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = LionCub(model.named_parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     metrics = open(args.metrics_jsonl, "a") if args.metrics_jsonl else None
     try:
         grads = [torch.zeros_like(p) for p in model.parameters()]

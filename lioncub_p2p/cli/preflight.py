@@ -1,43 +1,27 @@
 """lioncub-train --preflight: can this machine take part, and how fast will its rounds be?
 
 Checks, in order, each with a one-line verdict: the coordinators answer (the DHT starts and finds
-the run's records); the run admits this peer (a private run's records carry admission tokens: no
-secret, or one that none of them was made with, is a failed check); whether peers can dial this
-machine, and if not the exact flags to change; the upload and download bandwidth to a member of
-the run (a timed 4 MiB probe each way; a refused probe is a failed check); the compute time of one
-step of the chosen task here; and the resulting seconds per round. Exit code 0: ready.
+the run's records); the run admits this peer (a private run's leader refuses a peer without its
+secret, an open run one with a secret) and this peer's flags agree with the run's manifest: a
+failed check with a non-zero exit; whether peers can dial this machine, and if not the exact flags
+to change; the upload and download bandwidth to a member of the run (a timed 4 MiB probe each way;
+a refused probe is a failed check); the compute time of one step of the run's task here; and the
+resulting seconds per round. Exit code 0: ready.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
-from ..swarm import Swarm, SwarmConfig, SwarmError
-from ..swarm.membership import PeerRecord
+from ..swarm import AdmissionRefused, Manifest, SettingsMismatch, Swarm, SwarmConfig, SwarmError
+from ..swarm.peer import LISTEN_ALL
 from ..swarm.probe import measure
-from ..tasks import TrainingTask
-from .addresses import LISTEN_ALL, PUBLIC_PORT_ADVICE, dialable_from_outside, scope
+from .addresses import PUBLIC_PORT_ADVICE, dialable_from_outside, scope
 
-FAIL_COORDINATORS, FAIL_EMPTY_RUN, FAIL_ADMISSION, FAIL_PROBE = 2, 3, 4, 5
-
-
-def admission_problem(config: SwarmConfig, swarm: Swarm, records: dict[str, PeerRecord]) -> str | None:
-    """Why this peer would be refused by the run's members, judged from their public records."""
-    others = {pid: r for pid, r in records.items() if pid != swarm.peer_id}
-    if not others:
-        return None
-    private = any(r.token for r in others.values())
-    if private and config.run_secret is None:
-        return (f"the run is private (its {len(others)} peers carry admission tokens) and you gave no --run-secret: "
-                f"its peers will refuse you; pass --run-secret with the run's secret")
-    if config.run_secret is not None and not any(swarm.admission.admits(pid, r.token) for pid, r in others.items()):
-        reason = "the run is open: drop --run-secret" if not private else "ask the run's organizer for the secret"
-        return (f"the run secret is wrong: none of the run's {len(others)} peers was admitted with your --run-secret "
-                f"({reason})")
-    return None
+FAIL_COORDINATORS, FAIL_EMPTY_RUN, FAIL_ADMISSION, FAIL_PROBE, FAIL_SETTINGS = 2, 3, 4, 5, 6
 
 
 def reachability_verdict(config: SwarmConfig, visible: list[str]) -> tuple[str, str]:
@@ -55,12 +39,18 @@ def reachability_verdict(config: SwarmConfig, visible: list[str]) -> tuple[str, 
                     f"{', '.join(visible) or 'none'}): {PUBLIC_PORT_ADVICE}")
 
 
-def preflight(args, config: SwarmConfig, task: TrainingTask,
-              batches_for: Callable[[torch.Generator], Iterator]) -> int:
-    """Print the checks; returns a process exit code (0: ready)."""
+def preflight(config: SwarmConfig, task_for: Callable[[Manifest], tuple]) -> int:
+    """Print the checks; returns a process exit code (0: ready). ``task_for(run manifest)`` gives
+    (settings, task, batches_for) of the task this peer would train."""
     print(f"preflight for run {config.run_id!r}", flush=True)
     try:
         swarm = Swarm(config)
+    except AdmissionRefused as e:
+        print(f"  [FAIL] admission: {e}", flush=True)
+        return FAIL_ADMISSION
+    except SettingsMismatch as e:
+        print(f"  [FAIL] settings: {e}", flush=True)
+        return FAIL_SETTINGS
     except SwarmError as e:
         print(f"  [FAIL] coordinators: {e}", flush=True)
         return FAIL_COORDINATORS
@@ -75,11 +65,10 @@ def preflight(args, config: SwarmConfig, task: TrainingTask,
         else:
             steps = max((r.step for r in records.values()), default=0)
             print(f"  [ OK ] coordinators answer: {len(records)} peers online, global step {steps}")
-        refused = admission_problem(config, swarm, records)
-        if refused:
-            print(f"  [FAIL] admission: {refused}", flush=True)
-            return FAIL_ADMISSION
-        visible = [str(m) for m in config.announce_maddrs] or [str(m) for m in swarm.dht.get_visible_maddrs()]
+        if group is not None:
+            print(f"  [ OK ] admission: the run's group (epoch {group.epoch}, {len(group.members)} members) "
+                  f"admits this peer{' (run secret checked)' if config.run_secret else ''}")
+        visible = [str(m) for m in config.announce_maddrs] or swarm.visible_maddrs()
         verdict, line = reachability_verdict(config, visible)
         print(f"  [{verdict:^4}] {line}", flush=True)
         up = down = None
@@ -99,6 +88,7 @@ def preflight(args, config: SwarmConfig, task: TrainingTask,
             print(f"  [FAIL] the run's members refused the bandwidth probe: {', '.join(refusals)}: they admit only "
                   f"holders of the run's secret (check --run-secret) or allow-listed peer ids", flush=True)
             return FAIL_PROBE
+        settings, task, batches_for = task_for(swarm.manifest)
         numel = sum(p.numel() for p in task.model.parameters())
         batches = batches_for(torch.Generator().manual_seed(0))
         started = time.perf_counter()
@@ -108,8 +98,8 @@ def preflight(args, config: SwarmConfig, task: TrainingTask,
         task.model.zero_grad(set_to_none=True)
         n = max(len(records), 2)
         bits = 2 * (n - 1) / n * numel  # 1-bit votes up and results down, per peer per round
-        print(f"  [ OK ] model ({task.name}): {numel / 1e6:.2f}M parameters, {compute * 1e3:.0f} ms per step of "
-              f"compute here")
+        print(f"  [ OK ] model ({task.name}, batch {settings.batch}): {numel / 1e6:.2f}M parameters, "
+              f"{compute * 1e3:.0f} ms per step of compute here")
         if up and down:
             seconds = compute + bits / 2 / (up * 1e6) + bits / 2 / (down * 1e6)
             verdict = "ready" if seconds < 10 else "slow: consider --client-mode"

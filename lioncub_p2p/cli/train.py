@@ -5,7 +5,8 @@
     lioncub-train --task mytask:make_task ...          # your own: see lioncub_p2p/tasks/__init__.py
 
 Listens on every interface (TCP and QUIC) and prints which of its addresses others can dial.
-Behind NAT (nobody can dial you) add --client-mode: you vote and receive every result but reduce
+What the run trains and how (task, lr, batch, encodings) comes from the run's manifest unless a flag
+says otherwise: a flag that disagrees with the run stops the peer with one line. Behind NAT (nobody can dial you) add --client-mode: you vote and receive every result but reduce
 nothing. Ctrl+C or SIGTERM leaves the run cleanly after the current step (a second one at once).
 Settings are checked before joining: a mistake ends in one line saying what to change.
 """
@@ -16,15 +17,17 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .. import LionCub, MomentumSchedule
-from ..swarm import Swarm, SwarmConfig, SwarmError, snapshot
+from ..swarm import Manifest, ManifestError, Swarm, SwarmConfig, SwarmError, snapshot
+from ..swarm.peer import LISTEN_ALL
 from ..tasks import BUILTIN, TaskError, TrainingTask, load_task
 from ..trainer_rounds import allreduce_config
-from .addresses import LISTEN_ALL, check_listen, check_peers, reachability
+from .addresses import check_listen, check_peers, reachability
 from .checks import (VOTE_RESULTS, VOTE_UPLOADS, check_checkpoint_fits, check_codecs, check_run_id,
                      check_writable_dir, check_writable_file)
 from .common import HelpFormatter, UsageError, read_peers_file, setup_logging
@@ -32,6 +35,37 @@ from .lifecycle import ChildReaper, Interrupted, StopSignals
 
 logger = logging.getLogger("lioncub.train")
 HIDDEN = argparse.SUPPRESS  # options for tests and the simulator, left out of --help
+# the trainer's settings where neither a flag nor the run's manifest gives one
+DEFAULTS = {"task": "digits", "batch": 32, "lr": 3e-4, "weight_decay": 0.1}
+METHODS = {"lioncub": "butterfly", "dlion": "allgather", "hivemind-fp32": None, "hivemind-fp16": None}  # -> transport
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What this peer trains with: its flags, else the run's manifest, else DEFAULTS."""
+
+    task: str
+    hidden: int | None
+    batch: int
+    lr: float
+    weight_decay: float
+
+    @classmethod
+    def of(cls, args: argparse.Namespace, run: Manifest | None = None) -> "Settings":
+        run = run or Manifest()
+        hidden = args.hidden if args.hidden is not None else (run.task_args or {}).get("hidden")
+        pick = lambda flag, field, key: flag if flag is not None else field if field is not None else DEFAULTS[key]  # noqa: E731
+        return cls(task=pick(args.task, run.task, "task"), hidden=hidden, batch=pick(args.batch, run.batch_size, "batch"),
+                   lr=pick(args.lr, run.lr, "lr"), weight_decay=pick(args.weight_decay, run.weight_decay, "weight_decay"))
+
+
+def opinions(args: argparse.Namespace) -> Manifest:
+    """The trainer settings this peer's flags insist on (the rest it adopts from the run)."""
+    try:
+        return Manifest(task=args.task, task_args={"hidden": args.hidden} if args.hidden is not None else None,
+                        lr=args.lr, weight_decay=args.weight_decay, batch_size=args.batch)
+    except ManifestError as e:
+        raise UsageError(f"{e}") from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,28 +91,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     net.add_argument("--weight", type=float, default=1.0, help="share of reduction work (e.g. your upload Mbit/s)")
     net.add_argument("--identity-path", default=None, help="private key file: keeps this peer's id across restarts")
 
-    what = p.add_argument_group("what to train")
-    what.add_argument("--task", default="digits",
+    what = p.add_argument_group("what to train (unset: the run's manifest says, else the value in brackets)")
+    what.add_argument("--task", default=None,
                       help=f"a built-in task ({', '.join(BUILTIN)}) or module:function returning "
-                           f"(model, data, loss[, evaluate]); see the README's 'Bring your own model'")
+                           f"(model, data, loss[, evaluate]); see the README's 'Bring your own model' "
+                           f"[{DEFAULTS['task']}]")
     what.add_argument("--hidden", type=int, default=None,
-                      help="width of a built-in model: digits' hidden units (256), byte-gpt's embedding (128)")
-    what.add_argument("--seed", type=int, default=0, help="initializes the model")
+                      help="width of a built-in model: digits' hidden units [256], byte-gpt's embedding [128]")
+    what.add_argument("--batch", type=int, default=None, help=f"samples per step on each peer [{DEFAULTS['batch']}]")
+    what.add_argument("--lr", type=float, default=None, help=f"Lion's learning rate [{DEFAULTS['lr']}]")
+    what.add_argument("--weight-decay", type=float, default=None,
+                      help=f"decoupled weight decay [{DEFAULTS['weight_decay']}]")
+    what.add_argument("--seed", type=int, default=0, help="initializes the model (a joiner downloads the run's state)")
     what.add_argument("--steps", type=int, default=1000, help="stop at this global step")
     what.add_argument("--max-seconds", type=float, default=0.0, help="also stop after this many seconds (0: no limit)")
-    what.add_argument("--batch", type=int, default=32, help="samples per step on this peer")
-    what.add_argument("--lr", type=float, default=3e-4, help="Lion's learning rate")
-    what.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
     what.add_argument("--wait-peers", type=int, default=0,
                       help="start training once this many peers are in the group (0: at once)")
 
-    proto = p.add_argument_group("protocol (every peer of a run uses the same)")
-    proto.add_argument("--method", default="lioncub", choices=["lioncub", "dlion", "hivemind-fp32", "hivemind-fp16"],
+    proto = p.add_argument_group("protocol (every peer of a run uses the same; unset: the run's, else [value])")
+    proto.add_argument("--method", default=None, choices=list(METHODS),
                        help="lioncub: butterfly vote; dlion: all-gather of votes; hivemind-*: full-precision "
-                            "gradient averaging with hivemind's DecentralizedAverager (baselines)")
-    proto.add_argument("--upload", default="sign", help=f"vote encoding: {VOTE_UPLOADS}")
-    proto.add_argument("--result", default="majority", help=f"result encoding: {' | '.join(VOTE_RESULTS)}")
-    proto.add_argument("--momentum-every", type=int, default=20, help="momentum averaging period in steps (0: never)")
+                            "gradient averaging with hivemind's DecentralizedAverager (baselines) [lioncub]")
+    proto.add_argument("--upload", default=None, help=f"vote encoding: {VOTE_UPLOADS} [sign]")
+    proto.add_argument("--result", default=None, help=f"result encoding: {' | '.join(VOTE_RESULTS)} [majority]")
+    proto.add_argument("--momentum-every", type=int, default=None,
+                       help="momentum averaging period in steps (0: never) [20]")
     proto.add_argument("--upload-timeout", type=float, default=10.0, help="seconds a reducer waits for votes")
     proto.add_argument("--result-timeout", type=float, default=20.0,
                        help="seconds a voter waits for results (more than --upload-timeout)")
@@ -124,39 +161,49 @@ def main(argv: list[str] | None = None) -> None:
 def run(args: argparse.Namespace, stop: StopSignals) -> int:
     """Check everything, then train (or run the preflight); returns the exit code."""
     initial_peers = check_settings(args)
-    task = load_task(args.task, seed=args.seed, batch=args.batch, hidden=args.hidden)
-    try:
-        batches_for = task.checked_batches(args.batch)
-    except TaskError as e:
-        raise UsageError(f"--task {args.task}: {e}") from None
-    if args.checkpoint_dir:  # a checkpoint of another model: one line now, not a SnapshotError after joining
-        check_checkpoint_fits(args.checkpoint_dir, LionCub(task.model.parameters(), lr=args.lr, upload=args.upload),
-                              hint="--task and --hidden")
-    if args.method.startswith("hivemind"):
+    wanted = opinions(args)
+    # a task named on the command line is checked before any daemon starts; otherwise the run's
+    # manifest (read once the DHT is up) says which task to build
+    own = Settings.of(args)
+    early = prepare_task(args, own) if args.task is not None or args.hidden is not None else None
+    if args.method and args.method.startswith("hivemind"):
         from .baseline import train_with_hivemind_averager
 
-        train_with_hivemind_averager(args, task, batches_for, initial_peers, stop)
+        task, batches_for = early or prepare_task(args, own)
+        train_with_hivemind_averager(args, own, task, batches_for, initial_peers, stop)
         return 0
     config = SwarmConfig(args.run_id, initial_peers=initial_peers,
                          host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs,
                          identity_path=args.identity_path, client_mode=args.client_mode, weight=args.weight,
                          run_secret=args.run_secret, allow_peers=args.allow_peers,
-                         upload=args.upload, result=args.result,
-                         allreduce=allreduce_config(args.upload_timeout, args.result_timeout),
-                         transport="allgather" if args.method == "dlion" else "butterfly",
-                         momentum=MomentumSchedule(every=args.momentum_every), checkpoint_dir=args.checkpoint_dir,
+                         upload=args.upload, result=args.result, transport=METHODS.get(args.method),
+                         momentum=MomentumSchedule(every=args.momentum_every) if args.momentum_every is not None else None,
+                         manifest=wanted, allreduce=allreduce_config(args.upload_timeout, args.result_timeout),
+                         checkpoint_dir=args.checkpoint_dir,
                          checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0)
+
+    def task_for(run: Manifest) -> tuple[Settings, TrainingTask, Callable[[torch.Generator], Iterator]]:
+        settings = Settings.of(args, run)
+        if early is not None and (settings.task, settings.hidden, settings.batch) == (own.task, own.hidden, own.batch):
+            return settings, *early
+        return settings, *prepare_task(args, settings)
+
     if args.preflight:
         from .preflight import preflight
 
-        return preflight(args, config, task, batches_for)
+        return preflight(config, task_for)
     swarm = Swarm(config)
-    optimizer = LionCub(task.model.parameters(), lr=args.lr, weight_decay=args.weight_decay, aggregator=swarm,
-                        upload=args.upload)
+    optimizer = None
     metrics = board = None
     try:
-        for line in reachability([str(m) for m in swarm.dht.get_visible_maddrs()], client_mode=args.client_mode):
+        for line in reachability(swarm.visible_maddrs(), client_mode=args.client_mode):
             print(line, flush=True)
+        settings, task, batches_for = task_for(swarm.manifest)
+        params = list(task.model.named_parameters())
+        if args.checkpoint_dir:  # a checkpoint of another model: one line now, not a SnapshotError after joining
+            check_checkpoint_fits(args.checkpoint_dir, LionCub(params, lr=settings.lr),
+                                  hint="--task and --hidden")
+        optimizer = LionCub(params, lr=settings.lr, weight_decay=settings.weight_decay, aggregator=swarm)
         metrics = open(args.metrics_jsonl, "a") if args.metrics_jsonl else None
         board = _tensorboard(args.tensorboard)
         start_step = swarm.join(optimizer)
@@ -165,14 +212,15 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
             start_step = optimizer.step_count
         logger.info("training %s from step %d as %s%s", task.name, start_step, swarm.peer_id,
                     " (client mode)" * args.client_mode)
-        train(args, task, batches_for, optimizer, swarm, stop, metrics, board)
+        train(args, settings, task, batches_for, optimizer, swarm, stop, metrics, board)
     except Interrupted:
         pass  # a stop signal while waiting (joining, waiting for peers): leave now
     finally:
         stop.leaving()
+        step = optimizer.step_count if optimizer is not None else 0
         if stop.requested:
-            print(f"left the run at step {optimizer.step_count} ({stop.received})", flush=True)
-        if args.final_state:
+            print(f"left the run at step {step} ({stop.received})", flush=True)
+        if args.final_state and optimizer is not None:
             Path(args.final_state).write_bytes(snapshot.encode(optimizer)[0])
         if metrics:
             metrics.close()
@@ -182,20 +230,32 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
     return 0
 
 
+def prepare_task(args: argparse.Namespace, settings: Settings) -> tuple[TrainingTask, Callable[[torch.Generator], Iterator]]:
+    """Build the task and check it on one batch; one line (UsageError/TaskError) if it is broken."""
+    task = load_task(settings.task, seed=args.seed, batch=settings.batch, hidden=settings.hidden)
+    try:
+        return task, task.checked_batches(settings.batch)
+    except TaskError as e:
+        raise UsageError(f"--task {settings.task}: {e}") from None
+
+
 def check_settings(args: argparse.Namespace) -> list[str]:
     """Everything that can be checked before starting a daemon; returns the initial peers to dial."""
     check_run_id(args.run_id)
-    check_codecs(args.upload, args.result)
+    check_codecs(args.upload or "sign", args.result or "majority")
     for flag in ("--steps", "--checkpoint-every", "--momentum-every", "--eval-every", "--wait-peers", "--group-size"):
-        if getattr(args, flag[2:].replace("-", "_")) < 0:
-            raise UsageError(f"{flag} must be 0 or more, got {getattr(args, flag[2:].replace('-', '_'))}")
-    if args.batch < 1:
-        raise UsageError(f"--batch must be at least 1, got {args.batch}")
-    if args.hidden is not None and args.hidden < 1:
-        raise UsageError(f"--hidden must be at least 1, got {args.hidden}")
-    if not (args.lr > 0 and args.weight_decay >= 0 and args.weight > 0):
-        raise UsageError(f"--lr and --weight must be positive and --weight-decay 0 or more, got {args.lr}, "
-                         f"{args.weight}, {args.weight_decay}")
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value < 0:
+            raise UsageError(f"{flag} must be 0 or more, got {value}")
+    for flag in ("--batch", "--hidden"):
+        value = getattr(args, flag[2:])
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    for flag, value, low in (("--lr", args.lr, 0.0), ("--weight", args.weight, 0.0)):
+        if value is not None and not value > low:
+            raise UsageError(f"{flag} must be positive, got {value:g}")
+    if args.weight_decay is not None and not args.weight_decay >= 0:
+        raise UsageError(f"--weight-decay must be 0 or more, got {args.weight_decay:g}")
     if not 0 < args.upload_timeout < args.result_timeout:
         raise UsageError(f"--upload-timeout {args.upload_timeout:g} must be positive and less than --result-timeout "
                          f"{args.result_timeout:g}")
@@ -221,14 +281,14 @@ def _tensorboard(logdir: str | None):
     return SummaryWriter(logdir)
 
 
-def train(args, task: TrainingTask, batches_for: Callable[[torch.Generator], Iterator], optimizer: LionCub,
-          swarm: Swarm, stop: StopSignals, metrics, board=None) -> None:
+def train(args, settings: Settings, task: TrainingTask, batches_for: Callable[[torch.Generator], Iterator],
+          optimizer: LionCub, swarm: Swarm, stop: StopSignals, metrics, board=None) -> None:
     from tqdm import tqdm
 
     model = task.model
     gen = torch.Generator().manual_seed(int.from_bytes(swarm.peer_id.encode()[-6:], "big"))
     batches = batches_for(gen)
-    swarm.samples_per_step = args.batch
+    swarm.samples_per_step = settings.batch
     bar = None if args.quiet else tqdm(total=args.steps, initial=optimizer.step_count, unit="step", dynamic_ncols=True)
     started = time.monotonic()
     try:
