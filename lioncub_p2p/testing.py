@@ -113,8 +113,10 @@ class LocalSwarm:
     def settle_audits(self) -> None:
         """Wait for every peer's background audits of the last round; their verdicts land in
         ``node.caught`` and in the next round's reports."""
-        self._loop.run(asyncio.gather(*(node.settle_audits() for i, node in enumerate(self.nodes) if self.alive[i])),
-                       timeout=60)
+        async def settle() -> None:
+            await asyncio.gather(*(node.settle_audits() for i, node in enumerate(self.nodes) if self.alive[i]))
+
+        self._loop.run(settle(), timeout=60)
 
     @property
     def group(self) -> tuple[PeerSpec, ...]:

@@ -63,3 +63,24 @@ def test_frame_round_trip_and_limits():
             await read_frame(_reader((3).to_bytes(4, "big") + b"\xff\xff\xff"), pb.FetchResult)
 
     asyncio.run(go())
+
+
+def test_each_frame_reaches_the_daemon_in_one_write():
+    """Two writes per frame cost a second syscall and daemon read (-17% median step with one write)."""
+
+    class CountingSink(_Sink):
+        writes = 0
+
+        def write(self, b):
+            self.writes += 1
+            super().write(b)
+
+    async def go():
+        sink = CountingSink()
+        msg = pb.VoteChunk(version=PROTOCOL_VERSION, round_id=b"r", codes=bytes(1000), last=True)
+        written = await write_frame(sink, msg)
+        assert sink.writes == 1 and written == len(sink.data) == 4 + msg.ByteSize()
+        got, _ = await read_frame(_reader(bytes(sink.data)), pb.VoteChunk)
+        assert got == msg
+
+    asyncio.run(go())

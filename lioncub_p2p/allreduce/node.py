@@ -135,8 +135,8 @@ class VoteNode:
                     total=cfg.max_streams, is_member=self._is_member)
         self.gates = {VOTE_PROTOCOL: StreamGate("vote", **caps), FETCH_PROTOCOL: StreamGate("fetch", **caps),
                       AUDIT_PROTOCOL: StreamGate("audit", **dict(caps, per_peer=2))}
-        # Observers of progress ("vote_chunk" / "result_chunk" after each chunk is written, "finalize"),
-        # for metrics and for tests that inject faults at a precise moment.
+        # Observers of progress ("vote_chunk" / "result_chunk" after each chunk is written, "finalize",
+        # "result:<part>" when a part's result arrived), for metrics and tests that inject faults.
         self.on_event: list[Callable[[str], None]] = []
         # The newest group epoch this peer knows, sent with every result so peers behind learn of a
         # group change within one round (set by the swarm).
@@ -369,6 +369,7 @@ class VoteNode:
         try:
             outcome = await asyncio.wait_for(exchange(), max(deadline, 0.0))
             report.parts[j].record(outcome)
+            self._emit(f"result:{j}")
         except Exception as e:  # any failure of this reducer leaves the part to recovery
             note = f"no result from reducer {j}: {type(e).__name__}: {e}"
             report.parts[j].note = note
