@@ -5,6 +5,7 @@
 Four simulated workers each train on their own slice of the corpus. Full-precision (global) Lion
 averages their gradients; Lion Cub lets them vote with 1-bit signs every step and averages momenta
 every 10 steps. Same model, data, seed and steps; writes loss curves to a PNG and the numbers to JSON.
+The same model trains in a real swarm with ``lioncub-train --task byte-gpt`` (lioncub_p2p/tasks/byte_gpt.py).
 """
 import argparse
 import json
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from lioncub_p2p.momentum import MomentumSchedule
 from lioncub_p2p.sim.inprocess import Method, run_method
-from lioncub_p2p.sim.tasks import stdlib_bytes_task
+from lioncub_p2p.tasks.byte_gpt import stdlib_bytes_task
 
 
 def main(argv=None) -> dict:
