@@ -43,7 +43,7 @@ from lioncub_p2p.optim import reference_apply, reference_upload
 
 
 def _sync(device: str) -> None:
-    if device == "cuda":
+    if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 
@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    backend = {"cuda": "triton", "cpu": "numba"}.get(args.device, "torch")
+    probe = ops.LionKernels([torch.zeros(8, device=args.device)], [torch.zeros(8, device=args.device)], [0])
+    backend = type(probe.batches[0]).__name__.strip("_").removesuffix("Batch").lower() if probe.batches else "torch"
     print(f"device {args.device} (fused path: {backend}), torch {torch.__version__}, threads {args.threads}, "
           f"median of {args.repeats}")
     result = {}

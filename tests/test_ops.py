@@ -397,8 +397,9 @@ def test_lion_kernels_bad_arguments():
         kernels.direction_pack([None, None], [(0.9, 0.99)], keys, torch.zeros(4))
     with pytest.raises(ValueError, match=">= 4 bytes"):
         kernels.direction_pack([None, None], [(0.9, 0.99)], keys, torch.zeros(3, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="does not fit"):
-        kernels.direction_pack([None, torch.zeros(16)], [(0.9, 0.99)], keys, torch.zeros(4, dtype=torch.uint8))
+    for grads in ([None, torch.zeros(16)], [torch.zeros(3), torch.zeros(16)]):  # with and without a missing one
+        with pytest.raises(ValueError, match="does not fit"):
+            kernels.direction_pack(grads, [(0.9, 0.99)], keys, torch.zeros(4, dtype=torch.uint8))
     with pytest.raises(ValueError, match="does not fit"):
         kernels.direction_pack([None, torch.zeros(17, dtype=torch.float64)], [(0.9, 0.99)], keys,
                                torch.zeros(4, dtype=torch.uint8))
@@ -408,3 +409,16 @@ def test_lion_kernels_bad_arguments():
         kernels.apply(torch.zeros(3, dtype=torch.uint8), [0.1], [0.0])
     with pytest.raises(ValueError, match="at least 25"):
         kernels.apply(torch.zeros(24), [0.1], [0.0])
+
+
+def test_lion_kernels_copy_a_non_contiguous_gradient_first():
+    gen = _gen(21)
+    params = [torch.randn(6, 5, generator=gen), torch.randn(9, generator=gen)]
+    moms = [torch.randn(6, 5, generator=gen), torch.randn(9, generator=gen)]
+    grads = [torch.randn(5, 6, generator=gen).t(), torch.randn(9, generator=gen)]  # every gradient present
+    keys = ops.zero_sign_keys((0, 1), 2)
+    expected, expected_moms = _reference_pack(params, moms, grads, [0, 4], 6, [(0.9, 0.99)], [0, 0], keys)
+    out = torch.empty(6, dtype=torch.uint8)
+    ops.LionKernels(params, moms, [0, 4]).direction_pack(grads, [(0.9, 0.99)], keys, out)
+    assert torch.equal(out, expected)
+    assert all(torch.equal(a, b) for a, b in zip(moms, expected_moms))
