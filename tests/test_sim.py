@@ -10,6 +10,8 @@ import pytest
 from lioncub_p2p.sim.links import LinkProfile, NamespaceNetwork, namespaces_available, parse_links
 from lioncub_p2p.sim.launcher import run as sim_run
 
+from procs import read_jsonl
+
 
 def test_link_profiles_from_flags_and_yaml_fields():
     assert [(p.up_mbit, p.down_mbit) for p in parse_links("100,50/20")] == [(100, 100), (50, 20)]
@@ -25,6 +27,7 @@ def test_link_profiles_from_flags_and_yaml_fields():
 ROOT_OK, WHY = namespaces_available()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not ROOT_OK, reason=f"network namespaces unavailable: {WHY}")
 def test_namespace_caps_hold_and_everything_is_removed():
     net = NamespaceNetwork(parse_links("20,5"))
@@ -37,9 +40,9 @@ def test_namespace_caps_hold_and_everything_is_removed():
             "import socket,time;s=socket.socket();s.bind(('0.0.0.0',5001));s.listen();c,_=s.accept();"
             "n=0;t=None\nwhile True:\n d=c.recv(65536)\n if not d: break\n t=t or time.time();n+=len(d)\n"
             "print(n*8/(time.time()-t)/1e6)")], stdout=subprocess.PIPE, text=True)
-        client = subprocess.run(net.exec_prefix(1) + ["python3", "-c", (
-            "import socket,time;time.sleep(0.5);s=socket.create_connection(('%s',5001));"
-            "s.sendall(b'x'*1500000);s.close()" % net.address(0))], timeout=60)
+        client = subprocess.run(net.exec_prefix(1) + ["python3", "-c", (  # retries until the server listens
+            "import socket,time\nfor _ in range(300):\n try: s=socket.create_connection(('%s',5001)); break\n"
+            " except OSError: time.sleep(0.1)\ns.sendall(b'x'*1500000);s.close()" % net.address(0))], timeout=60)
         mbit = float(server.communicate(timeout=60)[0])
         assert client.returncode == 0 and 3.5 < mbit < 5.5, mbit  # the 5 Mbit/s upload cap, ~96% as goodput
     finally:
@@ -47,6 +50,7 @@ def test_namespace_caps_hold_and_everything_is_removed():
     assert net.namespace(0) not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_short_comparison_writes_report_and_plot(tmp_path):
     """Runs everywhere: shaped in namespaces as root, else on loopback with the report saying so."""
@@ -66,6 +70,31 @@ def test_short_comparison_writes_report_and_plot(tmp_path):
     assert "| method |" in (tmp_path / "report.md").read_text()
     assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
                 if ns.startswith(f"lcs{os.getpid() % 100000}")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_l1_and_hivemind_fp32_methods_train_and_move_the_bits_their_formulas_say(tmp_path):
+    """The two methods no other test runs, on two peers through the user-space proxy at 1 Gbit/s (no
+    shaping to speak of; its counters measure what each peer sends and receives above TCP). A fixed
+    step count, so both peers stop at the same step and their parameters can be compared."""
+    n, share, steps = 2, 1 / 2, 40  # the butterfly: a peer exchanges all but its own 1/n part
+    results = sim_run(["--links", "1000,1000", "--shaping", "proxy", "--methods", "lioncub-l1", "hivemind-fp32",
+                       "--hidden", "256", "--steps", str(steps), "--seconds", "120", "--eval-every", "0",
+                       "--out", str(tmp_path)])
+    by = {r.method: r for r in results}
+    l1, fp32 = by["lioncub-l1"], by["hivemind-fp32"]
+    for r in (l1, fp32):
+        assert r.exit_codes == [0] * n and r.final_steps == [steps] * n and r.rounds == steps, r
+        assert r.final_train_loss < 2.0  # and learned something (2.3 at the start)
+    # lioncub-l1: 4-bit codes to the reducers, 1-bit results back, each sent by one peer and received by
+    # another: 2·(4 + 1)·share per step; the bf16 momentum average every 25 steps adds 2·2·16·share/25
+    votes, momentum = 2 * (4 + 1) * share, 2 * 2 * 16 * share / 25
+    assert votes <= l1.bits_per_param < 1.5 * (votes + momentum), l1.bits_per_param
+    assert l1.identical_final_params is True  # params equal: yes
+    # hivemind-fp32: reduce-scatter and all-gather of fp32 values, each sent and received: 2·2·32·share
+    full = 2 * 2 * 32 * share
+    assert full <= fp32.bits_per_param < 1.25 * full, fp32.bits_per_param
 
 
 def test_user_space_proxy_caps_and_delays():
@@ -107,7 +136,7 @@ def test_user_space_proxy_caps_and_delays():
         client.bind((peer_ip(1), 0))  # "peer 1" dials from its own address, as libp2p does
         client.connect((peer_ip(0), proxy.ports[0][1]))
         rtts = []
-        for _ in range(5):
+        for _ in range(7):
             t = time.time()
             client.sendall(b"ping")
             client.recv(4)
@@ -119,31 +148,45 @@ def test_user_space_proxy_caps_and_delays():
         loop.run(proxy.stop(), timeout=10)
         loop.stop()
         server.close()
-    rtt = sorted(rtts)[2] * 1e3
-    assert 39 < rtt < 48, rtt  # 30 ms + 10 ms of added delay, plus the proxy's own hop
-    assert 4.5 < measured["mbit"] < 5.6, measured  # peer 1's 5 Mbit/s upload cap
+    # Load only adds time, so the best of 7 is the least disturbed. 30 ms (into peer 0) + 10 ms (into
+    # peer 1) of added delay; one delay missing (30, 10) or the same side's twice (20, 60) falls outside.
+    rtt = min(rtts) * 1e3
+    assert 39 < rtt < 55, rtts
+    assert 4.0 < measured["mbit"] < 5.6, measured  # peer 1's 5 Mbit/s upload cap (no cap: Gbit/s)
     assert proxy.sent[1] >= 1_500_000 and proxy.received[0] >= 1_500_000
 
 
+REJOIN_AT = 300  # steps; ~5 s at full speed, 25 polls
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_flaky_schedule_stalled_and_returning_peers_train_with_the_group(tmp_path):
-    """A peer SIGSTOPped for 2 s and a peer killed and started again both end up stepping with the others."""
+    """A peer SIGSTOPped for 2 s and a peer killed and started again both end up stepping with the others.
+
+    The launcher applies the schedule when it polls (every 0.2 s, longer under load) while this small
+    model steps ~60 times a second: the window between leave and rejoin must span many polls."""
     profile = tmp_path / "peers.yaml"
     profile.write_text("peers:\n  - {mbit: 50}\n  - {mbit: 20, stall_at: 5, stall_s: 2}\n"
-                       "  - {mbit: 20, leave_at: 8, rejoin_at: 15}\n")
-    (result,) = sim_run(["--profile", str(profile), "--methods", "lioncub", "--hidden", "64", "--seconds", "50",
+                       f"  - {{mbit: 20, leave_at: 8, rejoin_at: {REJOIN_AT}}}\n")
+    # 80 s: a trainer takes 20-35 s to start on a loaded 2-core machine, and the returning one starts late
+    (result,) = sim_run(["--profile", str(profile), "--methods", "lioncub", "--hidden", "64", "--seconds", "80",
                          "--eval-every", "0", "--out", str(tmp_path)])
+    assert result.exit_codes == [0, 0, 0]  # all stopped cleanly (none SIGKILLed by the launcher at the end)
     assert result.peers_finished >= 2  # the returning peer's clock started later: it is stopped when they finish
-    steps = [[json.loads(line)["step"] for line in (tmp_path / "lioncub" / f"peer{i}.jsonl").read_text().splitlines()]
-             for i in range(3)]
+    rows = [read_jsonl(tmp_path / "lioncub" / f"peer{i}.jsonl") for i in range(3)]
+    steps = [[r["step"] for r in peer] for peer in rows]
+    assert steps[1] == list(range(len(steps[1])))  # the stalled peer went on where it stopped...
+    assert max(b["time"] - a["time"] for a, b in zip(rows[1], rows[1][1:])) > 1.9  # ...after its 2 s stop
     first_life_end = next(i for i in range(1, len(steps[2])) if steps[2][i] != steps[2][i - 1] + 1)  # it came back
     second_life = steps[2][first_life_end:]
-    assert steps[2][first_life_end - 1] >= 8 and steps[2][first_life_end - 1] < 15  # killed on schedule
-    assert second_life[0] >= 15  # it came back with the swarm's state, not from scratch
+    assert 8 <= steps[2][first_life_end - 1] < REJOIN_AT  # killed on schedule, before its return
+    assert second_life[0] >= REJOIN_AT  # it came back with the swarm's state, not from scratch
     assert len(second_life) >= 20  # ...and trained with the group to the end
     assert second_life[-1] >= min(steps[0][-1], steps[1][-1]) - 10
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_process_faults_donor_momentum_and_link_cut_leave_survivors_identical(tmp_path):
     """Real trainer processes: a donor SIGKILLs itself mid-transfer to a newcomer, another peer dies in
