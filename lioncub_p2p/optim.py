@@ -8,9 +8,11 @@ Per parameter tensor θ with gradient g and momentum m (β1, β2, learning rate 
     m ← β2·m + (1 − β2)·g
 
 Alone (``aggregator=None``) this is exactly Lion, sign(0) = 0 included. With an aggregator, every
-peer packs its c into one flat buffer (``upload`` codec: 1-bit signs, fused with the momentum update
-in a single pass, or L1 p-bit codes), the aggregator returns the group's update for the whole buffer,
-and every peer applies that same update, so replicas that start equal stay equal.
+peer packs its c into one flat buffer (``upload`` codec: 1-bit signs, or L1 p-bit codes), the
+aggregator returns the group's update for the whole buffer, and every peer applies that same update,
+so replicas that start equal stay equal. For 1-bit signs, direction + packing + momentum update of
+all parameters is one pass over memory in one kernel call, and so is unpacking + applying
+(``ops.LionKernels``); L1 codes are computed tensor by tensor.
 
 The flat buffer lays parameters out in ``param_groups`` order, each starting on a byte boundary:
 parameter i owns bytes [offset_i, offset_i + ceil(numel_i / 8)) of every code plane, i.e. vote
@@ -241,7 +243,7 @@ class LionCub(torch.optim.Optimizer):
 def reference_upload(optimizer: LionCub) -> torch.Tensor:
     """``compute_upload`` for the sign codec as it was before the fused kernels: tensor by tensor on
     the torch path. The bytes (and momenta) the fused path must reproduce; kept for tests and
-    ``benchmarks/optim_step.py``."""
+    ``benchmarks/kernels.py``."""
     upload = torch.zeros((1, optimizer.buffer_bytes), dtype=torch.uint8, device=optimizer.slots[0].param.device)
     for index, slot in enumerate(optimizer.slots):
         p, (beta1, beta2) = slot.param, slot.group["betas"]
