@@ -1,1 +1,3 @@
-"""Console entry points: lioncub-coordinator, lioncub-monitor, lioncub-train, lioncub-compare, lioncub-sim."""
+"""Console entry points for volunteers and coordinators: lioncub-train (with --preflight),
+lioncub-coordinator, lioncub-monitor and lioncub-plot. They run on the core install and never import
+the simulator (``lioncub_p2p.sim``: lioncub-sim, lioncub-compare, lioncub-reliability)."""
