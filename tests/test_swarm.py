@@ -5,6 +5,7 @@ import asyncio
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from hivemind.p2p import P2P
@@ -17,7 +18,7 @@ from lioncub_p2p.sim.tasks import digits_task
 from lioncub_p2p.swarm import Swarm, SwarmConfig, checkpoint, snapshot
 from lioncub_p2p.swarm import state_transfer
 from lioncub_p2p.identity import Identity
-from lioncub_p2p.swarm import AdmissionRefused
+from lioncub_p2p.swarm import AdmissionRefused, SwarmError
 from lioncub_p2p.swarm.membership import GroupHistory, GroupRecord, PeerRecord
 from lioncub_p2p.swarm.records import RecordError, seal
 from lioncub_p2p.wire import PROTOCOL_VERSION
@@ -169,7 +170,7 @@ def _close_peers(loop: BackgroundLoop, peers: list[P2P]) -> None:
     loop.stop()
 
 
-def test_download_resumes_from_another_donor_and_respects_busy(monkeypatch):
+def test_download_resumes_from_another_donor(monkeypatch):
     monkeypatch.setattr(state_transfer, "CHUNK_BYTES", 4096)
     _, donor_opt = _opt(0, hidden=512)
     blob, digest = snapshot.encode(donor_opt)
@@ -196,6 +197,51 @@ def test_download_resumes_from_another_donor_and_respects_busy(monkeypatch):
             recording.wait_timeout = dying.wait_timeout = 0.5
             loop.run(state_transfer.download_state(peers[2], donors, "run", min_step=50, max_bytes=len(blob) + 10,
                                                    attempts=1), timeout=60)
+    finally:
+        _close_peers(loop, peers)
+
+
+class _CountingServer(state_transfer.StateServer):
+    """Counts the downloads it took on (past the admission and busy checks)."""
+
+    served = 0
+
+    async def _wait_snapshot(self, min_step):
+        self.served += 1
+        return await super()._wait_snapshot(min_step)
+
+
+def test_a_busy_donor_sends_a_newcomer_to_the_next_donor(caplog):
+    """Donor A takes one download at a time. While it holds one (waiting for the step asked for),
+    a second newcomer is told "busy" by A and downloads from B instead; the first still completes."""
+    _, donor_opt = _opt(0, hidden=64)
+    blob, digest = snapshot.encode(donor_opt)
+    loop = BackgroundLoop()
+
+    async def setup():
+        peers = await _p2p_peers(4)
+        busy, free = _CountingServer(peers[0], "run", max_uploads=1), _CountingServer(peers[1], "run")
+        await busy.start()
+        await free.start()
+        await free.offer(5, blob, digest)  # A has no snapshot of step 5 yet: its one download waits
+        return peers, busy, free
+
+    peers, busy, free = loop.run(setup(), timeout=60)
+    try:
+        a, b = peers[0].peer_id.to_base58(), peers[1].peer_id.to_base58()
+        first = asyncio.run_coroutine_threadsafe(state_transfer.download_state(
+            peers[2], [a], "run", min_step=5, max_bytes=len(blob) + 10, attempts=1), loop.loop)
+        deadline = time.monotonic() + 20
+        while busy._uploads < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert busy._uploads == 1
+        with caplog.at_level("INFO", logger=state_transfer.__name__):
+            second = loop.run(state_transfer.download_state(peers[3], [a, b], "run", min_step=5,
+                                                            max_bytes=len(blob) + 10, attempts=1), timeout=60)
+        assert second == (5, blob, digest) and free.served == 1 and busy.served == 1
+        assert any("busy" in r.getMessage() and a in r.getMessage() for r in caplog.records)
+        loop.run(busy.offer(5, blob, digest), timeout=10)
+        assert first.result(30) == (5, blob, digest) and busy._uploads == 0
     finally:
         _close_peers(loop, peers)
 
@@ -243,38 +289,52 @@ def _config(run_id: str, **kwargs) -> SwarmConfig:
     return SwarmConfig(run_id, **{"host_maddrs": LOOPBACK, "allreduce": FAST, **kwargs})
 
 
-def _train_swarm(configs, steps, *, perturb=None, hidden=64):
-    """Run one Swarm per config in its own thread until the global step reaches ``steps``."""
+def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None):
+    """Run one Swarm per config in its own thread until the global step reaches ``steps``.
+
+    ``perturb=(peer, step, index)`` adds 1e-3 to the first parameter of that peer before that step
+    (all of it, or only flat element ``index``); ``instrument(i, swarm)`` runs before training."""
     task = digits_task(0, hidden=hidden)
     first = Swarm(configs[0])
-    maddrs = [str(m) for m in first.dht.get_visible_maddrs()]
+    maddrs = first.visible_maddrs()
     swarms = [first] + [Swarm(c.__class__(**{**c.__dict__, "initial_peers": maddrs})) for c in configs[1:]]
-    out, errors = {}, []
+    out, errors = {"repair_steps": {}}, []
 
     def run(i, swarm):
         try:
             model = task.make_model(seed=i)
-            opt = LionCub(model.parameters(), lr=1e-3, weight_decay=0.1, aggregator=swarm)
+            opt = LionCub(model.named_parameters(), lr=1e-3, weight_decay=0.1, aggregator=swarm)
             out.setdefault("start", {})[i] = swarm.join(opt)
             swarm.wait_for_peers(len(swarms), timeout=60)  # start together: repairs then count only faults
             x, y = task.shard(i, len(swarms))
             gen = torch.Generator().manual_seed(i)
-            repairs_before = 0  # repairs counted from the perturbed step on (a start-up race may repair once)
+            repairs_before, repair_steps = 0, out["repair_steps"].setdefault(i, [])
             while opt.step_count < steps:
                 if perturb and opt.step_count == perturb[1]:
-                    repairs_before = swarm.repairs
+                    repairs_before = swarm.repairs  # counted from the perturbed step on (a start-up race may repair)
+                    repair_steps.clear()
                     if perturb[0] == i:
                         with torch.no_grad():
-                            next(model.parameters()).add_(1e-3)  # a bit flip's worth of divergence
+                            first_param = next(model.parameters())
+                            if len(perturb) > 2:  # one element: a bit flip's worth of divergence
+                                first_param.view(-1)[perturb[2]] += 1e-3
+                            else:
+                                first_param.add_(1e-3)
                 idx = torch.randint(0, len(x), (32,), generator=gen)
                 nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+                before = opt.step_count
                 opt.step()
                 opt.zero_grad()
+                if swarm.stats.repaired:
+                    repair_steps.append(before)
                 time.sleep(0.02)
             out[i] = (opt.step_count, snapshot.params_digest(opt), swarm.repairs - repairs_before)
         except Exception as e:  # surfaced by the assertions below
             errors.append(e)
 
+    if instrument is not None:
+        for i, swarm in enumerate(swarms):
+            instrument(i, swarm)
     threads = [threading.Thread(target=run, args=(i, s)) for i, s in enumerate(swarms)]
     try:
         for t in threads:
@@ -289,14 +349,111 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64):
     return out
 
 
+@pytest.mark.slow
 def test_diverged_peer_repairs_itself_within_a_round():
     configs = [_config("repair", momentum=MomentumSchedule(every=5)) for _ in range(3)]
     out = _train_swarm(configs, 30, perturb=(2, 15))
     assert {out[i][0] for i in range(3)} == {30}
     assert len({out[i][1] for i in range(3)}) == 1  # identical parameters at the end
     assert out[2][2] >= 1 and out[0][2] == out[1][2] == 0  # only the diverged peer repaired (after step 15)
+    assert out["repair_steps"][2][0] == 15  # in the very round after the perturbation
 
 
+@pytest.mark.slow
+def test_drift_the_sampled_tag_misses_is_repaired_at_the_next_full_digest():
+    """state_tag samples every stride-th element; the full digest every ``full_digest_every`` steps
+    covers the rest. A perturbation of an unsampled element is repaired at the next full-digest step."""
+    hidden, every = 384, 10
+    numel = sum(p.numel() for p in digits_task(0, hidden=hidden).make_model(0).parameters())
+    stride = numel // (1 << 16)
+    assert stride >= 2  # element 1 of the first parameter is never sampled
+    configs = [_config("drift", momentum=MomentumSchedule(), full_digest_every=every) for _ in range(3)]
+    out = _train_swarm(configs, 25, perturb=(1, 13, 1), hidden=hidden)
+    assert len({out[i][1] for i in range(3)}) == 1
+    assert out["repair_steps"][1] == [20] and out["repair_steps"][0] == out["repair_steps"][2] == []
+
+
+def test_momentum_patterns_that_select_nothing_stop_join_with_a_hint():
+    swarm = Swarm(_config("names", momentum=MomentumSchedule(every=5, params=("0.*",))))
+    try:
+        model = digits_task(0, hidden=8).make_model(0)
+        with pytest.raises(SwarmError, match=r"selects none.*LionCub\(model.named_parameters\(\), ...\)"):
+            swarm.join(LionCub(model.parameters(), aggregator=swarm))  # names are group0.paramK: nothing matches
+        assert swarm.optimizer is None  # refused before anything started
+    finally:
+        swarm.shutdown()
+
+
+class _MomentumProbe:
+    """Records, around each momentum sync of one peer, all momenta before and after and which voters
+    each part counted (from the round's report)."""
+
+    def __init__(self, swarm: Swarm):
+        self.swarm, self.syncs, self._reports = swarm, [], []
+        average, run_round = swarm._average_momentum, swarm.node.run_round
+
+        async def recording_run_round(spec, upload, tag=b""):
+            update, report = await run_round(spec, upload, tag)
+            if spec.upload.name == "bf16":
+                self._reports.append((spec, report))
+            return update, report
+
+        def recording_average(step):
+            before = [(n, m.detach().clone()) for n, m in swarm.optimizer.momentum_buffers()]
+            synced = average(step)
+            after = [(n, m.detach().clone()) for n, m in swarm.optimizer.momentum_buffers()]
+            spec, report = self._reports.pop() if self._reports else (None, None)
+            self.syncs.append((step, before, after, spec, report, synced))
+            return synced
+
+        swarm.node.run_round = recording_run_round
+        swarm._average_momentum = recording_average
+
+
+@pytest.mark.slow
+def test_swarm_momentum_sync_is_the_trimmed_mean_of_the_selected_buffers_on_a_geometric_schedule():
+    """The momenta after a swarm sync equal an independent numpy trimmed mean (bf16 on the wire) of
+    the peers' selected buffers at that step, over the voters each part counted; the unselected ones
+    are untouched. The schedule is geometric (steps 2, 4, 8, 16) and selects layer 0 only."""
+    schedule = MomentumSchedule(geometric=2.0, start=2, params=("0.*",))
+    configs = [_config("momentum", momentum=schedule) for _ in range(3)]
+    probes = {}
+    _train_swarm(configs, 18, instrument=lambda i, swarm: probes.__setitem__(i, _MomentumProbe(swarm)))
+    steps = [[s[0] for s in probes[i].syncs] for i in range(3)]
+    assert steps == [[2, 4, 8, 16]] * 3
+
+    def bf16(a: np.ndarray) -> np.ndarray:
+        return torch.from_numpy(a).to(torch.bfloat16).float().numpy()
+
+    for k in range(4):
+        syncs = [probes[i].syncs[k] for i in range(3)]
+        ids = [probes[i].swarm.peer_id for i in range(3)]
+        names = [n for n, _ in syncs[0][1]]
+        selected = [n for n in names if schedule.selects(n)]
+        assert selected == ["0.weight", "0.bias"]
+        flats = [np.concatenate([m.numpy().ravel() for n, m in s[1] if n in selected]) for s in syncs]
+        spec, report = syncs[0][3], syncs[0][4]
+        expected = flats[0].copy()
+        for part in report.parts:
+            a, b = part.start // 2, part.stop // 2
+            if b <= a or part.status not in ("ok", "recovered"):
+                continue
+            rows = np.stack([bf16(flats[ids.index(spec.group[v].peer_id)][a:b]) for v in part.counted])
+            n = len(rows)
+            trim = max(1, int(n * 0.2)) if n >= 3 else 0
+            trim = min(trim, (n - 1) // 2)
+            kept = np.sort(rows, axis=0)[trim : n - trim]
+            expected[a:b] = bf16(kept.mean(axis=0, dtype=np.float32))
+        for i, (step, before, after, _, peer_report, synced) in enumerate(syncs):
+            assert synced and not peer_report.missing_parts
+            got = np.concatenate([m.numpy().ravel() for n, m in after if n in selected])
+            assert np.array_equal(got, expected), (k, i)
+            for (n, m0), (_, m1) in zip(before, after):
+                if n not in selected:
+                    assert torch.equal(m0, m1)  # unselected momenta are not averaged
+
+
+@pytest.mark.slow
 def test_swarm_restarts_from_checkpoints(tmp_path):
     def configs():
         return [_config("restart", checkpoint_dir=str(tmp_path / f"p{i}"), checkpoint_every=5)
@@ -318,6 +475,7 @@ def test_state_tag_samples_and_full_digest_differ_only_in_coverage():
     assert snapshot.state_tag(opt, samples=7) != sampled and snapshot.state_tag(opt, full=True) != full
 
 
+@pytest.mark.slow
 def test_run_secret_keeps_outsiders_out():
     secret = dict(run_secret="s3cret", join_timeout=8.0)
     out = _train_swarm([_config("admit", **secret), _config("admit", **secret)], 12)
@@ -339,6 +497,7 @@ def test_run_secret_keeps_outsiders_out():
         first.shutdown()
 
 
+@pytest.mark.slow
 def test_short_soak_with_churn_ends_identical():
     from lioncub_p2p.sim.soak import run_soak
 
@@ -368,3 +527,63 @@ def test_admission_tokens_and_allow_list():
                     ("newcomer", "peerA", "peerB", n, n)):  # role, both ids and both nonces are bound in
         assert not secret.checks_proof(proof, *changed)
     assert not Admission("run", b"other").checks_proof(proof, "newcomer", "peerA", "peerB", n, m)
+
+
+@pytest.mark.slow
+def test_shutdown_tells_the_group_at_once_and_leaves_no_process(caplog):
+    """A peer that leaves is dropped by the leader at its next refresh (its signed "leaving" record),
+    not after its record expires (30 s here) or rounds go missing; its DHT process and libp2p daemon
+    are gone when shutdown() returns; nothing is logged at ERROR level on the way out."""
+    from lioncub_p2p.swarm.peer import _alive, _descendants
+
+    task = digits_task(0, hidden=16)
+    swarms = [Swarm(_config("leave", record_ttl=30.0))]
+    swarms.append(Swarm(_config("leave", record_ttl=30.0, initial_peers=swarms[0].visible_maddrs())))
+    stop, errors, steps = threading.Event(), [], {}
+
+    def run(i: int) -> None:
+        try:
+            model = task.make_model(0)
+            opt = LionCub(model.named_parameters(), lr=1e-3, aggregator=swarms[i])
+            swarms[i].join(opt)
+            swarms[i].wait_for_peers(2, timeout=60)
+            x, y = task.shard(i, 2)
+            while not stop.is_set() and not (i == 1 and steps.get(1, 0) >= 10):
+                nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
+                opt.step()
+                opt.zero_grad()
+                steps[i] = opt.step_count
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        threads[1].join(120)
+        leaver, stayer = swarms[1], swarms[0]
+        assert not errors and leaver.peer_id in stayer.history.latest.member_ids()
+        processes = [leaver.dht.pid] + _descendants(leaver.dht.pid)
+        assert len(processes) >= 2  # the DHT process and its p2pd
+        with caplog.at_level("INFO"):
+            caplog.clear()
+            started = time.monotonic()
+            leaver.shutdown()
+            assert not [p for p in processes if _alive(p)]
+            while leaver.peer_id in stayer.history.latest.member_ids() and time.monotonic() - started < 30:
+                time.sleep(0.1)
+            dropped_after = time.monotonic() - started
+            assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], \
+                [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert dropped_after < 5.0, dropped_after
+        before = steps[0]
+        deadline = time.monotonic() + 30
+        while steps[0] < before + 10 and time.monotonic() < deadline:  # the one left trains on, alone
+            time.sleep(0.1)
+        assert steps[0] >= before + 10 and not errors
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        for s in swarms:
+            s.shutdown()

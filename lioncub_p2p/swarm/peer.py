@@ -348,7 +348,7 @@ class Swarm:
         Raises AdmissionRefused if every author answered and refused."""
         self._unreachable = 0
         live = {pid for pid, r in self.records.items() if not r.leaving}
-        ranked = sorted(candidates, key=lambda g: (-sum(pid in live for pid in g.member_ids()), -g.epoch))
+        ranked = sorted(candidates, key=lambda g: (-sum(pid in live for pid in g.member_ids()), -g.epoch, g.author))
         refusals, failures = [], 0
         for group in ranked[:MAX_CANDIDATES]:
             if group.author == self.peer_id:
@@ -499,7 +499,9 @@ class Swarm:
             if settled and len(latest.members) >= count and latest.from_step <= self.optimizer.step_count:
                 return
             if time.monotonic() > deadline:
-                raise SwarmError(f"only {len(latest.members) if latest else 0} of {count} peers joined in time")
+                members = len(latest.members) if latest else 0
+                raise SwarmError(f"the group did not reach {count} synced members in time ({members} members, "
+                                 f"{len(synced & set(latest.member_ids() if latest else []))} synced)")
             time.sleep(self.config.refresh_period)
 
     def _found(self) -> bool:
@@ -547,6 +549,8 @@ class Swarm:
         self._download(min_step=latest.from_step, group=latest)
 
     def _ask_again(self, latest: GroupRecord | None) -> None:
+        """Still not in the group: prove the key to its current author, and look for a newer group this
+        peer cannot follow through its own history (two peers founded at once, or its lineage died)."""
         if latest is not None and latest.author not in self._proved_to and latest.author != self.peer_id:
             try:
                 verdict = self.loop.run(ask_admission(self.p2p, latest.author, self.admission), timeout=15)
@@ -554,11 +558,11 @@ class Swarm:
                     self._proved_to.add(latest.author)
             except Exception as e:
                 logger.debug("asking %s for admission failed: %s", latest.author, e)
-        live = set(self.records)
-        if latest is None or not live & set(latest.member_ids()):  # the group this peer knows is gone: find the run's
-            candidates = self.loop.run(self.directory.groups(), timeout=30)
-            group = self._admitted_group([g for g in candidates if latest is None or g.epoch > latest.epoch
-                                          or g.author not in latest.member_ids()])
+        self.records = self.loop.run(self.directory.peers(), timeout=30)
+        candidates = [g for g in self.loop.run(self.directory.groups(), timeout=30)
+                      if latest is None or g.epoch > latest.epoch]
+        if candidates:
+            group = self._admitted_group(candidates)
             if group is not None:
                 self.history.clear()
                 self._trust(group)
