@@ -144,12 +144,15 @@ def test_peers_file_with_a_bad_address(tmp_path, capsys):
 
 
 def test_unwritable_checkpoint_dir(tmp_path, capsys):
-    """A path below a regular file can never be a folder (root passes permission checks, so that is the
-    portable way to make one that cannot be written)."""
+    """Root passes permission checks, so: a path below a regular file (it cannot be created), and an
+    existing folder nobody can create files in (/proc/self: only writing a file there tells)."""
     blocker = tmp_path / "a-file"
     blocker.write_text("keep me")
     one_line_error(train.main, ["--checkpoint-dir", str(blocker / "ckpt"), *LOOPBACK], capsys,
                    f"--checkpoint-dir {blocker / 'ckpt'}", "not a folder this process can write", "choose another")
+    assert Path("/proc/self").is_dir()
+    one_line_error(train.main, ["--checkpoint-dir", "/proc/self", *LOOPBACK], capsys,
+                   "--checkpoint-dir /proc/self", "not a folder this process can write")
     one_line_error(train.main, ["--metrics-jsonl", str(blocker / "m.jsonl")], capsys, "--metrics-jsonl",
                    "choose another path")
     assert blocker.read_text() == "keep me"
