@@ -11,10 +11,13 @@
 #   3. two volunteers on two other hosts (network namespaces on that bridge, no other route) run the
 #      README's volunteer command from this checkout's .venv with the --initial-peers coordinator-a printed;
 #      they must train together (steps advance, peers 2/2);
-#   4. restarts coordinator-a: same peer id, the volunteers keep stepping;
+#   4. restarts coordinator-a as a new container (compose up --force-recreate, as after an image update:
+#      only its volume carries over): same peer id, the volunteers keep stepping;
 #   5. the compose `trainer` service joins through the restarted coordinator-a alone, downloads the run's
 #      state and trains with them (3/3); the monitor and every healthcheck agree;
-#   6. tears everything down (trainers, containers, network, volumes, namespaces), also on failure.
+#   6. a volunteer started with the documented `docker run` (host network) joins too (4/4);
+#   7. tears everything down (trainers: SIGTERM must end them with exit 0 and no child left; containers,
+#      network, volumes, namespaces), also on failure.
 # Prints a PASS/FAIL line per check and a summary; exit 0 only if all passed. Logs: runs/compose_check/.
 #
 # Environment: BASE_IMAGE (skip the registry/debootstrap choice), REBUILD_BASE=1 (redo the debootstrap
@@ -46,6 +49,7 @@ FAILED=0
 TRAINER_PIDS=()
 CREATED_WHEELS=""
 STACK_UP=0
+DOCKER_RUN_NAME=lcc-docker-run-volunteer   # container and volume of the documented `docker run` volunteer
 
 say() { printf '[%4ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
 record() {  # record PASS|FAIL "check" "detail"
@@ -136,12 +140,22 @@ teardown() {
     set +eE
     trap - EXIT INT TERM ERR
     say "tearing down"
-    local pid
-    for pid in "${TRAINER_PIDS[@]}"; do kill -TERM -- "-$pid" 2> /dev/null; done
+    local pid codes="" stragglers=""
+    # SIGTERM to each trainer only (as kill, docker stop and systemd do): it must leave and stop its children
+    for pid in "${TRAINER_PIDS[@]}"; do kill -TERM "$pid" 2> /dev/null; done
     for pid in "${TRAINER_PIDS[@]}"; do
-        for _ in $(seq 20); do kill -0 -- "-$pid" 2> /dev/null || break; sleep 0.5; done
+        for _ in $(seq 60); do kill -0 -- "-$pid" 2> /dev/null || break; sleep 0.5; done
+        kill -0 -- "-$pid" 2> /dev/null && stragglers+=" $pid"
         kill -KILL -- "-$pid" 2> /dev/null
+        wait "$pid" 2> /dev/null; codes+=" $?"
     done
+    if [ "${#TRAINER_PIDS[@]}" -gt 0 ]; then
+        if [ -z "$stragglers" ] && [ -z "${codes// 0/}" ]; then
+            record PASS "volunteers leave" "SIGTERM: exit codes$codes, no child process left"
+        else record FAIL "volunteers leave" "SIGTERM: exit codes$codes; still running after 30 s:${stragglers:- none}"; fi
+    fi
+    "$DOCKER" rm -f "$DOCKER_RUN_NAME" > /dev/null 2>&1
+    "$DOCKER" volume rm "$DOCKER_RUN_NAME" > /dev/null 2>&1
     if [ "$STACK_UP" = 1 ]; then
         for service in coordinator-a coordinator-b monitor trainer; do
             local id; id=$(container "$service")
@@ -160,6 +174,8 @@ teardown() {
         left+=$("$DOCKER" ps -aq --filter "label=com.docker.compose.project=$PROJECT" | sed 's/^/ container-/' | tr '\n' ' ')
         left+=$("$DOCKER" volume ls -q --filter "label=com.docker.compose.project=$PROJECT" | sed 's/^/ volume-/' | tr '\n' ' ')
     fi
+    "$DOCKER" ps -aq --filter "name=^$DOCKER_RUN_NAME\$" | grep -q . && left+=" container-$DOCKER_RUN_NAME"
+    "$DOCKER" volume ls -q --filter "name=^$DOCKER_RUN_NAME\$" | grep -q . && left+=" volume-$DOCKER_RUN_NAME"
     left+=$(ip netns list | awk '/^lcc-/{print " netns-"$1}' | tr '\n' ' ')
     if [ -z "${left// /}" ]; then record PASS "teardown" "no trainer, container, volume or namespace left"
     else record FAIL "teardown" "left behind:$left"; fi
@@ -201,8 +217,10 @@ if [ -z "${BASE_IMAGE:-}" ]; then
         BASE_IMAGE=local/lioncub-base:bookworm
         if [ "${REBUILD_BASE:-0}" = 1 ] || ! "$DOCKER" image inspect "$BASE_IMAGE" > /dev/null 2>&1; then
             command -v debootstrap > /dev/null || die "base image" "no registry and no debootstrap: apt-get install debootstrap"
-            mirror=$(grep -rhoE 'https?://[^ ]+/debian/?' /etc/apt/sources.list /etc/apt/sources.list.d/ 2> /dev/null \
-                     | grep -v security | head -1)
+            # the Debian mirror apt uses here ("deb URI ..." lines or deb822 "URIs:"), comments left out
+            mirror=$( (cat /etc/apt/sources.list /etc/apt/sources.list.d/* 2> /dev/null || true) | grep -vE '^\s*#' \
+                     | grep -E '^\s*(deb|URIs:)\s' | grep -oE 'https?://[^ ]+/debian/?(\s|$)' | grep -v security \
+                     | head -1 | tr -d ' ' || true)
             suite=$(. /etc/os-release && echo "${VERSION_CODENAME:-bookworm}")
             rootfs=$(mktemp -d /var/tmp/lioncub-rootfs.XXXXXX)
             say "no image registry reachable: debootstrap $suite from ${mirror:-http://deb.debian.org/debian}"
@@ -277,7 +295,8 @@ compose up -d --no-build coordinator-a coordinator-b monitor > "$LOGS/compose-up
     || { cat "$LOGS/compose-up.log"; die "compose up" "failed"; }
 A=$(container coordinator-a)
 printed_peers() { "$DOCKER" logs "$A" 2>&1 | sed -n 's/^ *--initial-peers //p'; }
-wait_until "$WAIT_S" "coordinator-a to print its addresses" test -n "$(printed_peers)" \
+has_printed() { [ -n "$(printed_peers)" ]; }
+wait_until "$WAIT_S" "coordinator-a to print its addresses" has_printed \
     || die "compose up" "coordinator-a printed no --initial-peers: $("$DOCKER" logs --tail 5 "$A" 2>&1 | tr '\n' ' ')"
 INITIAL_PEERS=$(printed_peers | head -1)
 ID_BEFORE=$(grep -oE '/p2p/[A-Za-z0-9]+' <<< "$INITIAL_PEERS" | head -1 | cut -d/ -f3)
@@ -316,14 +335,18 @@ record PASS "volunteers train together" "first step after ${first_step_s} s, pee
 # -- 5. restart coordinator-a: same identity, the run goes on ---------------------------------------------
 s_before=$(min_step)
 t_restart=$(date +%s)
-compose restart coordinator-a > "$LOGS/compose-restart.log" 2>&1 || die "restart coordinator-a" "compose restart failed"
-ready_twice() { [ "$(printed_peers | wc -l)" -ge 2 ]; }
-wait_until "$WAIT_S" "coordinator-a to come back" ready_twice || die "restart coordinator-a" "it printed no new addresses"
+"$DOCKER" logs -t "$A" > "$LOGS/coordinator-a.before-restart.log" 2>&1
+compose up -d --no-build --no-deps --force-recreate coordinator-a > "$LOGS/compose-restart.log" 2>&1 \
+    || die "restart coordinator-a" "compose up --force-recreate failed"
+A_OLD=$A
+A=$(container coordinator-a)
+[ "$A" != "$A_OLD" ] || die "restart coordinator-a" "the container was not recreated"
+wait_until "$WAIT_S" "coordinator-a to come back" has_printed || die "restart coordinator-a" "it printed no new addresses"
 ID_AFTER=$(printed_peers | tail -1 | grep -oE '/p2p/[A-Za-z0-9]+' | head -1 | cut -d/ -f3)
 wait_until "$WAIT_S" "coordinator-a healthy again" all_healthy coordinator-a || die "restart coordinator-a" "not healthy"
 back_s=$(( $(date +%s) - t_restart ))
 [ "$ID_AFTER" = "$ID_BEFORE" ] || die "coordinator-a identity" "peer id changed: $ID_BEFORE -> $ID_AFTER"
-record PASS "coordinator-a identity" "same peer id $ID_AFTER after restart (back in ${back_s} s)"
+record PASS "coordinator-a identity" "same peer id $ID_AFTER in a new container (back in ${back_s} s)"
 wait_until "$WAIT_S" "volunteers stepping after the restart" steps_at_least $((s_before + 30)) "${VOLUNTEERS[@]}" \
     || die "run survives restart" "steps stuck at $(min_step)"
 peers_at_least 2 "${VOLUNTEERS[@]}" || die "run survives restart" "a volunteer fell out of the group"
@@ -355,5 +378,20 @@ monitor_ok() {
 wait_until 60 "the monitor to count 3 peers" monitor_ok || die "monitor" "last line: $monitor_line"
 monitor_line=$("$DOCKER" exec "$(container monitor)" tail -1 /data/monitor.jsonl)
 record PASS "monitor" "$(sed -E 's/.*"peers_alive": ([0-9]+).*"global_step": ([0-9]+).*/peers alive \1, global step \2/' <<< "$monitor_line")"
+# -- 7. a volunteer with the documented `docker run` (host network, as on a volunteer's own machine) ----------
+"$DOCKER" run -d --name "$DOCKER_RUN_NAME" --network host --init -v "$DOCKER_RUN_NAME:/data" "$IMAGE" \
+    lioncub-train --run-id "$RUN_ID" --initial-peers $INITIAL_PEERS --identity-path /data/identity.key \
+    --task "$TASK" --quiet --metrics-jsonl /data/metrics.jsonl $BOUNDS > /dev/null \
+    || die "docker run volunteer" "docker run failed"
+docker_run_step() {
+    "$DOCKER" exec "$DOCKER_RUN_NAME" tail -1 /data/metrics.jsonl 2> /dev/null | sed -nE 's/.*"step": ([0-9]+).*/\1/p'
+}
+docker_run_started() { [ -n "$(docker_run_step)" ]; }
+wait_until "$WAIT_S" "the docker run volunteer to step" docker_run_started \
+    || die "docker run volunteer" "no step: $("$DOCKER" logs --tail 3 "$DOCKER_RUN_NAME" 2>&1 | tr '\n' ' ')"
+wait_until "$WAIT_S" "peers 4/4 on both volunteers" peers_at_least 4 "${VOLUNTEERS[@]}" \
+    || die "docker run volunteer" "volunteers see peers $(last_metric "$(trainer_log "${VOLUNTEERS[0]}")" peers)"
+record PASS "docker run volunteer" "joined with the printed --initial-peers at step $(docker_run_step), peers 4/4"
+
 all_healthy coordinator-a coordinator-b monitor trainer || die "healthchecks" "not all healthy at the end"
 record PASS "healthchecks" "coordinator-a coordinator-b monitor trainer: healthy"

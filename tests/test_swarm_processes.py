@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -18,22 +16,6 @@ from procs import Processes, last_step, read_jsonl, wait_for_file
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
-
-
-def test_compose_file_is_valid():
-    spec = yaml.safe_load(COMPOSE.read_text())
-    services = spec["services"]
-    assert {"coordinator-a", "coordinator-b", "monitor"} <= set(services)
-    build = services["coordinator-a"]["build"]
-    assert (ROOT / build["context"] / build["dockerfile"]).exists()
-    for name in ("coordinator-a", "coordinator-b"):
-        service = services[name]
-        assert any(v.endswith(":/data") for v in service["volumes"])  # identity file survives restarts
-        assert "--identity-path /data/identity.key" in " ".join(service["command"].split())
-        assert service["ports"]
-    assert set(spec["volumes"]) >= {"coordinator-a", "coordinator-b", "bootstrap"}
-    if shutil.which("docker-compose"):  # the reference validator, where installed
-        subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"], check=True)
 
 
 def compose_command(service: str, run_id: str, data: Path, bootstrap: Path, port: int) -> list[str]:
