@@ -123,6 +123,7 @@ def test_sigint_reaches_a_trainer_started_in_the_background_of_a_script(tmp_path
     shell = subprocess.Popen(["bash", "-c", script], cwd=tmp_path, env=ENV, start_new_session=True)
     try:
         sleeper = int(wait_for_file(tmp_path / "sleep.pid", 30))
+        _wait(lambda: (_stat(sleeper) or (0, "", 0, ""))[3] == "sleep", 30, "the background job to start")  # exec'd
         ignored = int(Path(f"/proc/{sleeper}/status").read_text().split("SigIgn:")[1].split()[0], 16)
         assert ignored & (1 << (signal.SIGINT - 1)), "the premise: background jobs of a script ignore SIGINT"
         pid = int(wait_for_file(tmp_path / "t0.pid", 30))
@@ -191,6 +192,40 @@ def test_preflight_reports_each_check(tmp_path):
             fail = [line for line in out.splitlines() if "[FAIL]" in line]
             assert len(fail) == 1 and "--run-secret" in fail[0], (name, out)
         assert "private" in results["no secret"][1]
+    finally:
+        procs.close()
+
+
+@pytest.mark.slow
+def test_trainers_adopt_the_coordinators_manifest(tmp_path):
+    """lioncub-coordinator --manifest run.yaml: a trainer with no flags on the task trains what it says
+    (byte-gpt 16 wide: the final state has exactly ByteGPT(width=16)'s tensors); one that insists on
+    another task stops with one line naming both."""
+    import torch
+
+    from lioncub_p2p.swarm import snapshot
+    from lioncub_p2p.tasks.byte_gpt import ByteGPT
+
+    (tmp_path / "run.yaml").write_text("task: byte-gpt\ntask_args: {hidden: 16}\nbatch_size: 4\nlr: 0.002\n")
+    procs = Processes(tmp_path)
+    try:
+        procs.start("coord", ["lioncub_p2p.cli.coordinator", "--run-id", "man", *LOOPBACK, "--manifest", "run.yaml",
+                              "--write-maddrs", str(tmp_path / "a")])
+        wait_for_file(tmp_path / "a", 90)
+        assert "published run man's manifest" in procs.log("coord")
+        peers = ["--run-id", "man", "--initial-peers-file", str(tmp_path / "a"), *LOOPBACK, "--quiet"]
+        done = _train(*peers, "--steps", "6", "--final-state", "final.state", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "training byte-gpt" in done.stderr and "test bits per byte" in done.stdout
+        header, _ = snapshot.read_header((tmp_path / "final.state").read_bytes())
+        expected = [[f"param:{name}", "float32", list(p.shape)] for name, p in ByteGPT(64, 16).named_parameters()]
+        assert [list(e) for e in header["tensors"] if e[0].startswith("param:")] == expected
+        assert header["step"] == 6 and sum(torch.Size(e[2]).numel() for e in expected) < 20_000  # 16 wide, not 128
+
+        other = _train(*peers, "--steps", "6", "--task", "digits", cwd=tmp_path)
+        assert other.returncode == 1
+        last = other.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: ") and "task=digits" in last and "task=byte-gpt" in last, other.stderr
     finally:
         procs.close()
 

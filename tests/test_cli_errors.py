@@ -137,6 +137,19 @@ def test_addresses_checked_before_the_dht_starts(capsys, main, flag, address, wo
     one_line_error(main, [flag, address], capsys, *words)
 
 
+@pytest.mark.parametrize("content, words", [
+    (None, ["cannot read the manifest"]),
+    ("task: byte-gpt\nlearning_rate: 0.1\n", ["unknown field 'learning_rate'"]),
+    ("task: [byte-gpt\n", ["not valid YAML"]),
+    ("lr: -1\n", ["lr"]),
+])
+def test_coordinator_manifest_mistakes(tmp_path, capsys, content, words):
+    path = tmp_path / "run.yaml"
+    if content is not None:
+        path.write_text(content)
+    one_line_error(coordinator.main, ["--manifest", str(path), *LOOPBACK], capsys, f"--manifest {path}", *words)
+
+
 def test_peers_file_with_a_bad_address(tmp_path, capsys):
     peers = tmp_path / "coordinator.maddrs"
     peers.write_text(f"/ip4/127.0.0.1/tcp/31337/p2p/{PEER_ID}\n/ip4/127.0.0.1/tcp/31338\n")

@@ -4,7 +4,9 @@
 
 Listens on every interface (TCP and QUIC) by default, prints its multiaddrs (give them to trainers
 as --initial-peers) sorted by who can dial them, and keeps a stable peer id across restarts through
-the identity file. With --monitor-jsonl it logs, every --monitor-period seconds, the peers alive,
+the identity file. With --manifest run.yaml it publishes the run's settings (task, lr, batch size,
+encodings, ...; signed with its identity) and keeps them alive: trainers that name this coordinator
+in --initial-peers adopt them. With --monitor-jsonl it logs, every --monitor-period seconds, the peers alive,
 the global step, samples/s and bytes/s, and appends them as JSON lines. SIGINT and SIGTERM stop it
 cleanly (its DHT child and libp2p daemon included).
 """
@@ -22,7 +24,10 @@ from pathlib import Path
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from ..identity import Identity
+from ..swarm.manifest import MANIFEST_TTL, Manifest, ManifestError, publish_manifest
 from ..swarm.membership import PeerRecord
+from ..swarm.records import RunRecordValidator
 from .addresses import LISTEN_ALL, check_listen, check_peers, reachability
 from .checks import check_run_id, check_writable_file
 from .common import HelpFormatter, UsageError, read_peers_file, setup_logging
@@ -42,6 +47,9 @@ def parse_args(argv: list[str] | None = None, *, monitor_default: bool = False) 
     p.add_argument("--initial-peers", nargs="*", default=[], help="other coordinators' multiaddrs")
     p.add_argument("--initial-peers-file", default=None, help="read initial peers from this file (waits for it)")
     p.add_argument("--identity-path", default=None, help="private key file: keeps the peer id across restarts")
+    p.add_argument("--manifest", default=None,
+                   help="publish this YAML file as the run's manifest (task, task_args, lr, batch_size, upload, ...): "
+                        "trainers that dial this coordinator adopt it")
     p.add_argument("--write-maddrs", default=None, help="write this peer's multiaddrs to this file")
     p.add_argument("--write-maddrs-host", default=None,
                    help="in that file, address this peer by this DNS name (e.g. its compose service name)")
@@ -113,24 +121,57 @@ def check_settings(args: argparse.Namespace) -> list[str]:
     return initial
 
 
+def read_manifest(path: str | None) -> Manifest | None:
+    if not path:
+        return None
+    try:
+        return Manifest.from_yaml(path)
+    except ManifestError as e:
+        raise UsageError(f"--manifest {e}") from None
+
+
 def serve(args: argparse.Namespace, stop: StopSignals) -> None:
     initial = check_settings(args)
+    manifest = read_manifest(args.manifest)
+    identity = None
+    if manifest is not None:  # signed with the DHT's own key: trainers trust it by the peer id they dial
+        try:
+            identity = Identity.load_or_create(args.identity_path)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--identity-path {args.identity_path}: not a usable identity file ({e})") from None
     try:
         dht = DHT(start=True, initial_peers=initial, host_maddrs=args.host_maddrs,
-                  announce_maddrs=args.announce_maddrs or None, identity_path=args.identity_path,
+                  announce_maddrs=args.announce_maddrs or None,
+                  identity_path=identity.path if identity is not None else args.identity_path,
+                  record_validators=[RunRecordValidator([args.run_id])],  # refuse forged records of lioncub runs
                   client_mode=args.client_mode, no_listen=args.client_mode, nat_port_map=args.nat_probing,
                   auto_nat=args.nat_probing)
     except Exception as e:
         raise UsageError(f"the DHT did not start ({' '.join(str(e).split())[:300]}). If --initial-peers are set, are "
                          f"they reachable? Is another process using this identity file or port?") from None
     try:
-        _serve(args, dht, stop)
+        _serve(args, dht, stop, manifest, identity)
     finally:
         dht.shutdown()
         print("coordinator stopped", flush=True)
 
 
-def _serve(args: argparse.Namespace, dht: DHT, stop: StopSignals) -> None:
+def _publish(dht: DHT, run_id: str, manifest: Manifest, identity: Identity) -> bool:
+    try:
+        stored = publish_manifest(dht, run_id, manifest, identity)
+    except Exception as e:  # the DHT is busy or has no peers yet: try again soon
+        logger.warning("could not publish run %s's manifest: %s: %s", run_id, type(e).__name__, e)
+        return False
+    if stored:
+        logger.info("published run %s's manifest: %s", run_id, json.dumps(manifest.payload(), sort_keys=True))
+    return stored
+
+
+def _serve(args: argparse.Namespace, dht: DHT, stop: StopSignals, manifest: Manifest | None = None,
+           identity: Identity | None = None) -> None:
+    republish = 0.0  # when the manifest is stored next (kept alive at a third of its lifetime)
+    if manifest is not None:  # before the addresses go out: the first trainer must find it
+        republish = time.monotonic() + (MANIFEST_TTL / 3 if _publish(dht, args.run_id, manifest, identity) else 5.0)
     maddrs = [] if args.client_mode else [str(m) for m in dht.get_visible_maddrs()]
     if maddrs:
         print("coordinator ready; trainers join with:\n  --initial-peers " + " ".join(maddrs), flush=True)
@@ -149,8 +190,10 @@ def _serve(args: argparse.Namespace, dht: DHT, stop: StopSignals) -> None:
     pause = threading.Event()  # never set: waits that a stop signal interrupts
     deadline = time.monotonic() + args.duration if args.duration else None
     monitoring = args.monitor or args.monitor_jsonl
-    while not stop.requested and not pause.wait(args.monitor_period if monitoring else 1.0):
-        if deadline and time.monotonic() > deadline:
+    while not stop.requested:
+        if manifest is not None and time.monotonic() >= republish:
+            republish = time.monotonic() + (MANIFEST_TTL / 3 if _publish(dht, args.run_id, manifest, identity) else 5.0)
+        if pause.wait(args.monitor_period if monitoring else 1.0) or (deadline and time.monotonic() > deadline):
             break
         if monitoring:
             summary = run_summary(dht, args.run_id)
