@@ -211,35 +211,10 @@ def test_forged_results_for_a_dead_reducers_part_are_ignored():
 
 
 @pytest.mark.slow
-def test_recovery_must_succeed_when_one_voter_holds_the_signed_result():
-    """Reducer 2 answers voter 0 only, then dies: the others must recover its part from voter 0
-    (status "recovered") and apply exactly the numpy vote."""
-    numel, reducer, holder = 8 * 6000, 2, 0
-    codes = _codes("sign", 4, numel, seed=22)
-    with LocalSwarm(4) as swarm:
-        node = swarm.nodes[reducer]
-        node._outcome_for = lambda state, voter, outcome: outcome if voter == holder else None
-        send = node._send_result
-
-        async def answer_holder_only(writer, state, part, outcome):
-            if outcome is None:
-                await asyncio.sleep(60)  # the others get nothing from this reducer
-            else:
-                await send(writer, state, part, outcome)
-
-        node._send_result = answer_holder_only
-        swarm.nodes[holder].on_event.append(lambda event: event == f"result:{reducer}" and swarm.kill(reducer))
-        results = swarm.allreduce(codes)
-        want = numpy_vote(codes, "sign", "majority", numel, 0, 0)
-        for i in (0, 1, 3):
-            np.testing.assert_array_equal(as_values(results[i], numel), want)
-        assert swarm.reports[holder].parts[reducer].status == "ok"
-        assert {swarm.reports[i].parts[reducer].status for i in (1, 3)} == {"recovered"}
-        assert all(swarm.reports[i].parts[reducer].counted == [0, 1, 2, 3] for i in (0, 1, 3))
-
-
-@pytest.mark.slow
 def test_recovery_must_fail_when_nobody_received_the_result():
+    """The reducer dies before answering anyone (recovery must succeed: test_allreduce.py,
+    test_reducer_killed_mid_answer_survivors_agree): nobody holds its signed result, so every
+    survivor applies zero there and the numpy vote elsewhere."""
     numel, reducer = 8 * 6000, 2
     codes = _codes("sign", 4, numel, seed=23)
     with LocalSwarm(4) as swarm:
@@ -393,17 +368,17 @@ async def _outsider(swarm: LocalSwarm):
 
 
 async def _hold_streams(p2p, peer_id: str, protocol: str, count: int, until: asyncio.Event,
-                        first: bytes = b"") -> int:
+                        first: bytes = b"", dialed: list | None = None) -> int:
     """Keep ``count`` streams open to ``peer_id`` (re-dialing any that close) until ``until``; returns
-    how many were dialed. ``first``: bytes written on each (e.g. the start of a frame), else silence."""
-    dialed = 0
+    how many were dialed (also counted live in ``dialed[0]``). ``first``: bytes written on each (e.g.
+    the start of a frame), else silence."""
+    dialed = dialed if dialed is not None else [0]
 
     async def one() -> None:
-        nonlocal dialed
         while not until.is_set():
             try:
                 _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
-                dialed += 1
+                dialed[0] += 1
                 if first:
                     writer.write(first)
                 try:
@@ -420,7 +395,7 @@ async def _hold_streams(p2p, peer_id: str, protocol: str, count: int, until: asy
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    return dialed
+    return dialed[0]
 
 
 @pytest.mark.slow
@@ -621,3 +596,160 @@ async def _cancel(tasks) -> None:
     for task in list(tasks):
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.mark.slow
+def test_probe_floods_cannot_grow_a_peer():
+    """An outsider opens 48 probe streams at once, each announcing and sending 8 MiB: the member
+    serves one probe per peer (four in all), reads them block by block, and refuses the rest before
+    reading; its memory does not grow by the announced bytes (old: +384 MiB), and a member's own
+    probe is still answered."""
+    from lioncub_p2p.swarm.probe import BLOCK, MAX_PROBE_BYTES, PROBE_PROTOCOL, measure, serve_probe
+
+    with LocalSwarm(2) as swarm:
+        victim = swarm.nodes[0]
+        gate = swarm.run(serve_probe(victim.p2p))
+        outsider = swarm.run(_outsider(swarm))
+
+        async def probe_flood() -> None:
+            async def one() -> None:
+                try:
+                    _, reader, writer = await outsider.call_binary_stream_handler(PeerID.from_base58(victim.peer_id),
+                                                                                  PROBE_PROTOCOL)
+                    await write_frame(writer, pb.ProbeRequest(version=PROTOCOL_VERSION, upload_bytes=MAX_PROBE_BYTES,
+                                                              download_bytes=MAX_PROBE_BYTES))
+                    block = bytes(BLOCK)
+                    for _ in range(MAX_PROBE_BYTES // BLOCK):
+                        writer.write(block)
+                        await writer.drain()
+                    while await asyncio.wait_for(reader.read(BLOCK), 30):
+                        pass
+                except Exception:
+                    pass
+
+            await asyncio.gather(*(one() for _ in range(48)))
+
+        before = _rss_mib()
+        flood = asyncio.run_coroutine_threadsafe(probe_flood(), swarm._loop.loop)
+        up, down = swarm.run(measure(swarm.nodes[1].p2p, victim.peer_id, nbytes=1 << 20))
+        flood.result(120)
+        growth = _rss_mib() - before
+        swarm.run(outsider.shutdown())
+    print(f"probe flood: RSS +{growth:.0f} MiB, {gate.refused} streams refused, member probe {up:.0f}/{down:.0f} Mbit/s")
+    assert up > 0 and down > 0
+    assert gate.refused >= 40 and growth < 32
+
+
+@pytest.mark.slow
+def test_idle_streams_do_not_take_a_donors_download_slots():
+    """20 idle state streams from an outsider (it never sends its request): the donor's one download
+    slot stays free for a member, who gets the state at once."""
+    from lioncub_p2p.swarm.state_transfer import STATE_PROTOCOL, StateServer, download_state
+
+    blob = bytes(range(256)) * 4096
+    digest = hashlib.sha256(blob).digest()
+    with LocalSwarm(2) as swarm:
+        donor = swarm.nodes[0]
+        server = StateServer(donor.p2p, "run", max_uploads=1, provider=lambda min_step: (7, blob, digest))
+        swarm.run(server.start())
+        outsider = swarm.run(_outsider(swarm))
+        stop = asyncio.Event()
+        idle = asyncio.run_coroutine_threadsafe(_hold_streams(outsider, donor.peer_id, STATE_PROTOCOL, 20, stop),
+                                                swarm._loop.loop)
+        try:
+            time.sleep(1.0)
+            started = time.monotonic()
+            step, got, got_digest = swarm.run(download_state(swarm.nodes[1].p2p, [donor.peer_id], "run", min_step=1,
+                                                             max_bytes=len(blob), timeout=30, attempts=1))
+            assert time.monotonic() - started < 3  # no "busy", no back-off
+        finally:
+            swarm._loop.loop.call_soon_threadsafe(stop.set)
+            idle.result(60)
+            swarm.run(outsider.shutdown())
+        assert (step, got, got_digest) == (7, blob, digest)
+        assert server.gate.refused > 0 and server._uploads == 0
+
+
+VICTIM = r"""
+import json, logging, resource, sys
+import numpy as np, torch
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from lioncub_p2p import ops
+from lioncub_p2p.testing import LocalSwarm
+numel = 8 * 8000
+codes = [ops.pack_signs(torch.randn(numel, generator=torch.Generator().manual_seed(i))) for i in range(3)]
+bits = np.stack([np.unpackbits(c.numpy(), bitorder="little")[:numel] for c in codes])
+want = np.packbits(bits.sum(0) * 2 > 3, bitorder="little")
+with LocalSwarm(3) as swarm:
+    swarm.allreduce(codes)
+    async def maddrs():
+        return [str(m) for m in await swarm.nodes[0].p2p.get_visible_maddrs()]
+    print(json.dumps({"maddrs": swarm.run(maddrs()), "peer": swarm.nodes[0].peer_id}), flush=True)
+    sys.stdin.readline()
+    exact = []
+    for step in range(1, 6):
+        results = swarm.allreduce(codes, step=step)
+        exact.append(all(np.array_equal(r.numpy(), want) for r in results))
+    print(json.dumps({"exact": exact}), flush=True)
+"""
+
+
+def _readline(proc, timeout: float) -> str:
+    """A line of the process's stdout, or "" after ``timeout`` seconds."""
+    import select
+
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    return proc.stdout.readline() if ready else ""
+
+
+@pytest.mark.slow
+def test_too_many_open_files_cannot_be_provoked_at_ulimit_1024(tmp_path):
+    """A trainer process limited to 1024 file descriptors; an outsider keeps 700 streams open at each
+    of its vote, fetch and audit handlers (2100 at once, re-dialing each as it is closed) through five
+    rounds: no "Too many open files", and every round is the exact majority."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from hivemind.p2p import P2P
+
+    from lioncub_p2p.aio import BackgroundLoop
+    from lioncub_p2p.allreduce.node import AUDIT_PROTOCOL, VOTE_PROTOCOL
+
+    stderr = open(tmp_path / "victim.log", "w")
+    victim = subprocess.Popen([sys.executable, "-c", VICTIM], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=stderr, text=True, start_new_session=True)
+    loop = BackgroundLoop("outsider")
+    try:
+        hello = json.loads(_readline(victim, 120))
+        outsider = loop.run(P2P.create(initial_peers=hello["maddrs"], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                       nat_port_map=False, auto_nat=False), timeout=60)
+        stop, dialed = asyncio.Event(), [0]
+        floods = [asyncio.run_coroutine_threadsafe(_hold_streams(outsider, hello["peer"], proto, 700, stop,
+                                                                 dialed=dialed), loop.loop)
+                  for proto in (VOTE_PROTOCOL, FETCH_PROTOCOL, AUDIT_PROTOCOL)]
+        deadline = time.monotonic() + 60
+        while dialed[0] < 2100:  # more streams than the victim has file descriptors reached it
+            assert time.monotonic() < deadline, dialed
+            time.sleep(0.1)
+        victim.stdin.write("go\n")
+        victim.stdin.flush()
+        done = json.loads(_readline(victim, 120) or "{}")
+        loop.loop.call_soon_threadsafe(stop.set)
+        [f.result(120) for f in floods]
+        loop.run(outsider.shutdown(), timeout=30)
+        victim.stdin.close()
+        victim.wait(60)
+    finally:
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+        loop.stop()
+    stderr.close()
+    log = (tmp_path / "victim.log").read_text()
+    assert victim.returncode == 0 and done.get("exact") == [True] * 5, log[-3000:]
+    assert dialed[0] >= 2100
+    assert "Too many open files" not in log and "out of system resource" not in log, log[-3000:]
