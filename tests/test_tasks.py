@@ -82,7 +82,7 @@ def test_user_task_module_function_trains_alone(tmp_path):
 
     expected = _lion_reference(start, grads, batches, steps, lr, wd)
     trained, _, _, _ = mytask.make_task(0)  # another init: the snapshot must overwrite every value
-    assert snapshot.load(LionCub(trained.parameters(), lr=lr), (tmp_path / "final.state").read_bytes()) == steps
+    assert snapshot.load(LionCub(trained.named_parameters(), lr=lr), (tmp_path / "final.state").read_bytes()) == steps
     for got, want in zip(trained.parameters(), expected):
         np.testing.assert_allclose(got.detach().double().numpy(), want, rtol=0, atol=1e-5)
     assert '"eval_loss"' in (tmp_path / "eval.json").read_text()
