@@ -154,14 +154,29 @@ teardown() {
             record PASS "volunteers leave" "SIGTERM: exit codes$codes, no child process left"
         else record FAIL "volunteers leave" "SIGTERM: exit codes$codes; still running after 30 s:${stragglers:- none}"; fi
     fi
-    "$DOCKER" rm -f "$DOCKER_RUN_NAME" > /dev/null 2>&1
-    "$DOCKER" volume rm "$DOCKER_RUN_NAME" > /dev/null 2>&1
+    # containers get SIGTERM from `docker stop` / `compose stop`: each must leave and exit 0 in its grace time
+    local stopped="" exits=""
+    if [ -n "${DOCKER:-}" ] && "$DOCKER" inspect "$DOCKER_RUN_NAME" > /dev/null 2>&1; then
+        "$DOCKER" stop -t 30 "$DOCKER_RUN_NAME" > /dev/null 2>&1
+        "$DOCKER" logs -t "$DOCKER_RUN_NAME" > "$LOGS/docker-run-volunteer.log" 2>&1
+        stopped+=" $DOCKER_RUN_NAME=$("$DOCKER" inspect -f '{{.State.ExitCode}}' "$DOCKER_RUN_NAME")"
+        "$DOCKER" rm -f "$DOCKER_RUN_NAME" > /dev/null 2>&1
+    fi
+    [ -n "${DOCKER:-}" ] && "$DOCKER" volume rm "$DOCKER_RUN_NAME" > /dev/null 2>&1
     if [ "$STACK_UP" = 1 ]; then
+        compose stop --timeout 30 > "$LOGS/compose-stop.log" 2>&1
         for service in coordinator-a coordinator-b monitor trainer; do
             local id; id=$(container "$service")
-            [ -n "$id" ] && "$DOCKER" logs -t "$id" > "$LOGS/$service.log" 2>&1
+            [ -n "$id" ] || continue
+            "$DOCKER" logs -t "$id" > "$LOGS/$service.log" 2>&1
+            stopped+=" $service=$("$DOCKER" inspect -f '{{.State.ExitCode}}' "$id")"
         done
         compose down -v --remove-orphans --timeout 20 > "$LOGS/compose-down.log" 2>&1
+    fi
+    if [ -n "$stopped" ]; then
+        exits=$(tr ' ' '\n' <<< "$stopped" | grep -v '=0$' | tr '\n' ' ' || true)
+        if [ -z "${exits// /}" ]; then record PASS "containers stop" "exit codes:$stopped"
+        else record FAIL "containers stop" "exit codes:$stopped"; fi
     fi
     for ns in "${VOLUNTEERS[@]}" "$NS_INET"; do ip netns del "$ns" 2> /dev/null; done
     ip link del lcc-host 2> /dev/null
