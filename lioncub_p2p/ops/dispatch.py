@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from types import ModuleType
 
 import torch
@@ -31,7 +32,7 @@ def triton_impl() -> ModuleType | None:
 
 @functools.lru_cache(maxsize=1)
 def numba_impl() -> ModuleType | None:
-    if _forced_torch():
+    if _forced_torch() or sys.byteorder != "little":  # the kernels' bit order assumes little-endian lanes
         return None
     try:
         from . import numba_impl as impl

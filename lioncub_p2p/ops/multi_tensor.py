@@ -184,7 +184,8 @@ class LionKernels:
         stream keyed keys[i]), then m_i ← β2·m_i + (1−β2)·g_i. ``grads[i]`` None means g_i = 0;
         ``betas`` has one (β1, β2) per group; ``out`` is contiguous uint8 on ``device``."""
         self._check_params()
-        if out.device != self.device or out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() < self.nbytes:
+        if (out.device != self.device or out.dtype != torch.uint8 or not out.is_contiguous()
+                or out.numel() < self.nbytes):
             raise ValueError(f"out must be a contiguous uint8 tensor of >= {self.nbytes} bytes on {self.device}")
         betas = np.asarray(betas, dtype=np.float64).reshape(-1, 2)[self.group_index]
         coefs = coefficients(betas[:, 0], betas[:, 1])

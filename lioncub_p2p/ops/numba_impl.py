@@ -1,13 +1,14 @@
 """CPU kernels compiled by numba: one pass over memory, the same bytes as ``torch_impl``.
 
 Each kernel walks the tensors it is given by raw address, 8 elements (one packed byte) per step, so
-many tensors cost one call. float32 tensors only: other dtypes and layouts go to ``torch_impl`` (see
-the wrappers at the end). Exact zeros of the direction cost one extra hash per byte that holds one,
-not a slow path for the whole chunk.
+many tensors cost one call. float32 tensors only: other dtypes go to ``torch_impl`` (see the
+wrappers at the end). Exact zeros of the direction take the zero-sign stream's bits, one hash word
+per 4 output bytes computed whether or not a zero needs it: no branch, no slow path.
 
 The 8-lane steps are LLVM intrinsics: a comparison of 8 lanes becomes the packed byte itself
 (``fcmp`` then ``bitcast <8 x i1> to i8``: one ``movmskps`` on x86), and a byte becomes 8 lanes the
-same way back, so neither packing nor unpacking needs a table or a per-bit loop. Rounding follows
+same way back (lane 0 is bit 0 on little-endian machines, the only ones ``dispatch`` sends here),
+so neither packing nor unpacking needs a table or a per-bit loop. Rounding follows
 torch's CPU kernels exactly: ``m.mul(β)`` rounds to float32, ``add_(g, alpha=a)`` is one fused
 multiply-add (``fma(g, a, x)``), and θ ± lr of a ±1 update is one float32 add (the product is exact).
 LLVM picks the vector width the CPU has; there are no fast-math flags, so nothing else is fused.
@@ -35,6 +36,7 @@ _V8 = ir.VectorType(_F32, 8)
 _MASK8 = ir.VectorType(_I1, 8)
 _PTR = ir.PointerType()
 _ZERO8 = ir.Constant(_V8, [0.0] * 8)
+
 
 def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
     """llvm.fma on scalars or <8 x float> (llvmlite's builder.fma takes scalars only)."""
@@ -404,7 +406,8 @@ def unpack_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.
     return out
 
 
-def lion_direction_pack(grad: torch.Tensor, exp_avg: torch.Tensor, beta1: float, beta2: float, key: int) -> torch.Tensor:
+def lion_direction_pack(grad: torch.Tensor, exp_avg: torch.Tensor, beta1: float, beta2: float,
+                        key: int) -> torch.Tensor:
     if not _fast(grad, exp_avg):
         return torch_impl.lion_direction_pack(grad, exp_avg, beta1, beta2, key)
     g = grad.reshape(-1).contiguous()
