@@ -422,3 +422,18 @@ def test_lion_kernels_copy_a_non_contiguous_gradient_first():
     ops.LionKernels(params, moms, [0, 4]).direction_pack(grads, [(0.9, 0.99)], keys, out)
     assert torch.equal(out, expected)
     assert all(torch.equal(a, b) for a, b in zip(moms, expected_moms))
+
+
+def test_lioncub_kernels_torch_forces_the_reference_path(monkeypatch):
+    try:
+        monkeypatch.setenv("LIONCUB_KERNELS", "torch")
+        dispatch.numba_impl.cache_clear()
+        dispatch.triton_impl.cache_clear()
+        assert dispatch.impl_for(torch.zeros(3)) is torch_impl
+        monkeypatch.delenv("LIONCUB_KERNELS")
+        dispatch.numba_impl.cache_clear()
+        assert dispatch.impl_for(torch.zeros(3)) is numba_impl
+    finally:
+        monkeypatch.delenv("LIONCUB_KERNELS", raising=False)
+        dispatch.numba_impl.cache_clear()
+        dispatch.triton_impl.cache_clear()
