@@ -312,3 +312,29 @@ def test_every_visible_option_has_help_and_test_options_are_hidden():
     for shown in ("(default: demo)", "(default: 1000)", "/ip4/0.0.0.0/tcp/0", "[digits]", "[0.0003]", "[32]"):
         assert shown in train_help, shown
     assert "(default: None)" not in train_help and "(default: False)" not in train_help
+
+
+def test_stop_signals_wait_for_the_step_then_a_second_one_leaves_at_once():
+    """In a step (deferred) the first SIGTERM only asks to stop; a second one, or one while waiting,
+    interrupts at once; during the shutdown (leaving) signals are only recorded; handlers are restored."""
+    from lioncub_p2p.cli.lifecycle import Interrupted, StopSignals
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with StopSignals() as stop:
+        with stop.deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs between bytecodes of the main thread
+            assert stop.requested and stop.received == "SIGTERM"
+            with pytest.raises(Interrupted):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)
+        assert stop.received == "SIGINT"
+    with StopSignals() as stop:
+        with pytest.raises(Interrupted):  # waiting (not in a step): at once
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        stop.leaving()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert stop.received == "SIGINT"
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
