@@ -397,6 +397,10 @@ def test_lion_kernels_bad_arguments():
         kernels.direction_pack([None, None], [(0.9, 0.99)], keys, torch.zeros(4))
     with pytest.raises(ValueError, match=">= 4 bytes"):
         kernels.direction_pack([None, None], [(0.9, 0.99)], keys, torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="one gradient"):
+        kernels.direction_pack([None], [(0.9, 0.99)], keys, torch.zeros(4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="one key"):
+        kernels.direction_pack([None, None], [(0.9, 0.99)], keys[:1], torch.zeros(4, dtype=torch.uint8))
     for grads in ([None, torch.zeros(16)], [torch.zeros(3), torch.zeros(16)]):  # with and without a missing one
         with pytest.raises(ValueError, match="does not fit"):
             kernels.direction_pack(grads, [(0.9, 0.99)], keys, torch.zeros(4, dtype=torch.uint8))

@@ -187,6 +187,10 @@ class LionKernels:
         if (out.device != self.device or out.dtype != torch.uint8 or not out.is_contiguous()
                 or out.numel() < self.nbytes):
             raise ValueError(f"out must be a contiguous uint8 tensor of >= {self.nbytes} bytes on {self.device}")
+        if len(grads) != len(self.params) or len(keys) != len(self.params):
+            raise ValueError(f"need one gradient (or None) and one key per parameter ({len(self.params)}), "
+                             f"got {len(grads)} and {len(keys)}")
+        keys = np.asarray(keys, dtype=np.int64)
         betas = np.asarray(betas, dtype=np.float64).reshape(-1, 2)[self.group_index]
         coefs = coefficients(betas[:, 0], betas[:, 1])
         grads = list(grads)
