@@ -587,3 +587,59 @@ def test_shutdown_tells_the_group_at_once_and_leaves_no_process(caplog):
             t.join(30)
         for s in swarms:
             s.shutdown()
+
+
+def test_an_error_in_the_round_path_is_a_missed_round_not_an_exception():
+    """What escaped optimizer.step() before (ValueError: cannot convert float NaN to integer, raised
+    while building a round from a poisoned group) is now a missed round: a zero update (weight decay
+    only), counted, and the next step runs normally."""
+    swarm = Swarm(_config("missed"))
+    try:
+        model = digits_task(0, hidden=8).make_model(0)
+        opt = LionCub(model.named_parameters(), lr=1e-2, weight_decay=0.1, aggregator=swarm)
+        swarm.join(opt)
+        x, y = digits_task(0, hidden=8).shard(0, 1)
+        real_spec = swarm._spec
+
+        def poisoned(*args, **kwargs):
+            raise ValueError("cannot convert float NaN to integer")
+
+        swarm._spec = poisoned
+        before = [p.detach().clone() for p in model.parameters()]
+        nn.functional.cross_entropy(model(x[:8]), y[:8]).backward()
+        opt.step()  # must not raise
+        assert swarm.stats.missed and swarm.missed_rounds == 1 and opt.step_count == 1
+        for b, p in zip(before, model.parameters()):
+            assert torch.equal(p.detach(), b * (1 - 1e-2 * 0.1))  # decoupled weight decay, no update
+        swarm._spec = real_spec
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[:8]), y[:8]).backward()
+        opt.step()
+        assert not swarm.stats.missed and swarm.missed_rounds == 1 and opt.step_count == 2
+    finally:
+        swarm.shutdown()
+
+
+@pytest.mark.slow
+def test_by_default_a_swarm_listens_on_all_interfaces_and_quic_is_one_flag_away():
+    from lioncub_p2p.swarm.peer import LISTEN_ALL_QUIC
+
+    founder = Swarm(SwarmConfig("listen", allreduce=FAST))  # the library default: no host_maddrs given
+    try:
+        assert founder.config.host_maddrs == ["/ip4/0.0.0.0/tcp/0"]
+        addresses = founder.visible_maddrs()
+        assert any(a.startswith("/ip4/127.0.0.1/tcp/") for a in addresses) and all("/p2p/" in a for a in addresses)
+    finally:
+        founder.shutdown()
+    founder = Swarm(SwarmConfig("listen", allreduce=FAST, host_maddrs=LISTEN_ALL_QUIC))
+    try:
+        founder.join(LionCub(digits_task(0, hidden=8).make_model(0).named_parameters(), aggregator=founder))
+        quic_only = [a for a in founder.visible_maddrs() if a.startswith("/ip4/127.0.0.1/udp/") and "/quic-v1/" in a]
+        assert quic_only
+        joiner = Swarm(_config("listen", initial_peers=quic_only))  # reaches the founder over QUIC alone...
+        try:  # ...and is admitted by it: the exchange's last message survives the close (it lingers)
+            assert joiner.history.latest is not None and joiner.history.latest.author == founder.peer_id
+        finally:
+            joiner.shutdown()
+    finally:
+        founder.shutdown()

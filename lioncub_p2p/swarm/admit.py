@@ -42,6 +42,7 @@ MAX_REASON_BYTES = 200
 EXCHANGE_TIMEOUT = 10.0
 MAX_CONCURRENT = 16
 MAX_PER_PEER_PER_MINUTE = 6
+LINGER_S = 5.0  # a member waits this long for the newcomer to close after the verdict
 
 SECRET_REQUIRED, ALLOW_LIST = 1, 2
 ADMITTED, WRONG_SECRET, NOT_ALLOWED, BUSY = 0, 1, 2, 3
@@ -123,6 +124,8 @@ class AdmitServer:
         reason = _REASONS.get(code, "").encode()[:MAX_REASON_BYTES]
         writer.write(MAGIC + bytes([code]) + answer.ljust(PROOF_BYTES, b"\0") + bytes([len(reason)]) + reason)
         await writer.drain()
+        # let the newcomer close first: closing now can drop the verdict still in flight (seen over QUIC)
+        await asyncio.wait_for(reader.read(1), LINGER_S)
         if code == ADMITTED:
             self.on_admitted(newcomer)
         else:

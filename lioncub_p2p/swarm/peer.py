@@ -69,7 +69,11 @@ DROP_AFTER_S = 5.0  # ...and seconds any member may miss rounds: fast rounds mus
 STEP_WINDOW = 100  # steps a member's announced step may lead the leader's and still count (forged far-future steps)
 MAX_CANDIDATES = 8  # group records a newcomer asks for admission, most populated first
 MAX_RECORD_TTL = 300.0
-LISTEN_ALL = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
+LISTEN_ALL = ["/ip4/0.0.0.0/tcp/0"]
+# QUIC as well: the daemon accepts it, but over QUIC a stream closed right after its last write loses
+# that write (24 of 30 times on loopback) and the state, probe and fetch handlers close that way:
+# opt-in until they wait for the other side to close first (as admit.py does)
+LISTEN_ALL_QUIC = LISTEN_ALL + ["/ip4/0.0.0.0/udp/0/quic-v1"]
 
 
 class SwarmError(RuntimeError):
@@ -95,7 +99,7 @@ class SwarmConfig:
 
     run_id: str
     initial_peers: list[str] = field(default_factory=list)
-    host_maddrs: list[str] = field(default_factory=lambda: list(LISTEN_ALL))  # all interfaces, TCP and QUIC
+    host_maddrs: list[str] = field(default_factory=lambda: list(LISTEN_ALL))  # all interfaces (TCP)
     announce_maddrs: list[str] = field(default_factory=list)
     identity_path: str | None = None  # None: a fresh key in a private temporary directory
     client_mode: bool = False  # behind NAT: dial out only, reduce nothing
