@@ -84,6 +84,7 @@ def test_results_equal_numpy_vote(upload, result, which, request):
         assert sizes[3] == 0 and sizes[0] > sizes[2] > sizes[1]
 
 
+@pytest.mark.slow
 def test_wire_bytes_close_to_lower_bound():
     numel, n = 4 * 2**20, 4
     with LocalSwarm(n) as swarm:
@@ -100,6 +101,7 @@ SMALL_CHUNKS = AllReduceConfig(chunk_bytes=1024, upload_timeout=3.0, result_time
                                recovery_timeout=2.0)
 
 
+@pytest.mark.slow
 def test_voter_killed_mid_upload_is_left_out():
     numel = 8 * 16_000
     with LocalSwarm(4, config=SMALL_CHUNKS) as swarm:
@@ -169,6 +171,7 @@ def test_reducer_killed_mid_answer_survivors_agree():
         assert {swarm.reports[i].parts[reducer].status for i in (1, 3)} == {"recovered"}
 
 
+@pytest.mark.slow
 def test_stalled_peer_does_not_block_the_others():
     numel = 8 * 20_000
     with LocalSwarm(4) as swarm:
@@ -234,7 +237,10 @@ def rogue_swarm():
         yield swarm
 
 
-@pytest.mark.parametrize("kind", list(REASONS))
+FAST_KINDS = ("oversized", "garbage", "wrong_round")  # the others run with the slow tests (2 s each)
+
+
+@pytest.mark.parametrize("kind", [k if k in FAST_KINDS else pytest.param(k, marks=pytest.mark.slow) for k in REASONS])
 def test_rogue_messages_are_rejected_and_logged(kind, rogue_swarm, caplog):
     numel = 8 * 4000
     codes = _codes("sign", 4, numel, seed=6)
@@ -279,6 +285,7 @@ def test_bf16_average_rounds(rule, uneven_swarm):
         assert torch.equal(update, results[0])
 
 
+@pytest.mark.slow
 def test_slow_voter_is_not_waited_for_but_applies_the_same_update():
     numel = 8 * 8000
     with LocalSwarm(4) as swarm:
@@ -330,6 +337,7 @@ def test_a_lying_reducer_is_caught_by_unpredictable_audits():
         assert all(set(swarm.nodes[i].caught) == {liar_id} for i in (0, 2, 3) if swarm.nodes[i].caught)
 
 
+@pytest.mark.slow
 def test_kept_streams_skip_dials_and_survive_a_reducer_closing_them(monkeypatch):
     """After the first round, voters reuse their streams (no dials); when a reducer has closed its
     kept streams meanwhile, voters dial afresh and the round's result is still the numpy vote."""
