@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cli.train import allreduce_config
+from ..trainer_rounds import allreduce_config
 from .launcher import Simulation
 from .links import LinkProfile
 
