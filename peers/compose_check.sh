@@ -223,7 +223,6 @@ if [ -n "$(compose ps -q 2> /dev/null)" ]; then die "compose project" "$PROJECT 
 record PASS "tools" "$DOCKER ($("$DOCKER" version --format '{{.Server.Version}}') engine), ${COMPOSE[*]} $("${COMPOSE[@]}" version --short 2> /dev/null | head -1)"
 
 # -- 1. image --------------------------------------------------------------------------------------------
-t_build=$(date +%s)
 if [ -z "${BASE_IMAGE:-}" ]; then
     if "$DOCKER" image inspect python:3.11-slim > /dev/null 2>&1 || timeout 60 "$DOCKER" pull -q python:3.11-slim > /dev/null 2>&1; then
         BASE_IMAGE=python:3.11-slim
@@ -274,6 +273,7 @@ cert=${PIP_CERT:-$(pip config get global.cert 2> /dev/null || true)}
 [ -s "$cert" ] || cert=/etc/ssl/certs/ca-certificates.crt
 secret=(); [ -s "$cert" ] && secret=(--secret "id=pip_cert,src=$cert")
 say "building $IMAGE (log: $LOGS/build.log)"
+t_build=$(date +%s)
 if ! DOCKER_BUILDKIT=1 "$DOCKER" build --progress=plain -f peers/Dockerfile -t "$IMAGE" \
         --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL" \
         --build-arg "EXTRAS=${IMAGE_EXTRAS:-}" "${secret[@]}" . > "$LOGS/build.log" 2>&1; then
@@ -393,10 +393,11 @@ monitor_ok() {
 wait_until 60 "the monitor to count 3 peers" monitor_ok || die "monitor" "last line: $monitor_line"
 monitor_line=$("$DOCKER" exec "$(container monitor)" tail -1 /data/monitor.jsonl)
 record PASS "monitor" "$(sed -E 's/.*"peers_alive": ([0-9]+).*"global_step": ([0-9]+).*/peers alive \1, global step \2/' <<< "$monitor_line")"
-# -- 7. a volunteer with the documented `docker run` (host network, as on a volunteer's own machine) ----------
+# -- 7. a volunteer with the documented `docker run` (host network, as on a volunteer's own machine); no --task:
+#       it adopts the run's from the manifest ------------------------------------------------------------------
 "$DOCKER" run -d --name "$DOCKER_RUN_NAME" --network host --init -v "$DOCKER_RUN_NAME:/data" "$IMAGE" \
     lioncub-train --run-id "$RUN_ID" --initial-peers $INITIAL_PEERS --identity-path /data/identity.key \
-    --task "$TASK" --quiet --metrics-jsonl /data/metrics.jsonl $BOUNDS > /dev/null \
+    --checkpoint-dir /data/checkpoints --quiet --metrics-jsonl /data/metrics.jsonl $BOUNDS > /dev/null \
     || die "docker run volunteer" "docker run failed"
 docker_run_step() {
     "$DOCKER" exec "$DOCKER_RUN_NAME" tail -1 /data/metrics.jsonl 2> /dev/null | sed -nE 's/.*"step": ([0-9]+).*/\1/p'
