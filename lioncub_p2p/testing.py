@@ -21,10 +21,12 @@ import random
 import shutil
 import signal
 import tempfile
+import threading
+import time
 from typing import Awaitable, Callable, Sequence
 
 import torch
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 
 from .aio import BackgroundLoop
 from .allreduce import AllReduceConfig, PeerSpec, RoundReport, RoundSpec, VoteNode
@@ -32,7 +34,7 @@ from .allreduce.commit import result_signed_bytes
 from .allreduce.reducer import PartReduction
 from .codecs import result_codec, upload_codec
 from .identity import Identity
-from .wire import pb
+from .wire import PROTOCOL_VERSION, pb, read_frame, write_frame
 
 Behavior = Callable[[VoteNode, RoundSpec, torch.Tensor], Awaitable[object]]
 FAST_CONFIG = AllReduceConfig(upload_timeout=3.0, result_timeout=6.0, join_timeout=2.0, recovery_timeout=2.0)
@@ -270,3 +272,233 @@ def lie_to(node: VoteNode, voter: int) -> list[bytes]:
 
     node._outcome_for = outcome_for  # type: ignore[method-assign]
     return lied
+
+
+# -- rogue peers: the attack suite's tools (tests/test_attacks_round.py, lioncub-reliability) ---------
+
+
+def rss_mib() -> float:
+    """This process's resident memory in MiB (Linux)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+class PeakRss:
+    """The highest RSS of this process while the ``with`` block runs (sampled every 20 ms)."""
+
+    def __enter__(self) -> "PeakRss":
+        self.mib, self._stop = rss_mib(), threading.Event()
+
+        def sample() -> None:
+            while not self._stop.wait(0.02):
+                self.mib = max(self.mib, rss_mib())
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+async def start_outsider(swarm: LocalSwarm) -> P2P:
+    """A daemon outside the group, connected to peer 0 (anyone who found the run on the DHT)."""
+    maddrs = [str(m) for m in await swarm.nodes[0].p2p.get_visible_maddrs()]
+    return await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
+                            auto_nat=False)
+
+
+async def hold_streams(p2p: P2P, peer_id: str, protocol: str, count: int, until: asyncio.Event,
+                       first: bytes = b"", dialed: list | None = None, redial: float = 0.05) -> int:
+    """Keep ``count`` streams open to ``peer_id`` (re-dialing any that close after ``redial`` s) until
+    ``until``; returns how many were dialed (also counted live in ``dialed[0]``). ``first``: bytes
+    written on each (e.g. the start of a frame), else silence."""
+    dialed = dialed if dialed is not None else [0]
+
+    async def one() -> None:
+        while not until.is_set():
+            try:
+                _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
+                dialed[0] += 1
+                if first:
+                    writer.write(first)
+                try:
+                    await asyncio.wait_for(reader.read(), 30)  # until the victim closes it
+                except asyncio.TimeoutError:
+                    pass
+                writer.close()
+            except Exception:
+                pass
+            await asyncio.sleep(redial)
+
+    tasks = [asyncio.create_task(one()) for _ in range(count)]
+    await until.wait()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return dialed[0]
+
+
+def trickler(interval: float):
+    """(behavior, tasks): a member that, every round, opens a stream to every reducer and sends an
+    8-byte chunk every ``interval`` seconds, never finishing (each chunk restarts a per-frame timeout).
+    Cancel ``tasks`` at the end."""
+    from .allreduce import VOTE_PROTOCOL
+
+    async def one(node: VoteNode, spec: RoundSpec, j: int) -> None:
+        try:
+            _, reader, writer = await node.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[j].peer_id),
+                                                                          VOTE_PROTOCOL)
+            for k in range(10_000):
+                await write_frame(writer, pb.VoteChunk(
+                    version=PROTOCOL_VERSION, round_id=spec.round_id, step=spec.step, part=j, offset=8 * k, length=8,
+                    upload=pb.UPLOAD_SIGN, upload_bits=1, result=pb.RESULT_MAJORITY, codes=bytes(8), last=False))
+                await asyncio.sleep(interval)
+        except Exception:
+            pass
+
+    tasks: set[asyncio.Task] = set()
+
+    async def behave(node: VoteNode, spec: RoundSpec, codes: torch.Tensor) -> None:
+        for j, (a, b) in enumerate(spec.bounds):
+            if b > a:
+                task = asyncio.create_task(one(node, spec, j))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+
+    return behave, tasks
+
+
+async def cancel(tasks) -> None:
+    for task in list(tasks):
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def forge_fetch_answers(swarm: LocalSwarm, rogue: int, variant: str) -> None:
+    """Peer ``rogue`` answers every result request with forged bytes for the asked part: all ones,
+    with a well-formed header, signed with its own key ("own key"), carrying the reducer's key and a
+    bad signature ("reducer's key"), or unsigned."""
+    from .allreduce import FETCH_PROTOCOL
+    from .allreduce.commit import build_header
+
+    node = swarm.nodes[rogue]
+
+    async def handler(info, reader, writer) -> None:
+        try:
+            req, _ = await read_frame(reader, pb.FetchResult, 1024)
+            spec = next(s.spec for s in node._rounds.values() if s.spec.round_id == req.round_id)
+            wire = bytes([0xFF]) * spec.result_size(req.part, len(spec.group))
+            raw = build_header(spec, req.part, list(range(len(spec.group))), [bytes(16)] * len(spec.group), b"", 0,
+                               wire)
+            reducer = swarm.identities[req.part]
+            signature, key = {"own key": (node.identity.sign(result_signed_bytes(raw)), node.identity.public_key),
+                              "reducer's key": (bytes(256), reducer.public_key), "unsigned": (b"", b"")}[variant]
+            await write_frame(writer, pb.ResultChunk(version=PROTOCOL_VERSION, round_id=req.round_id, part=req.part,
+                                                     offset=0, data=wire, last=True, result=pb.RESULT_MAJORITY,
+                                                     header=raw, signature=signature, public_key=key))
+            await asyncio.sleep(1)
+        except Exception:
+            pass
+        finally:
+            writer.close()
+
+    async def replace() -> None:
+        await node.p2p.remove_binary_stream_handler(FETCH_PROTOCOL)
+        await node.p2p.add_binary_stream_handler(FETCH_PROTOCOL, handler)
+
+    swarm.run(replace())
+
+
+class HugeMomentumReduction(PartReduction):
+    """A momentum reducer that returns 1e30 for every value of its part."""
+
+    def __init__(self, spec: RoundSpec, part: int):
+        super().__init__(spec, part)
+        honest = self.tally.encode
+        self.tally.encode = lambda *a, **k: torch.full((honest(*a, **k).numel() // 2,), 1e30).to(
+            torch.bfloat16).view(torch.uint8)
+
+
+_FD_VICTIM = r"""
+import json, logging, resource, sys
+import numpy as np, torch
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), hard))
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from lioncub_p2p import ops
+from lioncub_p2p.testing import LocalSwarm
+numel = 8 * 8000
+codes = [ops.pack_signs(torch.randn(numel, generator=torch.Generator().manual_seed(i))) for i in range(3)]
+bits = np.stack([np.unpackbits(c.numpy(), bitorder="little")[:numel] for c in codes])
+want = np.packbits(bits.sum(0) * 2 > 3, bitorder="little")
+with LocalSwarm(3) as swarm:
+    swarm.allreduce(codes)
+    async def maddrs():
+        return [str(m) for m in await swarm.nodes[0].p2p.get_visible_maddrs()]
+    print(json.dumps({"maddrs": swarm.run(maddrs()), "peer": swarm.nodes[0].peer_id}), flush=True)
+    sys.stdin.readline()
+    exact = []
+    for step in range(1, int(sys.argv[2]) + 1):
+        results = swarm.allreduce(codes, step=step)
+        exact.append(all(np.array_equal(r.numpy(), want) for r in results))
+    print(json.dumps({"exact": exact}), flush=True)
+"""
+
+
+def fd_exhaustion(workdir: str, *, limit: int = 1024, streams: int = 700, rounds: int = 5) -> dict:
+    """A 3-peer LocalSwarm in a process limited to ``limit`` file descriptors; an outsider keeps
+    ``streams`` streams open at each of peer 0's vote, fetch and audit handlers (re-dialing as they
+    close) while it runs ``rounds`` rounds. Returns whether each round was the exact majority, how
+    many streams reached it, its exit code and whether it logged "Too many open files"."""
+    import json
+    import select
+    import subprocess
+    import sys
+
+    from .aio import BackgroundLoop
+    from .allreduce import FETCH_PROTOCOL, VOTE_PROTOCOL
+    from .allreduce.node import AUDIT_PROTOCOL
+
+    def readline(proc, timeout: float) -> str:
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        return proc.stdout.readline() if ready else ""
+
+    log_path = os.path.join(workdir, "fd-victim.log")
+    with open(log_path, "w") as log:
+        victim = subprocess.Popen([sys.executable, "-c", _FD_VICTIM, str(limit), str(rounds)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    loop = BackgroundLoop("outsider")
+    done: dict = {}
+    dialed = [0]
+    try:
+        hello = json.loads(readline(victim, 120) or "{}")
+        if hello:
+            attacker = loop.run(P2P.create(initial_peers=hello["maddrs"], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                           nat_port_map=False, auto_nat=False), timeout=60)
+            stop = asyncio.Event()
+            floods = [asyncio.run_coroutine_threadsafe(hold_streams(attacker, hello["peer"], protocol, streams, stop,
+                                                                    dialed=dialed), loop.loop)
+                      for protocol in (VOTE_PROTOCOL, FETCH_PROTOCOL, AUDIT_PROTOCOL)]
+            deadline = time.monotonic() + 60
+            while dialed[0] < 3 * streams and time.monotonic() < deadline:
+                time.sleep(0.1)  # more streams than the victim has file descriptors reached it
+            victim.stdin.write("go\n")
+            victim.stdin.flush()
+            done = json.loads(readline(victim, 120) or "{}")
+            loop.loop.call_soon_threadsafe(stop.set)
+            for flood in floods:
+                flood.result(120)
+            loop.run(attacker.shutdown(), timeout=30)
+        victim.stdin.close()
+        victim.wait(60)
+    finally:
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait()
+        loop.stop()
+    text = open(log_path).read()
+    return dict(exact=done.get("exact", []), dialed=dialed[0], returncode=victim.returncode,
+                too_many_open_files="Too many open files" in text or "out of system resource" in text,
+                log_tail=text[-3000:])

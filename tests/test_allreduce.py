@@ -9,7 +9,7 @@ import torch
 
 from lioncub_p2p import ops
 from lioncub_p2p.allreduce import AllReduceConfig, VOTE_PROTOCOL
-from lioncub_p2p.codecs import result_codec, upload_codec
+from lioncub_p2p.codecs import upload_codec
 from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
 from lioncub_p2p.wire import PROTOCOL_VERSION, pb, write_frame
 from hivemind.p2p import PeerID

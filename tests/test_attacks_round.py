@@ -20,10 +20,12 @@ from lioncub_p2p.allreduce.commit import (MAX_LEAF_BYTES, MAX_LEAVES, MerkleTree
                                           leaf_count, leaf_of, parse_header, result_signed_bytes, verify_path)
 from lioncub_p2p.allreduce.node import FETCH_PROTOCOL
 from lioncub_p2p.allreduce.reducer import PartReduction
-from lioncub_p2p.codecs import AverageResult, Bf16Upload, result_codec, upload_codec
+from lioncub_p2p.codecs import result_codec, upload_codec
 from lioncub_p2p.identity import Identity, Verifier
-from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm, LyingReduction, lie_to, lying_reduction
-from lioncub_p2p.wire import PROTOCOL_VERSION, pb, read_frame, write_frame
+from lioncub_p2p.testing import (FAST_CONFIG, HugeMomentumReduction, LocalSwarm, PeakRss, cancel, fd_exhaustion,
+                                 forge_fetch_answers, hold_streams, lie_to, lying_reduction, rss_mib, start_outsider,
+                                 trickler)
+from lioncub_p2p.wire import PROTOCOL_VERSION, pb, write_frame
 
 from test_allreduce import _codes, as_values, numpy_vote
 
@@ -159,35 +161,6 @@ def _expected(codes, reports, numel, seed=0, step=0, zero=()):
     return expected
 
 
-def _forging_fetch_handler(swarm: LocalSwarm, rogue: int, variant: str):
-    """Peer ``rogue`` answers every result request with forged bytes for the asked part."""
-    node = swarm.nodes[rogue]
-
-    async def handler(info, reader, writer):
-        try:
-            req, _ = await read_frame(reader, pb.FetchResult, 1024)
-            spec = next(s.spec for s in node._rounds.values() if s.spec.round_id == req.round_id)
-            a, b = spec.bounds[req.part]
-            wire = bytes([0xFF]) * spec.result_size(req.part, len(spec.group))
-            raw = build_header(spec, req.part, list(range(len(spec.group))), [bytes(16)] * len(spec.group), b"", 0,
-                               wire)
-            reducer = swarm.identities[req.part]
-            signature, key = {"own key": (node.identity.sign(result_signed_bytes(raw)), node.identity.public_key),
-                              "reducer's key": (bytes(256), reducer.public_key), "unsigned": (b"", b"")}[variant]
-            await write_frame(writer, pb.ResultChunk(version=PROTOCOL_VERSION, round_id=req.round_id, part=req.part,
-                                                     offset=0, data=wire, last=True, result=pb.RESULT_MAJORITY,
-                                                     header=raw, signature=signature, public_key=key))
-            await asyncio.sleep(1)
-        finally:
-            writer.close()
-
-    async def replace() -> None:
-        await node.p2p.remove_binary_stream_handler(FETCH_PROTOCOL)
-        await node.p2p.add_binary_stream_handler(FETCH_PROTOCOL, handler)
-
-    swarm.run(replace())
-
-
 @pytest.mark.slow
 def test_forged_results_for_a_dead_reducers_part_are_ignored():
     """Reducer 1 dies before answering; member 4 answers every recovery request with forged bytes
@@ -198,7 +171,7 @@ def test_forged_results_for_a_dead_reducers_part_are_ignored():
     with LocalSwarm(5) as swarm:
         swarm.kill(dead, on="finalize")
         for step, variant in enumerate(["own key", "reducer's key", "unsigned"]):
-            _forging_fetch_handler(swarm, rogue, variant)
+            forge_fetch_answers(swarm, rogue, variant)
             started = time.monotonic()
             results = swarm.allreduce(codes, step=step)
             assert time.monotonic() - started < FAST_CONFIG.result_timeout + FAST_CONFIG.recovery_timeout + 2
@@ -318,16 +291,6 @@ def test_lying_to_one_voter_is_caught_by_that_voter():
         assert all(liar_id not in swarm.nodes[i].caught for i in (0, 2))  # they got the truth
 
 
-class HugeMomentumReduction(PartReduction):
-    """A momentum reducer that returns 1e30 for every value of its part."""
-
-    def __init__(self, spec, part):
-        super().__init__(spec, part)
-        honest = self.tally.encode
-        self.tally.encode = lambda *a, **k: torch.full((honest(*a, **k).numel() // 2,), 1e30).to(
-            torch.bfloat16).view(torch.uint8)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("rule", ["average", "trimmed_mean"])
 def test_a_reducer_cannot_push_huge_momenta(rule):
@@ -358,46 +321,6 @@ def test_a_reducer_cannot_push_huge_momenta(rule):
 # -- admission before resources ---------------------------------------------------------------------
 
 
-async def _outsider(swarm: LocalSwarm):
-    """A daemon outside the group, connected to peer 0 (it could be anyone on the DHT)."""
-    from hivemind.p2p import P2P
-
-    maddrs = [str(m) for m in await swarm.nodes[0].p2p.get_visible_maddrs()]
-    return await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
-                            auto_nat=False)
-
-
-async def _hold_streams(p2p, peer_id: str, protocol: str, count: int, until: asyncio.Event,
-                        first: bytes = b"", dialed: list | None = None, redial: float = 0.05) -> int:
-    """Keep ``count`` streams open to ``peer_id`` (re-dialing any that close after ``redial`` s) until
-    ``until``; returns how many were dialed (also counted live in ``dialed[0]``). ``first``: bytes
-    written on each (e.g. the start of a frame), else silence."""
-    dialed = dialed if dialed is not None else [0]
-
-    async def one() -> None:
-        while not until.is_set():
-            try:
-                _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
-                dialed[0] += 1
-                if first:
-                    writer.write(first)
-                try:
-                    await asyncio.wait_for(reader.read(), 30)  # until the victim closes it
-                except asyncio.TimeoutError:
-                    pass
-                writer.close()
-            except Exception:
-                pass
-            await asyncio.sleep(redial)
-
-    tasks = [asyncio.create_task(one()) for _ in range(count)]
-    await until.wait()
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    return dialed[0]
-
-
 @pytest.mark.slow
 def test_an_outsider_holding_hundreds_of_idle_streams_cannot_stop_rounds():
     """An outsider keeps 280 idle streams open at reducer 1 on the vote, fetch and audit handlers
@@ -412,10 +335,10 @@ def test_an_outsider_holding_hundreds_of_idle_streams_cannot_stop_rounds():
                             keep_streams_s=0.0)  # every vote dials a fresh stream: what the flood aims at
     with LocalSwarm(4, config=fresh) as swarm:
         swarm.allreduce(codes, step=0)
-        outsider = swarm.run(_outsider(swarm))
+        outsider = swarm.run(start_outsider(swarm))
         stop = asyncio.Event()
         victim_id = swarm.nodes[victim].peer_id
-        futures = [asyncio.run_coroutine_threadsafe(_hold_streams(outsider, victim_id, proto, 280, stop, redial=2.0),
+        futures = [asyncio.run_coroutine_threadsafe(hold_streams(outsider, victim_id, proto, 280, stop, redial=2.0),
                                                     swarm._loop.loop)
                    for proto in (VOTE_PROTOCOL, FETCH_PROTOCOL, AUDIT_PROTOCOL)]
         try:
@@ -448,7 +371,7 @@ def test_fake_rounds_cannot_fill_the_table_of_rounds_not_started_yet():
     codes = _codes("sign", 4, numel, seed=61)
     with LocalSwarm(4) as swarm:
         swarm.allreduce(codes, step=0)  # member 3 is a known member from here on: 8 streams, not 2
-        outsider = swarm.run(_outsider(swarm))
+        outsider = swarm.run(start_outsider(swarm))
         late_id = swarm.nodes[late].peer_id
 
         def fake_first_chunk(k: int) -> bytes:
@@ -458,7 +381,7 @@ def test_fake_rounds_cannot_fill_the_table_of_rounds_not_started_yet():
             return len(body).to_bytes(4, "big") + body
 
         async def flood(p2p, until):
-            await asyncio.gather(*(_hold_streams(p2p, late_id, VOTE_PROTOCOL, 1, until, fake_first_chunk(k))
+            await asyncio.gather(*(hold_streams(p2p, late_id, VOTE_PROTOCOL, 1, until, fake_first_chunk(k))
                                    for k in range(20)))
 
         stop = asyncio.Event()  # member 3 and the outsider flood fake rounds from before the round on
@@ -524,61 +447,6 @@ def _ignore(call, *args, **kwargs):
 # -- bounded memory --------------------------------------------------------------------------------
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
-
-
-class _PeakRss:
-    """The highest RSS of this process while the block runs (sampled every 20 ms)."""
-
-    def __enter__(self):
-        import threading
-
-        self.mib, self._stop = _rss_mib(), threading.Event()
-
-        def sample() -> None:
-            while not self._stop.wait(0.02):
-                self.mib = max(self.mib, _rss_mib())
-
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def _trickle(interval: float):
-    """A member that, every round, opens a stream to every reducer and sends an 8-byte chunk every
-    ``interval`` seconds, never finishing (the per-frame timeout restarts with each chunk)."""
-    from lioncub_p2p.allreduce.node import VOTE_PROTOCOL
-
-    async def one(node, spec, j):
-        try:
-            _, reader, writer = await node.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[j].peer_id),
-                                                                          VOTE_PROTOCOL)
-            for k in range(10_000):
-                await write_frame(writer, pb.VoteChunk(
-                    version=PROTOCOL_VERSION, round_id=spec.round_id, step=spec.step, part=j, offset=8 * k, length=8,
-                    upload=pb.UPLOAD_SIGN, upload_bits=1, result=pb.RESULT_MAJORITY, codes=bytes(8), last=False))
-                await asyncio.sleep(interval)
-        except Exception:
-            pass
-
-    tasks = set()
-
-    async def behave(node, spec, codes):
-        for j, (a, b) in enumerate(spec.bounds):
-            if b > a:
-                task = asyncio.create_task(one(node, spec, j))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-
-    return behave, tasks
-
-
 @pytest.mark.slow
 def test_a_trickling_member_cannot_grow_a_peer():
     """Member 4 (client mode) trickles 8-byte chunks to every reducer every 0.5 s, on a new stream
@@ -591,7 +459,7 @@ def test_a_trickling_member_cannot_grow_a_peer():
 
     numel, rounds = 8 << 20, 30
     codes = _codes("sign", 5, numel, seed=80)
-    behave, tasks = _trickle(0.5)
+    behave, tasks = trickler(0.5)
     with LocalSwarm(5, client_mode=(4,)) as swarm:
         rss = {}
         for step in range(rounds):
@@ -605,17 +473,11 @@ def test_a_trickling_member_cannot_grow_a_peer():
             for node in swarm.nodes[:4]:
                 assert len(node._rounds) <= node.config.keep_rounds
                 assert node.gates[VOTE_PROTOCOL].open_by_peer[swarm.nodes[4].peer_id] <= 8
-            rss[step] = _rss_mib()
-        swarm.run(_cancel(tasks))
+            rss[step] = rss_mib()
+        swarm.run(cancel(tasks))
     growth = rss[rounds - 1] - rss[10]
     print(f"RSS at rounds 0/10/{rounds - 1}: {rss[0]:.0f}/{rss[10]:.0f}/{rss[rounds - 1]:.0f} MiB")
     assert growth < 48, rss
-
-
-async def _cancel(tasks) -> None:
-    for task in list(tasks):
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @pytest.mark.slow
@@ -629,7 +491,7 @@ def test_probe_floods_cannot_grow_a_peer():
     with LocalSwarm(2) as swarm:
         victim = swarm.nodes[0]
         gate = swarm.run(serve_probe(victim.p2p))
-        outsider = swarm.run(_outsider(swarm))
+        outsider = swarm.run(start_outsider(swarm))
 
         async def probe_flood() -> None:
             async def one() -> None:
@@ -649,8 +511,8 @@ def test_probe_floods_cannot_grow_a_peer():
 
             await asyncio.gather(*(one() for _ in range(48)))
 
-        before = _rss_mib()
-        with _PeakRss() as peak:
+        before = rss_mib()
+        with PeakRss() as peak:
             flood = asyncio.run_coroutine_threadsafe(probe_flood(), swarm._loop.loop)
             up, down = swarm.run(measure(swarm.nodes[1].p2p, victim.peer_id, nbytes=1 << 20))
             flood.result(120)
@@ -674,9 +536,9 @@ def test_idle_streams_do_not_take_a_donors_download_slots():
         donor = swarm.nodes[0]
         server = StateServer(donor.p2p, "run", max_uploads=1, provider=lambda min_step: (7, blob, digest))
         swarm.run(server.start())
-        outsider = swarm.run(_outsider(swarm))
+        outsider = swarm.run(start_outsider(swarm))
         stop = asyncio.Event()
-        idle = asyncio.run_coroutine_threadsafe(_hold_streams(outsider, donor.peer_id, STATE_PROTOCOL, 20, stop),
+        idle = asyncio.run_coroutine_threadsafe(hold_streams(outsider, donor.peer_id, STATE_PROTOCOL, 20, stop),
                                                 swarm._loop.loop)
         try:
             time.sleep(1.0)
@@ -692,86 +554,13 @@ def test_idle_streams_do_not_take_a_donors_download_slots():
         assert server.gate.refused > 0 and server._uploads == 0
 
 
-VICTIM = r"""
-import json, logging, resource, sys
-import numpy as np, torch
-soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
-logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-from lioncub_p2p import ops
-from lioncub_p2p.testing import LocalSwarm
-numel = 8 * 8000
-codes = [ops.pack_signs(torch.randn(numel, generator=torch.Generator().manual_seed(i))) for i in range(3)]
-bits = np.stack([np.unpackbits(c.numpy(), bitorder="little")[:numel] for c in codes])
-want = np.packbits(bits.sum(0) * 2 > 3, bitorder="little")
-with LocalSwarm(3) as swarm:
-    swarm.allreduce(codes)
-    async def maddrs():
-        return [str(m) for m in await swarm.nodes[0].p2p.get_visible_maddrs()]
-    print(json.dumps({"maddrs": swarm.run(maddrs()), "peer": swarm.nodes[0].peer_id}), flush=True)
-    sys.stdin.readline()
-    exact = []
-    for step in range(1, 6):
-        results = swarm.allreduce(codes, step=step)
-        exact.append(all(np.array_equal(r.numpy(), want) for r in results))
-    print(json.dumps({"exact": exact}), flush=True)
-"""
-
-
-def _readline(proc, timeout: float) -> str:
-    """A line of the process's stdout, or "" after ``timeout`` seconds."""
-    import select
-
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    return proc.stdout.readline() if ready else ""
-
-
 @pytest.mark.slow
 def test_too_many_open_files_cannot_be_provoked_at_ulimit_1024(tmp_path):
     """A trainer process limited to 1024 file descriptors; an outsider keeps 700 streams open at each
     of its vote, fetch and audit handlers (2100 at once, re-dialing each as it is closed) through five
-    rounds: no "Too many open files", and every round is the exact majority."""
-    import json
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    from hivemind.p2p import P2P
-
-    from lioncub_p2p.aio import BackgroundLoop
-    from lioncub_p2p.allreduce.node import AUDIT_PROTOCOL, VOTE_PROTOCOL
-
-    stderr = open(tmp_path / "victim.log", "w")
-    victim = subprocess.Popen([sys.executable, "-c", VICTIM], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=stderr, text=True, start_new_session=True)
-    loop = BackgroundLoop("outsider")
-    try:
-        hello = json.loads(_readline(victim, 120))
-        outsider = loop.run(P2P.create(initial_peers=hello["maddrs"], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                       nat_port_map=False, auto_nat=False), timeout=60)
-        stop, dialed = asyncio.Event(), [0]
-        floods = [asyncio.run_coroutine_threadsafe(_hold_streams(outsider, hello["peer"], proto, 700, stop,
-                                                                 dialed=dialed), loop.loop)
-                  for proto in (VOTE_PROTOCOL, FETCH_PROTOCOL, AUDIT_PROTOCOL)]
-        deadline = time.monotonic() + 60
-        while dialed[0] < 2100:  # more streams than the victim has file descriptors reached it
-            assert time.monotonic() < deadline, dialed
-            time.sleep(0.1)
-        victim.stdin.write("go\n")
-        victim.stdin.flush()
-        done = json.loads(_readline(victim, 120) or "{}")
-        loop.loop.call_soon_threadsafe(stop.set)
-        [f.result(120) for f in floods]
-        loop.run(outsider.shutdown(), timeout=30)
-        victim.stdin.close()
-        victim.wait(60)
-    finally:
-        if victim.poll() is None:
-            os.killpg(victim.pid, signal.SIGKILL)
-        loop.stop()
-    stderr.close()
-    log = (tmp_path / "victim.log").read_text()
-    assert victim.returncode == 0 and done.get("exact") == [True] * 5, log[-3000:]
-    assert dialed[0] >= 2100
-    assert "Too many open files" not in log and "out of system resource" not in log, log[-3000:]
+    rounds: no "Too many open files", and every round is the exact majority (with the stream caps and
+    the first-frame deadline taken out, the victim logs "[Errno 24] Too many open files")."""
+    outcome = fd_exhaustion(str(tmp_path), limit=1024, streams=700, rounds=5)
+    assert outcome["returncode"] == 0 and outcome["exact"] == [True] * 5, outcome["log_tail"]
+    assert outcome["dialed"] >= 2100
+    assert not outcome["too_many_open_files"], outcome["log_tail"]

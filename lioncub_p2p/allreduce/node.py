@@ -129,6 +129,7 @@ class VoteNode:
         self._kept: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
         self._audits: set[asyncio.Task] = set()
         self.caught: dict[str, Caught] = {}  # every reducer this peer caught, by peer id (the first proof)
+        self.catches: deque[Caught] = deque(maxlen=1024)  # every catch, newest last (measurements)
         self._new_caught: list[Caught] = []  # not reported yet
         cfg = self.config
         caps = dict(per_peer=cfg.max_streams_per_peer, stranger_per_peer=2, strangers=cfg.max_stranger_streams,
@@ -297,7 +298,9 @@ class VoteNode:
         logger.warning("reducer %s caught (%s): %s", caught.peer_id, caught.kind, caught.reason)
         if caught.peer_id not in self.caught or (caught.evidence and not self.caught[caught.peer_id].evidence):
             self.caught[caught.peer_id] = caught
-        self._new_caught.append(caught)
+        self.catches.append(caught)
+        if len(self._new_caught) < 1024:
+            self._new_caught.append(caught)
 
     async def _reduce_part(self, state: RoundState, red: PartReduction, result: asyncio.Future) -> None:
         """Finalize when every vote is in, or a grace period after the quorum, or ``upload_timeout``
