@@ -9,11 +9,9 @@ import ipaddress
 
 from hivemind.utils.multiaddr import Multiaddr
 
+from ..swarm.peer import LISTEN_ALL  # every interface, TCP, ports the OS picks (hivemind's default: 127.0.0.1)
 from .common import UsageError
 
-# Listen on every interface, TCP and QUIC, on ports the OS picks: others can dial whichever
-# address of this machine reaches it (hivemind's default listens on 127.0.0.1 only).
-LISTEN_ALL = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
 EXAMPLE_PEER = "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW..."
 PUBLIC_PORT_ADVICE = ("forward a port (e.g. 31337) on your router to this machine and pass "
                       "--host-maddrs /ip4/0.0.0.0/tcp/31337 --announce-maddrs /ip4/YOUR_PUBLIC_IP/tcp/31337, "

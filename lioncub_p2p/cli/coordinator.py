@@ -2,7 +2,7 @@
 
     lioncub-coordinator --run-id demo --host-maddrs /ip4/0.0.0.0/tcp/31337 --identity-path coord.key
 
-Listens on every interface (TCP and QUIC) by default, prints its multiaddrs (give them to trainers
+Listens on every interface (TCP) by default, prints its multiaddrs (give them to trainers
 as --initial-peers) sorted by who can dial them, and keeps a stable peer id across restarts through
 the identity file. With --manifest run.yaml it publishes the run's settings (task, lr, batch size,
 encodings, ...; signed with its identity) and keeps them alive: trainers that name this coordinator
@@ -27,8 +27,9 @@ from hivemind.utils import get_dht_time
 from ..identity import Identity
 from ..swarm.manifest import MANIFEST_TTL, Manifest, ManifestError, publish_manifest
 from ..swarm.membership import PeerRecord
+from ..swarm.peer import LISTEN_ALL
 from ..swarm.records import RunRecordValidator
-from .addresses import LISTEN_ALL, check_listen, check_peers, reachability
+from .addresses import check_listen, check_peers, reachability
 from .checks import check_run_id, check_writable_file
 from .common import HelpFormatter, UsageError, read_peers_file, setup_logging
 from .lifecycle import ChildReaper, Interrupted, StopSignals

@@ -4,7 +4,7 @@
     lioncub-train --task byte-gpt ...                  # a built-in task: digits (default) or byte-gpt
     lioncub-train --task mytask:make_task ...          # your own: see lioncub_p2p/tasks/__init__.py
 
-Listens on every interface (TCP and QUIC) and prints which of its addresses others can dial.
+Listens on every interface (TCP) and prints which of its addresses others can dial.
 What the run trains and how (task, lr, batch, encodings) comes from the run's manifest unless a flag
 says otherwise: a flag that disagrees with the run stops the peer with one line. Behind NAT (nobody can dial you) add --client-mode: you vote and receive every result but reduce
 nothing. Ctrl+C or SIGTERM leaves the run cleanly after the current step (a second one at once).
@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     net = p.add_argument_group("network")
     net.add_argument("--host-maddrs", nargs="+", default=LISTEN_ALL,
-                     help="where to listen (every interface, TCP and QUIC, ports chosen by the OS)")
+                     help="where to listen (every interface, TCP, a port chosen by the OS)")
     net.add_argument("--announce-maddrs", nargs="*", default=[],
                      help="addresses others should dial, e.g. /ip4/PUBLIC_IP/tcp/PORT with a forwarded port")
     net.add_argument("--client-mode", action="store_true",
