@@ -131,6 +131,7 @@ class VoteNode:
         self.caught: dict[str, Caught] = {}  # every reducer this peer caught, by peer id (the first proof)
         self.catches: deque[Caught] = deque(maxlen=1024)  # every catch, newest last (measurements)
         self._new_caught: list[Caught] = []  # not reported yet
+        self._warned: dict[tuple[str, str], float] = {}  # (peer, refusal) -> when last logged as a warning
         cfg = self.config
         caps = dict(per_peer=cfg.max_streams_per_peer, stranger_per_peer=2, strangers=cfg.max_stranger_streams,
                     total=cfg.max_streams, is_member=self._is_member)
@@ -728,7 +729,14 @@ class VoteNode:
             state.report.bytes_down += nread
 
     def _refuse(self, state, red, voter, info, reason: str) -> None:
-        logger.warning("rejected votes from %s: %s", info.peer_id, reason)
+        key, now = (info.peer_id.to_base58(), reason[:48]), time.monotonic()
+        if now - self._warned.get(key, -60.0) >= 60.0:  # a flood of the same refusal is logged once a minute
+            if len(self._warned) > 4096:
+                self._warned.clear()
+            self._warned[key] = now
+            logger.warning("rejected votes from %s: %s", info.peer_id, reason)
+        else:
+            logger.debug("rejected votes from %s: %s", info.peer_id, reason)
         if red is not None and voter is not None:
             red.drop(voter, reason)
 
