@@ -173,6 +173,14 @@ teardown() {
         done
         compose down -v --remove-orphans --timeout 20 > "$LOGS/compose-down.log" 2>&1
     fi
+    # every peer here is honest: a reducer "caught" (allreduce/node.py's warning) is a false accusation
+    local accused
+    accused=$(cat "$LOGS"/lcc-vol*.log "$LOGS"/trainer.log "$LOGS"/docker-run-volunteer.log 2> /dev/null \
+              | grep -E 'reducer [A-Za-z0-9]+ caught \(' || true)
+    if [ -n "$(ls "$LOGS"/lcc-vol*.log 2> /dev/null)" ]; then
+        if [ -z "$accused" ]; then record PASS "no honest peer accused" "no 'reducer ... caught' in any trainer's log"
+        else record FAIL "no honest peer accused" "$(wc -l <<< "$accused") accusations, e.g. $(head -1 <<< "$accused" | sed -E 's/.*(reducer .*)/\1/' | cut -c1-160)"; fi
+    fi
     if [ -n "$stopped" ]; then
         exits=$(tr ' ' '\n' <<< "$stopped" | grep -v '=0$' | tr '\n' ' ' || true)
         if [ -z "${exits// /}" ]; then record PASS "containers stop" "exit codes:$stopped"
