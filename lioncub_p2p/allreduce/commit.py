@@ -68,8 +68,14 @@ class MerkleTree:
     """All levels of the tree over a voter's codes for a part (leaf hashes first, root last)."""
 
     def __init__(self, codes: np.ndarray, leaf: int):
+        codes = np.ascontiguousarray(codes)
         count = leaf_count(codes.shape[1], leaf)
-        level = [_leaf_hash(leaf_of(codes, leaf, k)) for k in range(count)]
+        level = []
+        for k in range(count):  # hash each plane's slice in place: no copy of the leaf
+            digest = hashlib.sha256(b"\x00")
+            for plane in codes:
+                digest.update(memoryview(plane[k * leaf : (k + 1) * leaf]))
+            level.append(digest.digest()[:DIGEST_BYTES])
         self.levels = [level]
         while len(level) > 1:
             level = [_node_hash(level[i], level[i + 1] if i + 1 < len(level) else level[i])
