@@ -16,10 +16,11 @@ from hivemind.p2p import P2P, PeerID
 
 from ..identity import Identity
 from ..ops import majority_vote
-from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
+from ..wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
 from ..wire.gate import StreamGate, guard
 from .admission import OPEN, Admission
-from .round import AllReduceConfig, PartReport, RoundReport, RoundSpec, result_wire, upload_wire
+from .round import (MAX_FIRST_FRAME_BYTES, AllReduceConfig, PartReport, RoundReport, RoundSpec, chunk_spans,
+                    result_wire, upload_wire)
 
 logger = logging.getLogger(__name__)
 GATHER_PROTOCOL = "lioncub/gather/1"
@@ -87,12 +88,12 @@ class GatherNode:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[to].peer_id),
                                                                           GATHER_PROTOCOL)
             data = buffer.numpy().tobytes()
-            for offset in range(0, max(len(data), 1), self.config.chunk_bytes):
-                chunk = data[offset : offset + self.config.chunk_bytes]
+            for offset, length in chunk_spans(len(data), self.config.chunk_bytes) or [(0, 0)]:
+                chunk = data[offset : offset + length]
                 sent = await write_frame(writer, pb.VoteChunk(
                     version=PROTOCOL_VERSION, round_id=spec.round_id, step=spec.step, part=me, offset=offset,
                     length=len(chunk), upload=encoding, upload_bits=bits, result=result_wire(spec.result), codes=chunk,
-                    last=offset + self.config.chunk_bytes >= len(data),
+                    last=offset + length >= len(data),
                     token=self.admission.token(self.peer_id) if offset == 0 else b""))
                 report.bytes_up += sent
             writer.close()
@@ -109,8 +110,10 @@ class GatherNode:
     async def _receive(self, info, reader: asyncio.StreamReader) -> None:
         data, rid, sender = bytearray(), None, None
         while True:
-            wait = self.config.first_frame_timeout if rid is None else self.config.join_timeout
-            chunk, nread = await asyncio.wait_for(read_frame(reader, pb.VoteChunk), wait)
+            first = rid is None
+            wait = self.config.first_frame_timeout if first else self.config.join_timeout
+            chunk, nread = await asyncio.wait_for(
+                read_frame(reader, pb.VoteChunk, MAX_FIRST_FRAME_BYTES if first else MAX_FRAME_BYTES), wait)
             if chunk is None:
                 raise WireError("stream ended before the last chunk")
             if rid is None:

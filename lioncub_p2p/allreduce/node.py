@@ -70,8 +70,8 @@ from .commit import (DIGEST_BYTES, MAX_HEADER_BYTES, MAX_TAG_BYTES, check_header
                      result_signed_bytes, root_of, statement_signed_bytes)
 from .deadline import AdaptiveDeadline
 from .reducer import PartReduction
-from .round import (AllReduceConfig, Caught, PartReport, PartResult, RoundReport, RoundSpec, result_wire,
-                    upload_wire)
+from .round import (MAX_FIRST_FRAME_BYTES, AllReduceConfig, Caught, PartReport, PartResult, RoundReport, RoundSpec,
+                    chunk_spans, result_wire, upload_wire)
 
 logger = logging.getLogger(__name__)
 
@@ -404,8 +404,7 @@ class VoteNode:
         spec = state.spec
         a, b = spec.bounds[j]
         encoding, bits = upload_wire(spec.upload)
-        for offset in range(0, b - a, self.config.chunk_bytes):
-            length = min(self.config.chunk_bytes, b - a - offset)
+        for offset, length in chunk_spans(b - a, self.config.chunk_bytes):
             codes = upload[:, a + offset : a + offset + length].contiguous().numpy().tobytes()
             first = offset == 0
             chunk = pb.VoteChunk(version=PROTOCOL_VERSION, round_id=spec.round_id, step=spec.step, part=j,
@@ -637,8 +636,8 @@ class VoteNode:
         task = asyncio.current_task()
         try:
             wait = self.config.first_frame_timeout if first else 2 * self.config.keep_streams_s
-            try:
-                chunk, nread = await asyncio.wait_for(read_frame(reader, pb.VoteChunk), wait)
+            try:  # a round's first chunk is small (chunk_spans): at most 16 KiB before the sender is admitted
+                chunk, nread = await asyncio.wait_for(read_frame(reader, pb.VoteChunk, MAX_FIRST_FRAME_BYTES), wait)
             except (asyncio.TimeoutError, *NETWORK_ERRORS):
                 if first:
                     raise

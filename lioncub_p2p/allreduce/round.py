@@ -60,6 +60,22 @@ class AllReduceConfig:
         return self.join_timeout + self.upload_timeout + self.result_timeout
 
 
+FIRST_CHUNK_BYTES = 4096  # a stream's first chunk is small: the reducer admits its sender within
+MAX_FIRST_FRAME_BYTES = 16 << 10  # ...its first-frame deadline and buffers at most this before that
+
+
+def chunk_spans(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """(offset, length) of the chunks a voter sends for ``nbytes`` per plane: a first chunk of at most
+    ``FIRST_CHUNK_BYTES`` (it must arrive within the reducer's first-frame deadline even on a slow
+    link), then ``chunk_bytes`` each."""
+    spans, offset = [], 0
+    while offset < nbytes:
+        length = min(min(FIRST_CHUNK_BYTES, chunk_bytes) if offset == 0 else chunk_bytes, nbytes - offset)
+        spans.append((offset, length))
+        offset += length
+    return spans
+
+
 _RESULT_ENUM = {"majority": pb.RESULT_MAJORITY, "ternary": pb.RESULT_TERNARY, "mean": pb.RESULT_MEAN,
                 "average": pb.RESULT_AVERAGE, "trimmed_mean": pb.RESULT_TRIMMED_MEAN}
 
