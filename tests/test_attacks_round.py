@@ -316,6 +316,11 @@ def test_a_reducer_cannot_push_huge_momenta(rule):
             np.testing.assert_allclose(got[keep], want[keep], rtol=1e-2, atol=1e-2)
             assert np.nanmax(np.abs(got)) < 10
         assert all(torch.equal(results[i].nan_to_num(), results[0].nan_to_num()) for i in (0, 2, 3))
+        for step in range(1, 4):  # honest momentum parts survive the audits (recounts in bf16): no false alarm
+            swarm.allreduce(uploads, upload="bf16", result=rule, step=step)
+        swarm.settle_audits()
+        assert not any(swarm.nodes[i].catches for i in (0, 2, 3))
+        assert all(swarm.reports[i].audit[2] == "ok" for i in (0, 2, 3))  # each audited an honest bf16 part
 
 
 # -- admission before resources ---------------------------------------------------------------------
