@@ -289,6 +289,8 @@ if ! DOCKER_BUILDKIT=1 "$DOCKER" build --progress=plain -f peers/Dockerfile -t "
     die "image build" "failed, see $LOGS/build.log"
 fi
 build_s=$(( $(date +%s) - t_build ))
+# the image this replaced (now untagged) goes; the build cache keeps its layers
+"$DOCKER" image prune -f --filter label=org.lioncub-p2p.image=peer > /dev/null 2>&1 || true
 record PASS "image build" "$IMAGE in ${build_s} s ($(( $("$DOCKER" image inspect -f '{{.Size}}' "$IMAGE") / 1000000 )) MB), base $BASE_IMAGE"
 
 # -- 2. hosts: a private "internet" bridge; this host is $PUBLIC_IP on it, each volunteer has its own address

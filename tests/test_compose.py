@@ -185,7 +185,7 @@ def docker_unusable() -> str | None:
 
 CHECKS = ["tools", "base image", "image build", "compose up", "hosts", "volunteers train together",
           "coordinator-a identity", "run survives restart", "compose trainer joins", "monitor", "docker run volunteer",
-          "healthchecks", "volunteers leave", "containers stop", "teardown"]
+          "healthchecks", "volunteers leave", "no honest peer accused", "containers stop", "teardown"]
 
 
 @pytest.mark.slow
