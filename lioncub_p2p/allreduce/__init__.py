@@ -1,7 +1,8 @@
-"""One vote round: partition into parts, voter side, reducer side, round report."""
-from .node import FETCH_PROTOCOL, VOTE_PROTOCOL, VoteNode, assemble
-from .partition import PeerSpec, part_bounds
-from .round import AllReduceConfig, PartReport, RoundReport, RoundSpec
+"""One vote round: partition into parts, voter side, reducer side, audits, round report."""
+from .audit import check_evidence
+from .node import AUDIT_PROTOCOL, FETCH_PROTOCOL, VOTE_PROTOCOL, VoteNode, assemble
+from .partition import PeerSpec, part_bounds, quorum
+from .round import AllReduceConfig, Caught, PartReport, RoundReport, RoundSpec
 
-__all__ = ["VoteNode", "assemble", "PeerSpec", "part_bounds", "AllReduceConfig", "RoundSpec", "RoundReport",
-           "PartReport", "VOTE_PROTOCOL", "FETCH_PROTOCOL"]
+__all__ = ["VoteNode", "assemble", "PeerSpec", "part_bounds", "quorum", "AllReduceConfig", "RoundSpec", "RoundReport",
+           "PartReport", "Caught", "check_evidence", "VOTE_PROTOCOL", "FETCH_PROTOCOL", "AUDIT_PROTOCOL"]
