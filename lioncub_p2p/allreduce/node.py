@@ -20,7 +20,7 @@ Fault rule (every survivor applies the same update):
   result names the counted voters; a result that counts fewer than a quorum (more than half of the
   group) is no result, for its reducer as for everyone else;
 * a part whose result did not arrive (its reducer died, stalled or refused us) is asked for from the
-  other peers, and only a result signed by that part's reducer is accepted, so a peer forging bytes
+  other peers (and the reducer), and only a result signed by that part's reducer is accepted, so a peer forging bytes
   for a dead reducer's part is ignored; if nobody has one, every peer applies a zero update there
   (momentum rounds: keeps its own momenta there);
 * what timing can still split (a peer that received a part directly but stalls while others ask)
@@ -497,9 +497,10 @@ class VoteNode:
             self._emit("result_chunk")
 
     async def _recover(self, state: RoundState, j: int) -> PartResult | None:
-        """Ask every other reachable member for part j's result; accept the first one its reducer signed."""
+        """Ask every other reachable member (the reducer too: its vote stream may have failed while it
+        lives) for part j's result; accept the first one its reducer signed."""
         spec = state.spec
-        askers = [i for i, p in enumerate(spec.group) if i not in (j, state.me) and not p.client_mode]
+        askers = [i for i, p in enumerate(spec.group) if i != state.me and not p.client_mode]
 
         async def ask(i: int) -> PartResult:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[i].peer_id),
