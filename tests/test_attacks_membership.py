@@ -33,7 +33,7 @@ from lioncub_p2p.sim.tasks import digits_task
 from lioncub_p2p.swarm import Swarm, SwarmConfig, snapshot
 from lioncub_p2p.swarm.membership import GroupRecord, PeerRecord
 from lioncub_p2p.swarm.peer import _descendants
-from lioncub_p2p.swarm.records import seal
+from lioncub_p2p.swarm.records import canonical, seal, signed_bytes
 
 pytestmark = pytest.mark.slow  # each trains a swarm of 4 threads with their own daemons for ~a minute
 
@@ -246,27 +246,35 @@ def test_forged_member_records_with_huge_weights_change_nothing():
     """Item 1: a record under a member's subkey with weight=inf (and NaN, and a validly signed one by
     the rogue's key with a far later expiration) crashed every trainer of a private run."""
     weights_seen: list[float] = []
+    victim_listed: list[bool] = []
 
     def attack(rogue: Rogue, trainers: list[Trainer]):
         victim = trainers[1].swarm.peer_id
         far = get_dht_time() + 10**6
         old_format = {"weight": float("inf"), "client_mode": False, "step": 12, "version": 2, "synced": True,
                       "token": b"\0" * 16}
-        signed_by_rogue = seal(rogue.identity, "forge", "peers", get_dht_time() + 290,
+        later = get_dht_time() + 290
+        signed_by_rogue = seal(rogue.identity, "forge", "peers", later,
                                PeerRecord(victim, weight=1e6, step=12, synced=True).payload())
+        # the rogue's key, but signing exactly what a record under the victim's subkey must sign
+        body = canonical(PeerRecord(victim, weight=1e6, step=12, synced=True).payload())
+        for_victims_subkey = {**signed_by_rogue, "p": body,
+                              "s": rogue.identity.sign(signed_bytes("forge", "peers", victim, later + 1, body))}
         for value, expiration in ((old_format, far), ({**old_format, "weight": float("nan")}, far),
-                                  (signed_by_rogue, get_dht_time() + 290)):
+                                  (signed_by_rogue, later), (for_victims_subkey, later + 1)):
             rogue.store("forge.peers", victim, value, expiration)
 
         def observe():
             record = trainers[0].swarm.records.get(victim)
             if record is not None:
                 weights_seen.append(record.weight)
+            victim_listed.append(victim in trainers[0].swarm.history.latest.member_ids())
         return observe
 
     outcome = run_scenario("forge", attack, secret="s3cret")
     _check(outcome)
     assert weights_seen and set(weights_seen) == {1.0}  # the victim's own record kept being read, never the forgery
+    assert victim_listed and all(victim_listed)  # its record was never shadowed: it never left the group
 
 
 def test_undecodable_and_unkeyed_values_do_not_freeze_membership():
@@ -354,7 +362,8 @@ def test_the_run_secret_is_not_offline_checkable_from_public_records():
         old = hmac.new(guess.encode(), f"lioncub-admission|secret|{peer_id}".encode(), hashlib.sha256).digest()
         key = run_key(guess.encode(), "secret")
         new = hmac.new(key, b"|".join([b"lioncub-token", b"secret", peer_id.encode()]), hashlib.sha256).digest()
-        return {old[:16], new[:16], new, key, guess.encode()}
+        raw = {old[:16], new[:16], new, key, guess.encode()}
+        return raw | {r.hex().encode() for r in raw}  # hex, as a JSON payload would carry it
 
     def found_in(blobs: list[bytes]) -> set[str]:
         hits = set()

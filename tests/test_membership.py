@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import time
 
 import msgpack
 import pytest
@@ -49,6 +51,12 @@ def test_a_record_opens_only_as_what_its_author_signed():
     forged = seal(MALLORY, "run", "peers", exp, {**PAYLOAD, "weight": 1e6})
     with pytest.raises(RecordError, match="signature"):
         open_record(verifier, "run", "peers", ALICE.peer_id, forged, exp)
+    # Mallory's key signing exactly what a record under Alice's subkey signs: only the peer id binds
+    body = canonical({**PAYLOAD, "weight": 1e6})
+    crafted = {"r": "run", "t": "peers", "p": body, "k": MALLORY.public_key,
+               "s": MALLORY.sign(signed_bytes("run", "peers", ALICE.peer_id, exp, body))}
+    with pytest.raises(RecordError, match="signature"):
+        open_record(verifier, "run", "peers", ALICE.peer_id, crafted, exp)
     with pytest.raises(RecordError, match="ahead"):  # a far-future expiration cannot pin a record
         far = get_dht_time() + 3600
         open_record(verifier, "run", "peers", ALICE.peer_id, seal(ALICE, "run", "peers", far, PAYLOAD), far)
@@ -191,3 +199,35 @@ def test_admission_exchange_proves_the_key_both_ways_says_why_it_refuses_and_rat
     guesses, guessed_admitted = results[6]  # online guessing: a few tries per peer per minute, then "busy"
     assert [v.reason for v in guesses[-2:]] == ["too many admission attempts; try again later"] * 2
     assert all(not v.admitted for v in guesses) and not guessed_admitted
+
+
+async def _store_raw_locally(_dht, node, key: str, subkey, value: bytes, expiration: float) -> None:
+    node.protocol.storage.store_subkey(DHTID.generate(key), subkey, value, expiration)
+
+
+def test_monitors_read_peer_records_in_bounded_time_and_junk_never_reaches_hiveminds_decoder():
+    """Why reads hung: hivemind decodes each subkey's value inside its search (``finish_search``); an
+    undecodable one raises there and the search's future is never set, so ``get`` waits for ever. A
+    node without the validator (the rogue here) hangs on its own junk: the read gives up at its
+    timeout. A node with it never stores the junk and ignores answers that carry it."""
+    from hivemind import DHT
+
+    from lioncub_p2p.swarm.membership import read_peer_records
+
+    honest = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=[RunRecordValidator(["mon"])])
+    rogue = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                initial_peers=[str(m) for m in honest.get_visible_maddrs()])
+    try:
+        exp = _expires(30)
+        assert honest.store("mon.peers", seal(ALICE, "mon", "peers", exp, PAYLOAD), exp, subkey=ALICE.peer_id)
+        rogue.run_coroutine(functools.partial(_store_raw_locally, key="mon.peers", subkey="junk", value=b"\xc1\xc1",
+                                              expiration=exp))
+        started = time.monotonic()
+        records = read_peer_records(honest, "mon", timeout=10)
+        assert time.monotonic() - started < 5 and list(records) == [ALICE.peer_id] and records[ALICE.peer_id].step == 5
+        started = time.monotonic()
+        assert read_peer_records(rogue, "mon", timeout=2) == {}  # hangs inside hivemind: bounded by our timeout
+        assert 1.5 < time.monotonic() - started < 5
+    finally:
+        rogue.shutdown()
+        honest.shutdown()

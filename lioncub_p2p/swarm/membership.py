@@ -276,3 +276,26 @@ class GroupHistory:
         """The newest group whose ``from_step`` has come by ``step``."""
         eligible = [g for g in self.by_epoch.values() if g.from_step <= step]
         return max(eligible, key=lambda g: (g.from_step, g.epoch)) if eligible else None
+
+
+def read_peer_records(dht: DHT, run_id: str, *, timeout: float = DHT_TIMEOUT) -> dict[str, PeerRecord]:
+    """The run's valid, unexpired peer records, from synchronous code (monitors, coordinators).
+
+    Bounded by ``timeout`` (an empty answer past it); bad records are skipped, never raised. Start the
+    DHT with ``record_validators=[RunRecordValidator([run_id])]`` so that a value hivemind cannot
+    decode never reaches its decoder (where it would leave every read of the key waiting)."""
+    try:
+        found = dht.get(dht_key(run_id, "peers"), latest=True, return_future=True).result(timeout)
+    except Exception as e:  # a timeout, a DHT shutting down: no figures this time
+        logger.info("reading %s peer records failed: %s: %s", run_id, type(e).__name__, e)
+        return {}
+    records, now = {}, get_dht_time()
+    if found is not None and isinstance(found.value, dict):
+        for i, (subkey, item) in enumerate(found.value.items()):
+            if i >= MAX_RECORDS:
+                break
+            record = PeerRecord.parse(subkey, getattr(item, "value", None), getattr(item, "expiration_time", None),
+                                      run_id=run_id)
+            if record is not None and record.expires > now and not record.leaving:
+                records[record.peer_id] = record
+    return records

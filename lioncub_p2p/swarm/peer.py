@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
-import inspect
 import logging
 import os
 import random
@@ -271,8 +270,7 @@ class Swarm:
         self.manifest = self.opinions.merged(DEFAULTS)  # this peer's settings (the run's, adopted)
         self._discover()
         self._apply_settings()
-        node_kwargs = {"identity": self.identity} if "identity" in inspect.signature(VoteNode).parameters else {}
-        self.node = VoteNode(self.p2p, config.allreduce, self.admission, **node_kwargs)
+        self.node = VoteNode(self.p2p, config.allreduce, self.admission, identity=self.identity)
         self.gather = GatherNode(self.p2p, config.allreduce, self.admission) \
             if self.config.transport == "allgather" else None
         self.state_server = StateServer(self.p2p, config.run_id, max_uploads=config.max_state_uploads,
@@ -360,7 +358,8 @@ class Swarm:
             try:
                 verdict = self.loop.run(ask_admission(self.p2p, group.author, self.admission), timeout=15)
             except Exception as e:  # unreachable, or not a lioncub peer: try the next
-                failures += 1
+                if "protocols not supported" not in str(e):  # a peer that is up but serves no admission is no member
+                    failures += 1
                 self.log.warning(f"ask:{group.author}", "could not ask %s for admission: %s: %s", group.author,
                                  type(e).__name__, e)
                 continue
@@ -429,6 +428,9 @@ class Swarm:
         while self.history.latest is None and self._unreachable and time.monotonic() < deadline:
             time.sleep(2.0)  # the run's group exists but its author did not answer: wait for it or a new leader
             self._discover()
+        if self.history.latest is None and self._unreachable:  # founding a group of our own would split the run
+            raise SwarmError(f"the group of run {self.config.run_id} did not answer this peer's admission request "
+                             f"in time: can this machine reach its peers (firewall, --initial-peers)?")
         self._settle_manifest(optimizer)
         founded = False
         if self.history.latest is None:
