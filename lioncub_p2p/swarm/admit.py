@@ -121,15 +121,15 @@ class AdmitServer:
             code = ADMITTED
         answer = self.admission.proof("member", newcomer, self.peer_id, newcomer_nonce, member_nonce) \
             if code == ADMITTED and self.admission.needs_secret else b""
+        if code == ADMITTED:  # before the verdict: the newcomer may announce itself the moment it reads it
+            self.on_admitted(newcomer)
+        else:
+            logger.info("refused admission to %s: %s", newcomer, _REASONS[code])
         reason = _REASONS.get(code, "").encode()[:MAX_REASON_BYTES]
         writer.write(MAGIC + bytes([code]) + answer.ljust(PROOF_BYTES, b"\0") + bytes([len(reason)]) + reason)
         await writer.drain()
         # let the newcomer close first: closing now can drop the verdict still in flight (seen over QUIC)
         await asyncio.wait_for(reader.read(1), LINGER_S)
-        if code == ADMITTED:
-            self.on_admitted(newcomer)
-        else:
-            logger.info("refused admission to %s: %s", newcomer, _REASONS[code])
 
 
 async def ask_admission(p2p: P2P, member: str, admission: Admission, *, timeout: float = EXCHANGE_TIMEOUT) -> Verdict:
