@@ -1,7 +1,7 @@
 """Who may take part in a run: holders of a shared run secret, and/or peers on an allow-list.
 
 The secret never appears in public: it is stretched once per process into a run key with scrypt
-(~80 ms, 16 MiB; salted with the run id), and only values derived from that key travel, and only
+(40-85 ms, 16 MiB; salted with the run id), and only values derived from that key travel, and only
 on authenticated libp2p streams:
 
 * a *token*, HMAC-SHA256(key, run id | peer id), that a member sends in the first frame of every
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 TOKEN_BYTES = 16
 PROOF_BYTES = 32
-# scrypt cost: ~80 ms and 16 MiB on one core of the project's machine, once per process and secret
+# scrypt cost: 40-85 ms (by load) and 16 MiB on one core of the project's machine, once per process and secret
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 1 << 14, 8, 1
 
 

@@ -11,7 +11,7 @@ to admit it, on a libp2p stream (both peer ids authenticated by the transport):
 The newcomer proves first: a peer that dials a member learns nothing it could test guesses against,
 and M proves back only to a newcomer that proved. What an impostor M (someone who published a group
 record to lure newcomers) gets is one newcomer proof; each guess against it costs a scrypt of the
-run key (~80 ms). A newcomer trusts a group record only from an author that proved the key (private
+run key (40-85 ms). A newcomer trusts a group record only from an author that proved the key (private
 runs). A member admits a newcomer for itself (the leader then lists it); the verdict tells a refused
 newcomer why, within one exchange, so it stops at once with one line instead of waiting for ever.
 
