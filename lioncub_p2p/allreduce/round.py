@@ -40,7 +40,7 @@ class AllReduceConfig:
     max_pending_rounds: int = 2  # rounds one peer may ask for before this peer started them
     keep_rounds: int = 4  # finished rounds kept to serve late voters, recovery requests and audits
     keep_streams_s: float = 30.0
-    first_frame_timeout: float = 2.0
+    first_frame_timeout: float = 5.0
     audits_per_round: int = 1
     audit_leaves: int = 2
     audit_timeout: float = 5.0

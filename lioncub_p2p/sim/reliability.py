@@ -280,7 +280,7 @@ def round_attacks(workdir: str) -> list[dict]:
         refused = sum(gate.refused for gate in swarm.nodes[1].gates.values())
         row("an outsider holds 280 idle streams at a reducer's vote, fetch and audit handlers (re-dialing)", exact,
             f"{dialed} streams dialed, {refused} refused before a byte was read, 2 per handler held for the "
-            f"2 s first-frame deadline; rounds exact, {max(attacked):.2f} s against {max(clean):.2f} s clean "
+            f"{fresh.first_frame_timeout:.0f} s first-frame deadline; rounds exact, {max(attacked):.2f} s against {max(clean):.2f} s clean "
             f"(bound {fresh.result_timeout + fresh.recovery_timeout:.0f} s)")
     # fake rounds while a reducer is late
     with LocalSwarm(4, config=CFG) as swarm:
