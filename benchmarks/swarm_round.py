@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
         for i in range(args.peers):
             procs.append(subprocess.Popen(
                 [python, "-m", "lioncub_p2p.cli.train", "--run-id", "bench", "--initial-peers-file",
-                 str(work / "a.maddrs"), "--steps", str(args.steps), "--hidden", "8", "--momentum-every", "0",
+                 str(work / "a.maddrs"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--steps", str(args.steps), "--hidden", "8", "--momentum-every", "0",
                  "--quiet", "--metrics-jsonl", str(work / f"t{i}.jsonl"), "--seed", str(i)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
         for p in procs[1:]:

@@ -11,15 +11,16 @@ from typing import Callable
 from lioncub_p2p.allreduce import AllReduceConfig
 from lioncub_p2p.swarm import Swarm, SwarmConfig
 
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]  # one machine: nobody else needs to dial these peers
 LOOPBACK = AllReduceConfig(upload_timeout=3.0, result_timeout=6.0, join_timeout=2.0, recovery_timeout=2.0)
 
 
 def run_local_swarm(peers: int, train: Callable[[int, Swarm], object], run_id: str = "example") -> list[object]:
     """Start ``peers`` swarms on loopback and call ``train(index, swarm)`` for each in its own thread;
     returns what each call returned (in peer order). Every swarm is shut down at the end."""
-    first = Swarm(SwarmConfig(run_id, allreduce=LOOPBACK))
+    first = Swarm(SwarmConfig(run_id, host_maddrs=LOCAL, allreduce=LOOPBACK))
     maddrs = [str(m) for m in first.dht.get_visible_maddrs()]
-    swarms = [first] + [Swarm(SwarmConfig(run_id, initial_peers=maddrs, allreduce=LOOPBACK)) for _ in range(peers - 1)]
+    swarms = [first] + [Swarm(SwarmConfig(run_id, initial_peers=maddrs, host_maddrs=LOCAL, allreduce=LOOPBACK)) for _ in range(peers - 1)]
     results: list[object] = [None] * peers
     errors: list[BaseException] = []
 

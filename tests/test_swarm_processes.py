@@ -43,6 +43,7 @@ def _free_port() -> int:
 
 def _trainer(name: str, tmp: Path, bootstrap: Path, *extra: str) -> list[str]:
     return ["lioncub_p2p.cli.train", "--run-id", "ci", "--initial-peers-file", str(bootstrap / "coordinator-a.maddrs"),
+            "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
             "--steps", str(STEPS), "--step-delay", "0.25", "--quiet", "--upload-timeout", "2", "--result-timeout", "4",
             "--momentum-every", "10", "--lr", "1e-3", "--metrics-jsonl", str(tmp / f"{name}.jsonl"),
             "--final-state", str(tmp / f"{name}.state"), *extra]
@@ -65,6 +66,7 @@ def _params(path: Path) -> bytes:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_trainers_kill_join_client_mode(tmp_path):
     bootstrap = tmp_path / "bootstrap"
     bootstrap.mkdir()

@@ -83,7 +83,7 @@ def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: i
     rng = random.Random(seed)
     task = digits_task(0, hidden=hidden)
     allreduce = AllReduceConfig(upload_timeout=2.0, result_timeout=4.0, join_timeout=2.0, recovery_timeout=1.0)
-    base = dict(allreduce=allreduce, momentum=MomentumSchedule(every=10), record_ttl=6.0)
+    base = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], allreduce=allreduce, momentum=MomentumSchedule(every=10), record_ttl=6.0)
     report, started = SoakReport(), time.monotonic()
     first = _Peer(0, SwarmConfig("soak", **base), task, rounds)
     maddrs = [str(m) for m in first.swarm.dht.get_visible_maddrs()]
