@@ -3,7 +3,7 @@
 With ~700 parameters (about 90 bytes of votes) the bytes cost nothing, so the median time of
 ``optimizer.step()`` (vote round + group upkeep + digest, no momentum sync) is the overhead a
 round adds beyond moving its bytes. hivemind's matchmaking alone costs ~80 ms per step even with
-a full group (../shared/docs/hivemind.md).
+a full group (measured on this machine before this project had its own rounds).
 
     python benchmarks/swarm_round.py [--peers 4] [--steps 80]
 """
