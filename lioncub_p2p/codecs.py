@@ -68,10 +68,6 @@ class SignUpload:
     def encode(self, c: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
         return ops.pack_signs(c, seed=seed).unsqueeze(0)
 
-    def decode(self, planes: torch.Tensor, numel: int) -> torch.Tensor:
-        """The voter's vote value per element: ±1."""
-        return ops.unpack_signs(planes[0], numel)
-
     def tally(self, nbytes: int, max_voters: int) -> VoteTally:
         return VoteTally(self, nbytes, max_voters)
 
@@ -117,11 +113,6 @@ class L1Upload:
     def encode(self, c: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
         return pack_planes(self.quantize(c) + self.scale_steps, self.bits)
 
-    def decode(self, planes: torch.Tensor, numel: int) -> torch.Tensor:
-        """The voter's quantized direction q per element, clipped like the reducer clips it."""
-        codes = unpack_planes(planes, numel).to(torch.int32).clamp(max=self.max_code)
-        return (codes - self.scale_steps).float()
-
     def tally(self, nbytes: int, max_voters: int) -> VoteTally:
         return VoteTally(self, nbytes, max_voters)
 
@@ -143,9 +134,6 @@ class Bf16Upload:
 
     def encode(self, values: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
         return values.detach().reshape(-1).to(torch.bfloat16).contiguous().view(torch.uint8).unsqueeze(0)
-
-    def decode(self, planes: torch.Tensor, numel: int) -> torch.Tensor:
-        return planes.reshape(-1)[: 2 * numel].contiguous().view(torch.bfloat16).float()
 
     def tally(self, nbytes: int, max_voters: int) -> "FloatTally":
         return FloatTally(nbytes, max_voters)

@@ -1,1 +1,3 @@
-"""Simulation: in-process groups and (later) swarms of local peers on shaped links."""
+"""The researcher's tools: swarms of local peers as processes on shaped links (lioncub-sim), several
+hosts in network namespaces with NAT and latency, in-process comparisons of vote encodings
+(lioncub-compare), soak, process faults and the reliability suite (lioncub-reliability)."""
