@@ -56,6 +56,17 @@ class Processes:
             self.kill(name, signal.SIGKILL)  # the group may hold orphaned DHT or daemon processes
 
 
+def wait_for(condition, timeout: float, what: str, poll: float = 0.2):
+    """Poll ``condition`` until it returns something truthy (returned), or fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
 def wait_for_file(path: Path, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -74,4 +85,7 @@ def last_step(metrics: Path) -> int:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Every complete line of a JSONL file a process may still be writing ([] before it exists)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
