@@ -18,7 +18,8 @@ from lioncub_p2p.allreduce import PeerSpec
 from lioncub_p2p.allreduce.admission import Admission
 from lioncub_p2p.identity import Identity, Verifier
 from lioncub_p2p.swarm import admit
-from lioncub_p2p.swarm.membership import MAX_EPOCH_GAP, GroupHistory, GroupRecord, PeerRecord, next_group
+from lioncub_p2p.swarm.membership import (MAX_EPOCH_GAP, GroupHistory, GroupRecord, PeerRecord, announced_step,
+                                          next_group)
 from lioncub_p2p.swarm.records import (REGULAR_VALUE_TAG, RateLimitedLog, RecordError, RunRecordValidator, canonical,
                                        open_record, seal, signed_bytes)
 
@@ -154,6 +155,36 @@ def test_members_follow_only_their_group_within_windows(caplog):
         for _ in range(5):
             pick([outsider])
     assert sum("not following" in r.message for r in caplog.records) == 1  # rate-limited
+
+
+def test_a_newcomer_follows_the_group_of_a_long_running_run_but_not_a_liars_far_future():
+    """A peer joining at step 0 (or coming back far behind) was admitted to the group record of a run
+    whose last change was at step 100, while the run is at step 5000: the leader's next record (adding
+    it, from step 5003) must be followed. Where the run is comes from the members' signed records (the
+    lower median of the synced ones), so one member lying about its step cannot open the window."""
+    history = GroupHistory()
+    current = _group(4, 100, ["a", "b", "c"], "a")
+    history.add(current)
+    adding_me = _group(5, 5003, ["a", "b", "c", "me"], "a", current)
+    records = {pid: PeerRecord(pid, step=5000 + i, synced=True) for i, pid in enumerate("abc")}
+    records["me"] = PeerRecord("me", step=0, synced=False)  # itself, joining: not counted
+    records["x"] = PeerRecord("x", step=10**12, synced=True)  # not a member: not counted
+    run_step = announced_step(current, records)
+    assert run_step == 5001  # sorted synced members' steps [5000, 5001, 5002], lower median
+    assert next_group([adding_me], history, step=0, window=203) is None  # the bug: the window of step 0
+    assert next_group([adding_me], history, step=0, window=203, run_step=run_step) == adding_me
+    # one member (of three) claims a far-future step and publishes a group from there: the median holds
+    lying = dict(records, b=PeerRecord("b", step=10**12, synced=True))
+    assert announced_step(current, lying) == 5002
+    far = _group(5, 10**12, ["a", "b", "c", "me"], "b", current)
+    assert next_group([far], history, step=0, window=203, run_step=announced_step(current, lying)) is None
+    # of a group of two, the lower median is the honest one; a majority of liars is the run itself
+    pair = _group(4, 100, ["a", "b"], "a")
+    assert announced_step(pair, {"a": records["a"], "b": lying["b"]}) == 5000
+    assert announced_step(pair, {"a": PeerRecord("a", step=9, synced=False)}) is None
+    assert announced_step(pair, {"a": PeerRecord("a", step=9, synced=True, leaving=True)}) is None
+    # a group whose author was proven to lie is not followed, whatever else holds
+    assert next_group([adding_me], history, step=0, window=203, run_step=run_step, refused={"a"}) is None
 
 
 # -- the admission exchange between two daemons ----------------------------------------------------------

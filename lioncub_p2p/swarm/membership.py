@@ -215,20 +215,33 @@ class Directory:
         return await self._store("group", record.payload(), get_dht_time() + ttl)
 
 
+def announced_step(group: GroupRecord, records: dict[str, PeerRecord]) -> int | None:
+    """Where the run is, as ``group``'s synced members announce it in their signed records: the lower
+    median of their steps, so members lying about their own step move it only if they are a majority
+    (the group is theirs then anyway). None if no member's record says."""
+    members = set(group.member_ids())
+    steps = sorted(r.step for pid, r in records.items() if pid in members and r.synced and not r.leaving)
+    return steps[(len(steps) - 1) // 2] if steps else None
+
+
 def next_group(candidates: list[GroupRecord], history: "GroupHistory", *, step: int, window: int,
+               run_step: int | None = None, refused: frozenset[str] | set[str] = frozenset(),
                log: RateLimitedLog | None = None) -> GroupRecord | None:
     """The group record a member with ``history`` accepts next, if any.
 
     Only from a member of its latest groups (an outsider's record, however well signed, is never
-    followed), only for the next ``MAX_EPOCH_GAP`` epochs, and only for a first step no further than
-    ``window`` steps past this peer's step and the current group's start (a forged far-future step
-    cannot freeze group changes). Among several, the newest; for one epoch, the author listed first."""
+    followed) that is not ``refused`` (proven liars), only for the next ``MAX_EPOCH_GAP`` epochs, and
+    only for a first step no further than ``window`` steps past the furthest of this peer's step, the
+    current group's start and ``run_step`` (``announced_step``: where most of the group says the run
+    is, which lets a peer that is joining at step 0, or coming back far behind, follow the group of a
+    long-running run; a forged far-future step still cannot freeze group changes). Among several, the
+    newest; for one epoch, the author listed first."""
     latest = history.latest
     if latest is None:
         return None
     signers = {pid for g in history.by_epoch.values() if g.epoch >= latest.epoch - 1 for pid in g.member_ids()}
     order = {pid: i for i, pid in enumerate(latest.member_ids())}
-    limit = max(step, latest.from_step) + window
+    limit = max(step, latest.from_step, run_step or 0) + window
     accepted = []
     for group in candidates:
         if group.epoch <= latest.epoch:
@@ -236,6 +249,8 @@ def next_group(candidates: list[GroupRecord], history: "GroupHistory", *, step: 
         problem = None
         if group.author not in signers:
             problem = "its author is not a member of this peer's group"
+        elif group.author in refused:
+            problem = "its author was caught lying (audit evidence)"
         elif group.epoch > latest.epoch + MAX_EPOCH_GAP:
             problem = f"epoch {group.epoch} is more than {MAX_EPOCH_GAP} past {latest.epoch}"
         elif group.from_step > limit:
