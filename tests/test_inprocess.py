@@ -1,7 +1,7 @@
 import json
 
 from lioncub_p2p.momentum import MomentumSchedule
-from lioncub_p2p.sim.inprocess import Method, main, run_method
+from lioncub_p2p.sim.inprocess import DEFAULT_METHODS, Method, main, run_method
 from lioncub_p2p.sim.tasks import digits_task
 
 
@@ -19,10 +19,12 @@ def test_majority_with_momentum_averaging_tracks_global_lion():
 
 
 def test_cli_writes_table_and_json(tmp_path, capsys):
+    """The default methods on the default task (digits), one seed, a few steps."""
     out = tmp_path / "r.json"
-    main(["--steps", "5", "--out", str(out)])
+    main(["--steps", "6", "--seeds", "1", "--hidden", "16", "--window", "2", "--out", str(out)])
     report = json.loads(out.read_text())
-    names = [r["method"] for r in report["results"]]
-    assert names[0].startswith("global Lion") and len(names) == 7
-    assert all(r["replicas_identical"] for r in report["results"])
-    assert "| method |" in capsys.readouterr().out
+    names = [r["method"] for r in report["runs"]]
+    assert names == list(DEFAULT_METHODS) and names[0] == "global"
+    assert all(o["replicas_identical"] and o["steps"] == 6 for r in report["runs"] for o in r["outcomes"])
+    assert report["eval_at"] == [1, 3, 4, 6] and report["target_step"] == 4
+    assert "| global | 0.0003 | 64.00 |" in capsys.readouterr().out

@@ -1,33 +1,52 @@
-"""In-process comparison of vote encodings against global Lion (no network).
+"""lioncub-compare: vote encodings against global Lion, in process (no network), over seeds.
 
-n simulated workers each hold a replica of the model, a shard of the data and their own momentum.
-Every step each worker packs its direction with the real upload codec, one reducer tallies all
-uploads with the real codecs, and every worker applies the decoded result; momenta are averaged
-exactly on a ``MomentumSchedule``. Global Lion is data-parallel Lion: gradients averaged over the
-workers (the batch of all shards) and one shared momentum.
+n simulated workers each hold a replica of the model, draw their own batches and keep their own
+momentum. Every step each worker packs its direction with the real upload codec, one reducer
+tallies all uploads with the real codecs, and every worker applies the decoded result; momenta are
+averaged on a ``MomentumSchedule``, exactly or as the swarm does it (bf16 on the wire, trimmed
+mean). Global Lion is data-parallel Lion: gradients averaged over the workers' batches (the same
+samples) and one shared momentum.
+
+Quality is read the way ``lioncub_p2p.sim.quality`` explains: the workers' mean training loss per
+step, smoothed over a window, at several steps, mean ± spread over seeds, and the headline "steps
+to reach the baseline's smoothed loss at step K" (paired by seed). ``--lr-sweep`` picks each
+method's own best lr on a separate seed first.
 
 Bits per element per step count what one peer sends plus receives, before the butterfly's
 (n−1)/n factor: global Lion 32 up + 32 down (fp32); a vote = upload bits + result bits; a momentum
-sync adds 16 + 16 (bf16 all-reduce) on the steps it runs.
+sync adds 16 + 16 (bf16 all-reduce) per synced element on the steps it runs.
+
+    lioncub-compare --task byte-gpt --hidden 64 --steps 300 --seeds 3 --lr-sweep 5e-4,1e-3,2e-3
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import math
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..codecs import pack_planes, reduce_votes, result_codec, unpack_planes, upload_codec, wire_bits_per_element
+from ..codecs import (AverageResult, Bf16Upload, pack_planes, reduce_votes, result_codec, unpack_planes, upload_codec,
+                      wire_bits_per_element)
 from ..momentum import MomentumSchedule, average_in_process
 from ..optim import LionCub
-from .tasks import Task, digits_task
+from ..tasks import BUILTIN, TaskError, TrainingTask, load_task
+from . import quality
 
 MOMENTUM_SYNC_BITS = 32.0  # bf16 all-reduce: 16 bits up + 16 down per element
+FP32_BITS = 32.0
+MOMENTUM_RULES = ("exact", "trimmed_mean", "average")  # exact mean in fp32; the swarm's bf16 rules
+
+
+# ---------------------------------------------------------------------------------------------
+# Methods
 
 
 @dataclass(frozen=True)
@@ -36,16 +55,163 @@ class Method:
     upload: str | None = None  # None: global Lion (averaged gradients)
     result: str = "majority"
     momentum: MomentumSchedule = field(default_factory=MomentumSchedule.never)
+    momentum_rule: str = "exact"  # or the swarm's: bf16 on the wire, "trimmed_mean" or "average"
+    variant: tuple[str, ...] = ()  # experimental changes of the vote (sim/variants.py), in process only
+    lr: float | None = None  # this method's own lr (None: the run's)
 
 
-def default_methods(sync_every: int = 10) -> list[Method]:
-    sync = MomentumSchedule(every=sync_every)
-    methods = [Method("global Lion (fp32 grads)")]
-    for label, upload, result in (("1-bit majority", "sign", "majority"), ("1-bit mean vote", "sign", "mean"),
-                                  ("L1 4-bit majority", "l1:4", "majority")):
-        methods.append(Method(label, upload, result))
-        methods.append(Method(f"{label} + momentum avg/{sync_every}", upload, result, sync))
-    return methods
+def parse_method(spec: str) -> Method:
+    """``global``, or ``UPLOAD/RESULT[+OPTION...]``: e.g. ``sign/majority+sync25+bf16``, ``l1:4/ternary``.
+
+    Options: ``syncK`` momentum average every K steps, ``geoR`` at steps 1, R, R², ... , ``untilT``
+    none after step T, ``bf16`` the swarm's bf16 trimmed mean instead of an exact one (``bf16mean``: its
+    plain mean), ``lrX`` this method's own lr; any other option names a variant of ``sim/variants.py``."""
+    spec = spec.strip()
+    if spec == "global":
+        return Method("global")
+    head, *options = spec.split("+")
+    upload, slash, result = head.partition("/")
+    if not slash:
+        raise ValueError(f"method {spec!r}: expected 'global' or UPLOAD/RESULT[+OPTION...], e.g. sign/majority+sync25")
+    upload_codec(upload)  # ValueError naming the encoding if unknown
+    result_codec(result)
+    if result in ("average", "trimmed_mean"):
+        raise ValueError(f"method {spec!r}: {result} is the momentum rule, not a vote result; use majority, "
+                         f"ternary or mean")
+    every, geometric, until, rule, lr, variant = 0, None, None, "exact", None, []
+    for option in options:
+        try:
+            if option.startswith("sync"):
+                every = int(option[4:])
+            elif option.startswith("geo"):
+                geometric = float(option[3:])
+            elif option.startswith("until"):
+                until = int(option[5:])
+            elif option in ("bf16", "bf16mean"):
+                rule = "trimmed_mean" if option == "bf16" else "average"
+            elif option.startswith("lr") and option[2:3].isdigit():
+                lr = float(option[2:])
+            else:
+                variant.append(option)
+        except ValueError:
+            raise ValueError(f"method {spec!r}: option {option!r} needs a number, e.g. sync25, geo1.5, until100, "
+                             f"lr1e-3") from None
+    schedule = MomentumSchedule(every=every, geometric=geometric, until=until)
+    if variant:
+        from .variants import check_variant  # variants import this module: loaded on demand
+
+        for name in variant:
+            check_variant(name, spec)
+    return Method(spec, upload, result, schedule, rule, tuple(variant), lr)
+
+
+DEFAULT_METHODS = ("global", "sign/majority", "sign/majority+sync10", "sign/ternary", "sign/mean", "l1:4/majority")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks: what run_method trains
+
+
+class CompareTask:
+    """A task as the comparison sees it: a model per seed, per-worker batches, a loss, an evaluation."""
+
+    name = "task"
+
+    def make_model(self, seed: int) -> nn.Module:
+        raise NotImplementedError
+
+    def batches(self, workers: int, batch: int, gens: list[torch.Generator]) -> list[Callable[[], Any]]:
+        """One batch source per worker for a run."""
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        return {}
+
+    def train_loss(self, model: nn.Module) -> float:
+        """Loss on the whole training set, for tasks that hold one in memory (NaN otherwise)."""
+        return float("nan")
+
+
+class LegacyTask(CompareTask):
+    """The simulators' sharded tasks (``sim.tasks``: ``Task``, ``ByteLMTask``): worker i draws from
+    shard i; ``evaluate`` gives (test loss, accuracy or bits per byte)."""
+
+    def __init__(self, task: Any):
+        self.task, self.name = task, getattr(task, "name", "task")
+
+    def make_model(self, seed: int) -> nn.Module:
+        return self.task.make_model(seed)
+
+    def batches(self, workers, batch, gens):
+        return [lambda i=i: self.task.sample(i, workers, batch, gens[i]) for i in range(workers)]
+
+    def loss(self, model, batch):
+        return self.task.loss(model, *batch)
+
+    def evaluate(self, model):
+        loss, second = self.task.evaluate(model)
+        return {"loss": loss, "accuracy" if hasattr(self.task, "x_train") else "bits_per_byte": second}
+
+    @torch.no_grad()
+    def train_loss(self, model):
+        if not hasattr(self.task, "x_train"):
+            return float("nan")
+        return self.task.loss(model, self.task.x_train, self.task.y_train).item()
+
+
+class SpecTask(CompareTask):
+    """A task of ``lioncub_p2p.tasks`` (``digits``, ``byte-gpt``, ``module:function``), as
+    ``lioncub-train`` trains it: each worker draws from a sampler with its own generator; an iterable
+    of batches is dealt out in turn (worker 0 gets the first batch, worker 1 the second, ...)."""
+
+    def __init__(self, spec: str, *, hidden: int | None = None, batch: int = 32):
+        self.spec, self.hidden, self.batch, self.name = spec, hidden, batch, spec
+        self._tasks: dict[int, TrainingTask] = {}
+        self._task(0)  # TaskError now, with one line, rather than in the middle of a comparison
+
+    def _task(self, seed: int) -> TrainingTask:
+        if seed not in self._tasks:
+            self._tasks[seed] = load_task(self.spec, seed=seed, hidden=self.hidden, batch=self.batch)
+        self._current = self._tasks[seed]
+        return self._current
+
+    def make_model(self, seed: int) -> nn.Module:
+        return copy.deepcopy(self._task(seed).model)
+
+    def batches(self, workers, batch, gens):
+        task = self._current
+        if task.samples:
+            return [lambda g=g: task.data(batch, g) for g in gens]
+        stream: Iterator = task.batches(batch, gens[0])
+
+        def take() -> Any:
+            item = next(stream, None)
+            if item is None:
+                raise DataExhausted
+            return item
+
+        return [take] * workers
+
+    def loss(self, model, batch):
+        return self._current.loss(model, batch)
+
+    def evaluate(self, model):
+        return self._current.evaluation(model)
+
+
+class DataExhausted(Exception):
+    """A task's one-shot stream of batches ended: the run stops at that step."""
+
+
+def as_compare_task(task: Any) -> CompareTask:
+    return task if isinstance(task, CompareTask) else LegacyTask(task)
+
+
+# ---------------------------------------------------------------------------------------------
+# One run
 
 
 @dataclass
@@ -53,13 +219,22 @@ class Outcome:
     method: str
     steps: int
     workers: int
-    test_accuracy: float
+    test_accuracy: float  # the evaluation's second value (accuracy %, or bits/byte for the byte LM)
     test_loss: float
-    bits_per_element_per_step: float
+    bits_per_element_per_step: float  # up + down
     replicas_identical: bool
     seconds: float
-    curve: list = field(default_factory=list)  # (step, mean training loss over workers)
+    curve: list = field(default_factory=list)  # (step from 0, mean training loss over workers)
     train_loss: float = float("nan")  # final model on the whole training set (no sampling noise)
+    upload_bits: float = float("nan")  # what one peer sends per element per step (votes + momentum + side info)
+    lr: float = float("nan")
+    seed: int = 0
+    evals: list = field(default_factory=list)  # (step, {name: value}) after that many updates
+    compute_s: float = float("nan")  # median seconds of one worker's forward + backward
+
+    @property
+    def losses(self) -> list[float]:
+        return [loss for _, loss in self.curve]
 
 
 BYZANTINE = ("random", "invert", "ones")
@@ -79,42 +254,100 @@ def corrupt(upload: torch.Tensor, codec, behavior: str, gen: torch.Generator) ->
     raise ValueError(f"unknown bad-voter behavior {behavior!r}; use one of {BYZANTINE}")
 
 
-def run_method(method: Method, task: Task, *, workers: int = 4, steps: int = 300, batch: int = 32,
+def average_momenta(momenta: list[list[tuple[str, torch.Tensor]]], schedule: MomentumSchedule, rule: str) -> int:
+    """One momentum sync over peers, in place; returns elements synced. ``exact``: the fp32 mean;
+    ``trimmed_mean`` / ``average``: what a swarm's momentum round does (each peer's momenta in bf16
+    on the wire, the reducer's rule, the result in bf16, ``codecs.AverageResult``)."""
+    if rule == "exact":
+        return average_in_process(momenta, schedule)
+    if rule not in MOMENTUM_RULES:
+        raise ValueError(f"unknown momentum rule {rule!r}; use one of {MOMENTUM_RULES}")
+    schedule.check_names(name for name, _ in momenta[0])
+    codec, reducer, synced = Bf16Upload(), AverageResult(trimmed=rule == "trimmed_mean"), 0
+    for buffers in zip(*momenta):
+        if not schedule.selects(buffers[0][0]):
+            continue
+        numel = buffers[0][1].numel()
+        tally = codec.tally(2 * numel, len(buffers))
+        for voter, (_, m) in enumerate(buffers):
+            tally.add(voter, codec.encode(m), 0)
+        wire = tally.encode(reducer, list(range(len(buffers))), seed=0, step=0, offset=0)
+        mean = reducer.decode(wire, 16 * numel, len(buffers))
+        for _, m in buffers:
+            m.copy_(mean.view_as(m))
+        synced += numel
+    return synced
+
+
+class Clock:
+    """Seconds of each worker's forward + backward (the compute a real peer spends per step)."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+
+    def median(self) -> float:
+        return sorted(self.samples)[len(self.samples) // 2] if self.samples else float("nan")
+
+
+def worker_loss(task: CompareTask, model: nn.Module, source: Callable[[], Any], clock: Clock,
+                scale: float = 1.0) -> float:
+    start = time.perf_counter()
+    loss = task.loss(model, source())
+    (loss * scale if scale != 1.0 else loss).backward()
+    clock.samples.append(time.perf_counter() - start)
+    return loss.item()
+
+
+def run_method(method: Method, task: Any, *, workers: int = 4, steps: int = 300, batch: int = 32,
                lr: float = 3e-4, weight_decay: float = 0.1, seed: int = 0,
-               byzantine: dict[int, str] | None = None) -> Outcome:
+               byzantine: dict[int, str] | None = None, eval_at: Sequence[int] = ()) -> Outcome:
     """Train with ``workers`` simulated peers; ``byzantine[i]`` makes worker i send corrupt votes
-    ("random" bits, "invert"ed votes, all "ones") while training honestly on its shard."""
+    ("random" bits, "invert"ed votes, all "ones") while training honestly on its data. ``eval_at``:
+    steps after which to evaluate (the end always is). ``method.lr`` overrides ``lr``."""
+    task = as_compare_task(task)
+    lr = method.lr or lr
+    if method.variant:
+        from .variants import run_variant  # variants import this module: loaded on demand
+
+        return run_variant(method, task, workers=workers, steps=steps, batch=batch, lr=lr, weight_decay=weight_decay,
+                           seed=seed, eval_at=eval_at)
     start = time.perf_counter()
     gens = [torch.Generator().manual_seed(seed * 1000 + i) for i in range(workers)]
     base = task.make_model(seed)
+    sources = task.batches(workers, batch, gens)
     curve: list[tuple[int, float]] = []
+    evals: list[tuple[int, dict]] = []
+    clock = Clock()
+    wanted = {k for k in eval_at if 0 < k < steps}
     if method.upload is None:
         opt = LionCub(base.named_parameters(), lr=lr, weight_decay=weight_decay)
         for step in range(steps):
-            batches = [task.sample(i, workers, batch, g) for i, g in enumerate(gens)]
-            xb, yb = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
             opt.zero_grad()
-            loss = task.loss(base, xb, yb)  # equal shard batches: the mean of the workers' gradients
-            loss.backward()
+            try:  # mean of the workers' losses: the mean of their gradients, as an all-reduce gives
+                losses = [worker_loss(task, base, src, clock, 1.0 / workers) for src in sources]
+            except DataExhausted:
+                break
             opt.step()
-            curve.append((step, loss.item()))
-        loss, acc = task.evaluate(base)
-        return Outcome(method.name, steps, workers, acc, loss, 64.0, True, time.perf_counter() - start, curve,
-                       _train_loss(task, base))
+            curve.append((step, sum(losses) / len(losses)))
+            if step + 1 in wanted:
+                evals.append((step + 1, task.evaluate(base)))
+        return _outcome(method, task, base, curve, evals, workers, 2 * FP32_BITS, FP32_BITS, True, start, lr, seed,
+                        clock)
 
     up, res = upload_codec(method.upload), result_codec(method.result)
     replicas = [copy.deepcopy(base) for _ in range(workers)]
     opts = [LionCub(m.named_parameters(), lr=lr, weight_decay=weight_decay, upload=up, seed=seed) for m in replicas]
-    nbytes, syncs = opts[0].buffer_bytes, 0
+    nbytes, synced = opts[0].buffer_bytes, 0
+    numel = sum(p.numel() for p in base.parameters())
     for step in range(steps):
         uploads, losses = [], []
-        for i, (model, opt, g) in enumerate(zip(replicas, opts, gens)):
-            xb, yb = task.sample(i, workers, batch, g)
-            opt.zero_grad()
-            loss = task.loss(model, xb, yb)
-            loss.backward()
-            losses.append(loss.item())
-            uploads.append(opt.compute_upload())
+        try:
+            for model, opt, src in zip(replicas, opts, sources):
+                opt.zero_grad()
+                losses.append(worker_loss(task, model, src, clock))
+                uploads.append(opt.compute_upload())
+        except DataExhausted:
+            break
         curve.append((step, sum(losses) / len(losses)))
         for i, behavior in (byzantine or {}).items():
             uploads[i] = corrupt(uploads[i], up, behavior, gens[i])
@@ -123,56 +356,261 @@ def run_method(method: Method, task: Task, *, workers: int = 4, steps: int = 300
         for opt in opts:
             opt.apply_aggregate(update)
         if method.momentum.due(step + 1):
-            average_in_process([opt.momentum_buffers() for opt in opts], method.momentum)
-            syncs += 1
+            synced += average_momenta([opt.momentum_buffers() for opt in opts], method.momentum, method.momentum_rule)
+        if step + 1 in wanted:
+            evals.append((step + 1, task.evaluate(replicas[0])))
     identical = all(torch.equal(a, b) for m in replicas[1:] for a, b in zip(replicas[0].parameters(), m.parameters()))
-    loss, acc = task.evaluate(replicas[0])
-    bits = wire_bits_per_element(up, res, workers) + MOMENTUM_SYNC_BITS * syncs / steps
-    return Outcome(method.name, steps, workers, acc, loss, bits, identical, time.perf_counter() - start, curve,
-                   _train_loss(task, replicas[0]))
+    done = max(len(curve), 1)
+    sync_bits = MOMENTUM_SYNC_BITS / 2 * synced / numel / done  # per direction
+    return _outcome(method, task, replicas[0], curve, evals, workers,
+                    wire_bits_per_element(up, res, workers) + 2 * sync_bits, up.bits_per_element + sync_bits,
+                    identical, start, lr, seed, clock)
 
 
-@torch.no_grad()
-def _train_loss(task: Task, model: nn.Module) -> float:
-    """Loss on the whole training set, for tasks that hold one in memory (NaN for the byte LM)."""
-    if not hasattr(task, "x_train"):
-        return float("nan")
-    return task.loss(model, task.x_train, task.y_train).item()
+def _outcome(method: Method, task: CompareTask, model: nn.Module, curve: list, evals: list, workers: int, bits: float,
+             upload_bits: float, identical: bool, start: float, lr: float, seed: int, clock: Clock) -> Outcome:
+    final = task.evaluate(model)
+    evals.append((len(curve), final))
+    values = list(final.values())
+    loss = final.get("loss", values[0] if values else float("nan"))
+    second = next((v for k, v in final.items() if k != "loss"), float("nan"))
+    return Outcome(method.name, len(curve), workers, second, loss, bits, identical, time.perf_counter() - start, curve,
+                   task.train_loss(model), upload_bits, lr, seed, evals, clock.median())
 
 
-def format_table(outcomes: list[Outcome]) -> str:
-    rows = ["| method | test acc % | test loss | bits/elem/step | replicas equal | seconds |",
-            "|---|---|---|---|---|---|"]
-    for o in outcomes:
-        rows.append(f"| {o.method} | {o.test_accuracy:.1f} | {o.test_loss:.3f} | {o.bits_per_element_per_step:.2f} "
-                    f"| {'yes' if o.replicas_identical else 'NO'} | {o.seconds:.1f} |")
-    return "\n".join(rows)
+# ---------------------------------------------------------------------------------------------
+# Many runs: seeds, lr sweeps, a cache of finished runs
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything a run's result depends on besides method, lr and seed."""
+
+    task: str
+    hidden: int | None
+    workers: int
+    steps: int
+    batch: int
+    weight_decay: float
+    eval_at: tuple[int, ...]
+
+
+class RunCache:
+    """Finished runs as JSON lines, keyed by setup, method, lr and seed: a long comparison that is
+    stopped resumes where it was (``--cache``)."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.runs = path, {}
+        if path is not None and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                    self.runs[row["key"]] = row["outcome"]
+                except (ValueError, KeyError):
+                    continue  # a line cut short by an interrupted write
+
+    @staticmethod
+    def key(setup: Setup, method: Method, lr: float, seed: int) -> str:
+        return json.dumps([asdict(setup), method.name, lr, seed])
+
+    def get(self, key: str) -> Outcome | None:
+        row = self.runs.get(key)
+        if row is None:
+            return None
+        row = dict(row)
+        row["curve"] = [tuple(c) for c in row["curve"]]
+        row["evals"] = [tuple(e) for e in row["evals"]]
+        return Outcome(**row)
+
+    def put(self, key: str, outcome: Outcome) -> None:
+        self.runs[key] = asdict(outcome)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as f:
+                f.write(json.dumps({"key": key, "outcome": asdict(outcome)}) + "\n")
+
+
+@dataclass
+class MethodRuns:
+    method: Method
+    lr: float
+    sweep: dict = field(default_factory=dict)  # lr -> smoothed final training loss on the sweep seed
+    outcomes: list = field(default_factory=list)  # one per seed
+
+
+def run_all(methods: Sequence[Method], task: CompareTask, setup: Setup, *, seeds: Sequence[int], lr: float,
+            lr_sweep: Sequence[float] = (), sweep_seed: int = 1000, window: int = 20, cache: RunCache | None = None,
+            log: Callable[[str], None] = print) -> list[MethodRuns]:
+    """Every method on every seed, each at its own lr: ``method.lr``, else the best of ``lr_sweep``
+    (the lowest smoothed training loss at the last step, on ``sweep_seed``, a seed not reported),
+    else ``lr``."""
+    cache = cache or RunCache(None)
+
+    def one(method: Method, at: float, seed: int) -> Outcome:
+        key = RunCache.key(setup, method, at, seed)
+        found = cache.get(key)
+        if found is None:
+            found = run_method(replace(method, lr=at), task, workers=setup.workers, steps=setup.steps, batch=setup.batch,
+                               lr=at, weight_decay=setup.weight_decay, seed=seed, eval_at=setup.eval_at)
+            cache.put(key, found)
+            log(f"  {method.name} lr {at:g} seed {seed}: smoothed train loss "
+                f"{quality.smoothed_at(found.losses, found.steps, window):.4f} ({found.seconds:.0f} s)")
+        return found
+
+    runs = []
+    for method in methods:
+        chosen, sweep = method.lr or lr, {}
+        if lr_sweep and method.lr is None:
+            for candidate in lr_sweep:
+                o = one(method, candidate, sweep_seed)
+                sweep[candidate] = quality.smoothed_at(o.losses, o.steps, window)
+            chosen = min(sweep, key=lambda k: sweep[k] if math.isfinite(sweep[k]) else math.inf)
+            edge = " (at the edge of the sweep: widen it)" if chosen in (min(lr_sweep), max(lr_sweep)) else ""
+            log(f"{method.name}: lr {chosen:g}{edge}")
+        runs.append(MethodRuns(method, chosen, sweep, [one(method, chosen, seed) for seed in seeds]))
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------
+# Summaries
+
+
+def default_eval_points(steps: int) -> tuple[int, ...]:
+    return tuple(sorted({max(1, steps // 4), max(1, steps // 2), max(1, 3 * steps // 4), steps}))
+
+
+@dataclass
+class Summary:
+    method: str
+    lr: float
+    bits: float
+    upload_bits: float
+    train_at: dict  # step -> smoothed training loss per seed
+    gap_at_target: list  # per seed: relative gap to the baseline's smoothed loss at the target step
+    steps_ratio: list  # per seed: steps to reach the baseline's loss at the target step / target (None: never)
+    test_loss: list  # per seed, at the end
+    sweep: dict
+
+
+def summarize(runs: Sequence[MethodRuns], *, window: int, target: int, points: Sequence[int],
+              baseline: int = 0) -> list[Summary]:
+    """Per method: smoothed training losses at ``points``, and against ``runs[baseline]`` paired by
+    seed, the gap at step ``target`` and the steps it takes to reach the baseline's loss there."""
+    base = {o.seed: o for o in runs[baseline].outcomes}
+    rows = []
+    for r in runs:
+        gaps, ratios = [], []
+        for o in r.outcomes:
+            b = base.get(o.seed)
+            if b is None:
+                continue
+            goal = quality.smoothed_at(b.losses, target, window)
+            gaps.append(quality.relative_gap(quality.smoothed_at(o.losses, target, window), goal))
+            reached = quality.steps_to_reach(o.losses, goal, window)
+            ratios.append(reached / target if reached is not None else None)
+        rows.append(Summary(
+            r.method.name, r.lr, statistics_mean([o.bits_per_element_per_step for o in r.outcomes]),
+            statistics_mean([o.upload_bits for o in r.outcomes]),
+            {k: [quality.smoothed_at(o.losses, k, window) for o in r.outcomes] for k in points},
+            gaps, ratios, [o.test_loss for o in r.outcomes], r.sweep))
+    return rows
+
+
+def statistics_mean(values: Sequence[float]) -> float:
+    return quality.mean_spread(values)[0]
+
+
+def format_summary(rows: Sequence[Summary], *, window: int, target: int, points: Sequence[int], steps: int,
+                   baseline: str) -> str:
+    head = (["method", "lr", "bits/param/step (up+down)"] + [f"train @{k}" for k in points]
+            + [f"gap vs {baseline} @{target}", f"steps to {baseline}'s loss @{target}", "test loss (end)"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in rows:
+        cells = [s.method, f"{s.lr:g}", f"{s.bits:.2f}"] + [quality.fmt(s.train_at[k]) for k in points]
+        cells += [quality.fmt(s.gap_at_target, 1, percent=True), quality.fmt_ratio(s.steps_ratio, steps / target),
+                  quality.fmt(s.test_loss)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="lioncub-compare", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--task", default="digits", help=f"{' | '.join(BUILTIN)} | module:function (lioncub_p2p.tasks)")
+    p.add_argument("--hidden", type=int, default=None, help="the task's width (its own default if unset)")
+    p.add_argument("--workers", type=int, default=4, help="simulated peers")
+    p.add_argument("--steps", type=int, default=300, help="steps per run")
+    p.add_argument("--batch", type=int, default=32, help="samples per worker per step")
+    p.add_argument("--lr", type=float, default=3e-4, help="every method's lr, unless swept or given per method")
+    p.add_argument("--lr-sweep", default="", help="comma-separated lrs: each method runs at its best one")
+    p.add_argument("--sweep-seed", type=int, default=1000, help="the seed the lr sweep runs on (not reported)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1, paired across methods")
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
+                   help="global | UPLOAD/RESULT[+syncK|+geoR|+untilT|+bf16|+lrX|+VARIANT]; the first is the baseline")
+    p.add_argument("--window", type=int, default=20, help="steps in the smoothed training loss")
+    p.add_argument("--eval-at", default="", help="comma-separated steps to report (default: quarters of --steps)")
+    p.add_argument("--target-step", type=int, default=None,
+                   help="K of 'steps to reach the baseline's loss at step K' [2/3 of --steps]")
+    p.add_argument("--cache", type=Path, default=None, help="JSON lines of finished runs, reused when rerun")
+    p.add_argument("--out", type=Path, default=Path("runs/compare.json"), help="the report (JSON)")
+    return p.parse_args(argv)
+
+
+def _numbers(text: str, kind: type, flag: str) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: {flag} {text!r}: expected comma-separated numbers, e.g. {flag} 3e-4,1e-3") from None
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=32, help="examples per worker per step")
-    parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--sync-every", type=int, default=10, help="momentum averaging period of the '+ momentum' runs")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("runs/inprocess.json"))
-    args = parser.parse_args(argv)
+    run(argv)
+
+
+def run(argv: list[str] | None = None) -> list[Summary]:
+    """lioncub-compare: the summary rows it printed (the report is in ``--out``)."""
+    args = parse_args(argv)
+    sweep = _numbers(args.lr_sweep, float, "--lr-sweep")
+    points = tuple(_numbers(args.eval_at, int, "--eval-at")) or default_eval_points(args.steps)
+    target = args.target_step or max(1, 2 * args.steps // 3)
+    problems = [(args.steps < 1, "--steps must be >= 1"), (args.workers < 1, "--workers must be >= 1"),
+                (args.seeds < 1, "--seeds must be >= 1"), (args.window < 1, "--window must be >= 1"),
+                (not 1 <= target <= args.steps, f"--target-step {target} must lie in 1..--steps ({args.steps})"),
+                (any(not 1 <= k <= args.steps for k in points), f"--eval-at steps must lie in 1..{args.steps}"),
+                (any(x <= 0 for x in sweep + [args.lr]), "learning rates must be positive")]
+    for bad, message in problems:
+        if bad:
+            raise SystemExit(f"error: {message}")
+    try:
+        methods = [parse_method(m) for m in args.methods]
+        task = SpecTask(args.task, hidden=args.hidden, batch=args.batch)
+    except (ValueError, TaskError) as e:
+        raise SystemExit(f"error: {e}") from None
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    task = digits_task(args.seed)
-    outcomes = []
-    for method in default_methods(args.sync_every):
-        outcomes.append(run_method(method, task, workers=args.workers, steps=args.steps, batch=args.batch,
-                                   lr=args.lr, weight_decay=args.weight_decay, seed=args.seed))
-        print(f"  {method.name}: {outcomes[-1].test_accuracy:.1f}% in {outcomes[-1].seconds:.1f}s", flush=True)
-    print(f"\ndigits, {args.workers} workers, {args.steps} steps, batch {args.batch}/worker\n")
-    print(format_table(outcomes))
+    setup = Setup(args.task, args.hidden, args.workers, args.steps, args.batch, args.weight_decay, points)
+    started = time.monotonic()
+    runs = run_all(methods, task, setup, seeds=range(args.seeds), lr=args.lr, lr_sweep=sweep,
+                   sweep_seed=args.sweep_seed, window=args.window, cache=RunCache(args.cache),
+                   log=lambda line: print(line, flush=True))
+    rows = summarize(runs, window=args.window, target=target, points=points)
+    print(f"\n{args.task}, {args.workers} workers, {args.steps} steps, batch {args.batch}/worker, {args.seeds} seeds, "
+          f"training loss smoothed over {args.window} steps (mean ± sd over seeds), "
+          f"{time.monotonic() - started:.0f} s\n")
+    print(format_summary(rows, window=args.window, target=target, points=points, steps=args.steps,
+                         baseline=methods[0].name))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"config": vars(args) | {"out": str(args.out)},
-                                    "results": [asdict(o) for o in outcomes]}, indent=2))
+    report = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "target_step": target, "eval_at": points, "summary": [asdict(s) for s in rows],
+              "runs": [{"method": r.method.name, "lr": r.lr, "sweep": r.sweep, "outcomes": [asdict(o) for o in r.outcomes]}
+                       for r in runs]}
+    args.out.write_text(json.dumps(report, indent=1))
     print(f"\nJSON: {args.out}")
+    return rows
 
 
 if __name__ == "__main__":

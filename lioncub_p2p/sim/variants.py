@@ -1,0 +1,263 @@
+"""Experimental changes of the 1-bit vote (issue 15 §3), in process only: what would close the gap
+to global Lion without more bits per step. Nothing here runs in a swarm; a variant that proves
+itself is described for the codecs and the optimizer to ship (docs/quality.md).
+
+A second implementation of the vote: one model (replicas that apply the same update stay equal),
+per-worker momenta, directions encoded per tensor with the real upload codec and seeds, tallied and
+decoded with the real result codec. Without options it reproduces ``inprocess.run_method``'s
+replicas bit for bit (``tests/test_quality.py``), so a variant's effect is the variant's alone.
+
+Options (``+NAME`` in a method spec, e.g. ``sign/majority+ef+tieprev``):
+
+=============  ==================================================================  ============
+option         what changes                                                          extra bits
+=============  ==================================================================  ============
+``ef``         error feedback of the compression: vote on v = c + e, keep            none
+               e ← v − mean|v|·sign(v) (per tensor): what the 1-bit code dropped
+``efvote``     error feedback of what the *vote* discarded: e ← v − mean|v|·u        none
+               (u: the group's result), so a peer outvoted keeps pushing
+``efdecayD``   with ``ef``/``efvote``: e is multiplied by D each step (e.g. 0.9)     none
+``weighted``   votes weighted by each peer's per-tensor confidence mean|c|:           32 per tensor
+               u = sign(Σ wᵢ·sign(cᵢ)); ties broken at random
+``tieprev``    even-n ties take the previous step's result instead of a random bit   none
+``agree``      per tensor, the step is scaled by the vote's agreement                  ~16 per tensor
+               mean|2T − total|/total, normalized to mean 1 over tensors
+``betaB``      the vote's direction uses β1 = B (e.g. beta0.95); momentum unchanged  none
+``slicesK``    momentum averaged in K slices, one slice (1/K of the elements) per    32/K
+               step, exactly: every element synced every K steps, never a burst
+=============  ==================================================================  ============
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..codecs import UploadCodec, reduce_votes, result_codec, upload_codec
+from ..ops.randbits import derive_key
+from .inprocess import (MOMENTUM_SYNC_BITS, Clock, CompareTask, DataExhausted, Method, Outcome,
+                        average_momenta, worker_loss)
+
+FLAGS = ("ef", "efvote", "weighted", "tieprev", "agree")
+NUMBERED = ("efdecay", "beta", "slices")
+
+
+def check_variant(name: str, spec: str = "") -> None:
+    """ValueError with one line if ``name`` is no variant."""
+    if name in FLAGS:
+        return
+    for prefix in NUMBERED:
+        if name.startswith(prefix):
+            try:
+                float(name[len(prefix):])
+                return
+            except ValueError:
+                break
+    raise ValueError(f"method {spec!r}: unknown option {name!r}; options: syncK, geoR, untilT, bf16, bf16mean, lrX, "
+                     f"{', '.join(FLAGS)}, {', '.join(p + 'N' for p in NUMBERED)}")
+
+
+@dataclass(frozen=True)
+class Options:
+    ef: str | None = None  # "ef" or "efvote"
+    ef_decay: float = 1.0
+    weighted: bool = False
+    tie_previous: bool = False
+    agree: bool = False
+    beta1: float | None = None
+    slices: int = 0
+
+    @classmethod
+    def of(cls, names: Sequence[str]) -> "Options":
+        values: dict = {}
+        for name in names:
+            check_variant(name)
+            if name in ("ef", "efvote"):
+                values["ef"] = name
+            elif name == "weighted":
+                values["weighted"] = True
+            elif name == "tieprev":
+                values["tie_previous"] = True
+            elif name == "agree":
+                values["agree"] = True
+            elif name.startswith("efdecay"):
+                values["ef_decay"] = float(name[7:])
+            elif name.startswith("beta"):
+                values["beta1"] = float(name[4:])
+            elif name.startswith("slices"):
+                values["slices"] = int(float(name[6:]))
+        return cls(**values)
+
+
+class Layout:
+    """Where each parameter lives in the flat vote buffer: the optimizer's layout (``LionCub.slots``)."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.offsets, offset = [], 0
+        for p in params:
+            self.offsets.append(offset)
+            offset += ops.packed_size(p.numel())
+        self.nbytes = offset
+        self.numels = [p.numel() for p in params]
+
+    def pack(self, codec: UploadCodec, directions: list[torch.Tensor], seed: int, step: int) -> torch.Tensor:
+        upload = torch.zeros((codec.planes, self.nbytes), dtype=torch.uint8)
+        for index, (c, offset) in enumerate(zip(directions, self.offsets)):
+            codes = codec.encode(c, seed=derive_key(seed, step, index))
+            upload[:, offset : offset + codes.shape[1]] = codes
+        return upload
+
+    def split(self, update: torch.Tensor) -> list[torch.Tensor]:
+        """The decoded result per parameter: packed bytes (1-bit results) or float values."""
+        if update.dtype == torch.uint8:
+            return [update[o : o + ops.packed_size(n)] for o, n in zip(self.offsets, self.numels)]
+        return [update[8 * o : 8 * o + n] for o, n in zip(self.offsets, self.numels)]
+
+
+def _signs(u: torch.Tensor, numel: int) -> torch.Tensor:
+    return ops.unpack_signs(u, numel) if u.dtype == torch.uint8 else u
+
+
+def run_variant(method: Method, task: CompareTask, *, workers: int, steps: int, batch: int, lr: float,
+                weight_decay: float, seed: int, eval_at: Sequence[int] = (),
+                betas: tuple[float, float] = (0.9, 0.99)) -> Outcome:
+    """``method`` (a vote with ``method.variant`` options) on ``workers`` simulated peers."""
+    opt = Options.of(method.variant)
+    start = time.perf_counter()
+    gens = [torch.Generator().manual_seed(seed * 1000 + i) for i in range(workers)]
+    model = task.make_model(seed)
+    sources = task.batches(workers, batch, gens)
+    params = [p for p in model.parameters()]
+    names = [name for name, _ in model.named_parameters()]
+    layout = Layout(params)
+    up, res = upload_codec(method.upload), result_codec(method.result)
+    if opt.weighted and up.planes != 1:
+        raise ValueError(f"method {method.name!r}: weighted votes take 1-bit (sign) uploads")
+    beta1, beta2 = betas
+    vote_beta1 = opt.beta1 if opt.beta1 is not None else beta1
+    momenta = [[torch.zeros_like(p) for p in params] for _ in range(workers)]
+    errors = [[torch.zeros_like(p) for p in params] for _ in range(workers)] if opt.ef else None
+    previous: list[torch.Tensor | None] = [None] * len(params)
+    numel = sum(layout.numels)
+    curve, evals, clock, synced, side_up, side_down = [], [], Clock(), 0, 0.0, 0.0
+    wanted = {k for k in eval_at if 0 < k < steps}
+    for step in range(steps):
+        directions, losses = [], []
+        try:
+            for i, src in enumerate(sources):
+                for p in params:
+                    p.grad = None
+                losses.append(worker_loss(task, model, src, clock))
+                c_i = []
+                for p, m in zip(params, momenta[i]):
+                    g = p.grad if p.grad is not None else torch.zeros_like(p)
+                    c_i.append(torch.mul(m, vote_beta1).add_(g, alpha=1 - vote_beta1))
+                    m.mul_(beta2).add_(g, alpha=1 - beta2)
+                if errors is not None:
+                    c_i = [c + e * opt.ef_decay for c, e in zip(c_i, errors[i])]
+                directions.append(c_i)
+        except DataExhausted:
+            break
+        curve.append((step, sum(losses) / len(losses)))
+        if opt.weighted:
+            updates = _weighted_vote(directions, seed, step)
+            side_up += 32.0 * len(params) / numel  # each peer's weight per tensor, fp32
+        else:
+            uploads = [layout.pack(up, d, seed, step) for d in directions]
+            wire = reduce_votes(uploads, up, res, numel=layout.nbytes * 8, seed=seed, step=step)
+            update = res.decode(wire, layout.nbytes * 8, workers * up.max_code)
+            updates = [_signs(u, n) for u, n in zip(layout.split(update), layout.numels)]
+        if opt.tie_previous and workers % 2 == 0 and up.planes == 1:
+            updates = _ties_to_previous(updates, directions, previous)
+        previous = [u.clone() for u in updates]
+        if errors is not None:
+            for i, d in enumerate(directions):
+                for e, v, u in zip(errors[i], d, updates):
+                    scale = v.abs().mean()
+                    e.copy_(v - scale * (u if opt.ef == "efvote" else torch.sign(v)))
+        scales = [1.0] * len(params)
+        if opt.agree:
+            scales = _agreement_scales(updates, directions, layout.numels)
+            side_down += 16.0 * len(params) / numel  # the reducer's scale per tensor, bf16
+        with torch.no_grad():
+            for p, u, s in zip(params, updates, scales):
+                if weight_decay:
+                    p.mul_(1 - lr * weight_decay)
+                p.add_(u.view_as(p), alpha=-lr * s)
+        if opt.slices:
+            synced += _sync_slice(momenta, step, opt.slices)
+        if method.momentum.due(step + 1):
+            synced += average_momenta([list(zip(names, m)) for m in momenta], method.momentum, method.momentum_rule)
+        if step + 1 in wanted:
+            evals.append((step + 1, task.evaluate(model)))
+    done = max(len(curve), 1)
+    sync_bits = MOMENTUM_SYNC_BITS / 2 * synced / numel / done
+    extra_up, extra_down = side_up / done, side_down / done
+    bits = (up.bits_per_element + res.bits_per_element(workers * up.max_code) + 2 * sync_bits
+            + extra_up + extra_down)
+    final = task.evaluate(model)
+    evals.append((len(curve), final))
+    second = next((v for k, v in final.items() if k != "loss"), float("nan"))
+    return Outcome(method.name, len(curve), workers, second, final.get("loss", float("nan")), bits, True,
+                   time.perf_counter() - start, curve, task.train_loss(model), up.bits_per_element + sync_bits + extra_up,
+                   lr, seed, evals, clock.median())
+
+
+def _weighted_vote(directions: list[list[torch.Tensor]], seed: int, step: int) -> list[torch.Tensor]:
+    """sign(Σᵢ wᵢ·sign(cᵢ)) per tensor with wᵢ = mean|cᵢ| of that tensor; exact ties at random."""
+    out = []
+    for index, per_worker in enumerate(zip(*directions)):
+        total = sum(c.abs().mean() * torch.where(c > 0, 1.0, -1.0) for c in per_worker)
+        tie = ops.unpack_signs(ops.pack_signs(torch.zeros(total.numel()), seed=derive_key(seed, step, index, 7)),
+                               total.numel()).view_as(total)
+        out.append(torch.where(total == 0, tie, torch.sign(total)))
+    return out
+
+
+def _ties_to_previous(updates: list[torch.Tensor], directions: list[list[torch.Tensor]],
+                      previous: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """Where the 1-bit votes split evenly, repeat the previous step's result (a tie is noise)."""
+    out = []
+    for u, per_worker, prev in zip(updates, zip(*directions), previous):
+        if prev is None:
+            out.append(u)
+            continue
+        ones = sum((c > 0).to(torch.int16) for c in per_worker)
+        out.append(torch.where(2 * ones.view(-1) == len(per_worker), prev.view(-1), u.view(-1)))
+    return out
+
+
+def _agreement_scales(updates: list[torch.Tensor], directions: list[list[torch.Tensor]],
+                      numels: list[int]) -> list[float]:
+    """Per tensor: mean |2·(votes for +) − n| / n, normalized to a parameter-weighted mean of 1."""
+    raw = []
+    for per_worker in zip(*directions):
+        n = len(per_worker)
+        ones = sum((c > 0).float() for c in per_worker)
+        raw.append(float((2 * ones - n).abs().mean() / n))
+    total = sum(numels)
+    mean = sum(r * k for r, k in zip(raw, numels)) / total
+    return [r / mean if mean > 0 else 1.0 for r in raw]
+
+
+def _sync_slice(momenta: list[list[torch.Tensor]], step: int, slices: int) -> int:
+    """Average slice ``step mod slices`` of every momentum tensor over the workers (exactly)."""
+    j, synced = step % slices, 0
+    for per_worker in zip(*momenta):
+        flat = [m.view(-1) for m in per_worker]
+        size = flat[0].numel()
+        lo, hi = j * size // slices, (j + 1) * size // slices
+        if hi <= lo:
+            continue
+        mean = torch.stack([f[lo:hi] for f in flat]).mean(0)
+        for f in flat:
+            f[lo:hi] = mean
+        synced += hi - lo
+    return synced
+
+
+__all__ = ["FLAGS", "NUMBERED", "Options", "check_variant", "run_variant"]
