@@ -30,6 +30,10 @@ def test_manifest_from_yaml_reads_a_run_file(tmp_path):
                                                                              (0.9, 0.99), 32)
     assert m.momentum_schedule().due(20) and not m.momentum_schedule().due(1020)
     assert Manifest.from_payload(m.payload()) == m and Manifest.from_payload(m.payload()).digest() == m.digest()
+    # a run file of an older version: audit_every (voters audit every round now) is read and dropped
+    (tmp_path / "old.yaml").write_text(path.read_text() + "audit_every: 5\n")
+    old = Manifest.from_yaml(tmp_path / "old.yaml")
+    assert old == m and "audit_every" not in old.payload()
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -643,3 +643,156 @@ def test_by_default_a_swarm_listens_on_all_interfaces_and_quic_is_one_flag_away(
             joiner.shutdown()
     finally:
         founder.shutdown()
+
+
+# -- a lying reducer in a swarm: proven by audits, dropped by the leader, refused for the run ---------------
+
+def _accuse(swarm: Swarm, to: str, accusation) -> tuple[bool, str]:
+    from lioncub_p2p.swarm.accuse import send_accusation
+
+    return swarm.loop.run(send_accusation(swarm.p2p, to, accusation), timeout=90)
+
+
+def test_suspicion_needs_two_members_for_the_same_round_and_wears_off():
+    from lioncub_p2p.swarm.accuse import Suspicions
+
+    s = Suspicions(by=2, window=300.0)
+    assert not s.add("r", b"round1", "a", "unanswered", now=0.0)
+    assert not s.add("r", b"round2", "b", "unanswered", now=1.0)  # another round: scattered alarms never add up
+    assert not s.add("r", b"round1", "a", "again", now=2.0)  # the same member twice counts once
+    assert not s.add("r", b"round1", "r", "self", now=2.0)  # nor does the accused
+    assert s.suspects(now=3.0) == set()
+    assert s.add("r", b"round1", "c", "misrepresented", now=3.0)  # a second member, same round: suspect
+    assert s.suspects(now=4.0) == {"r"} and len(s.reasons("r")) == 2
+    assert s.suspects(now=303.0) == set() and s.reasons("r") == []  # worn off
+    small = Suspicions(max_rounds=2)
+    for i in range(5):
+        small.add("r", bytes([i]), "a", "x", now=0.0)
+    assert len(small._reports["r"]) == 2  # bounded memory per accused
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("role", ["member", "leader"])
+def test_a_lying_reducer_is_dropped_by_the_leader_on_evidence_and_nobody_honest_is_ever_dropped(role):
+    """Four swarm members; one flips every result it reduces (``testing.lying_reduction``): the one with
+    the largest peer id (a member), or the smallest (the leader). One honest peer runs no audits of its
+    own (the leader, or the third member when the liar leads), so it can only learn of the lie from
+    another member's evidence on ``lioncub/accuse/1`` (forwarded to the leader; from a new leader to
+    every member when the liar led). The liar is dropped and stays out; honest members train on for
+    150 rounds, never leave the group, end bitwise equal; and accusations without evidence that proves
+    them (the liar accusing an honest reducer with its own evidence, a lone suspicion, an outsider)
+    change nothing."""
+    from dataclasses import replace as dc_replace
+
+    from lioncub_p2p.allreduce import AllReduceConfig
+    from lioncub_p2p.swarm.accuse import Accusation
+    from lioncub_p2p.testing import lying_reduction
+
+    task = digits_task(0, hidden=64)
+    config = lambda **kw: _config("liar", momentum=MomentumSchedule(every=0), join_timeout=20.0, **kw)  # noqa: E731
+    swarms = [Swarm(config())]
+    swarms += [Swarm(config(initial_peers=swarms[0].visible_maddrs())) for _ in range(3)]
+    by_id = sorted(swarms, key=lambda s: s.peer_id)
+    if role == "member":
+        leader, liar, quiet = by_id[0], by_id[-1], by_id[0]
+    else:  # the liar leads; the next member takes over once it is proven
+        leader, liar, quiet = by_id[1], by_id[0], by_id[2]
+    honest = [s for s in swarms if s is not liar]
+    quiet.node.config = dc_replace(quiet.node.config, audits_per_round=0)  # learns only from others' evidence
+    lying = lying_reduction(1.0, seed=0)
+    stop, errors, steps, states = threading.Event(), [], {}, {}
+    all_in = threading.Event()
+    honest_dropped: list[tuple[int, list[str]]] = []  # (epoch, members) of any group without an honest peer
+
+    def run(i: int, swarm: Swarm) -> None:
+        try:
+            model = task.make_model(seed=0)
+            opt = LionCub(model.named_parameters(), lr=1e-3, weight_decay=0.1, aggregator=swarm)
+            swarm.join(opt)
+            swarm.wait_for_peers(4, timeout=90)
+            all_in.set()
+            if swarm is liar:
+                swarm.node.reduction_factory = lying
+            x, y = task.shard(i, 4)
+            gen = torch.Generator().manual_seed(i)
+            while not stop.is_set() and opt.step_count < steps.get("final", 10**9):
+                idx = torch.randint(0, len(x), (32,), generator=gen)
+                nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+                opt.step()
+                opt.zero_grad()
+                steps[i] = opt.step_count
+                time.sleep(0.02)
+            states[i] = (opt.step_count, snapshot.params_digest(opt))
+        except Exception as e:
+            errors.append(f"{i}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=run, args=(i, s), daemon=True) for i, s in enumerate(swarms)]
+    honest_ids = {s.peer_id for s in honest}
+    try:
+        for t in threads:
+            t.start()
+        assert all_in.wait(120), errors
+        deadline, dropped_at = time.monotonic() + 180, None
+        everyone = {s.peer_id for s in swarms}
+        start_epoch = min(g.epoch for g in leader.history.by_epoch.values() if everyone <= set(g.member_ids()))
+        while time.monotonic() < deadline:
+            for s in honest:  # every group an honest peer accepted once all were in keeps every honest peer
+                for g in list(s.history.by_epoch.values()):
+                    if g.epoch >= start_epoch and not honest_ids <= set(g.member_ids()) \
+                            and (g.epoch, g.member_ids()) not in honest_dropped:
+                        honest_dropped.append((g.epoch, g.member_ids()))
+            if dropped_at is None and liar.peer_id in leader.liars and \
+                    liar.peer_id not in leader.history.latest.member_ids():
+                dropped_at = max(steps.get(i, 0) for i in range(4))
+            if dropped_at is not None and min(steps.get(swarms.index(s), 0) for s in honest) > dropped_at + 150:
+                break
+            time.sleep(0.1)
+        assert dropped_at is not None, (f"liar not dropped; it lied in {len(lying.lies)} rounds; leader knows "
+                                        f"{leader.liars}; members {leader.history.latest.member_ids()}")
+        assert "proved by" in quiet.liars[liar.peer_id] and quiet.peer_id not in quiet.liars[liar.peer_id]
+        assert not quiet.node.caught  # it audited nothing: what it knows came on an accusation stream
+        catcher = next(s for s in honest if liar.peer_id in s.node.caught)
+        evidence = catcher.node.caught[liar.peer_id].evidence
+        assert evidence and catcher is not quiet
+
+        # accusations that prove nothing: the liar (a member of that round) accuses an honest reducer of
+        # the same round with its own evidence; a lone suspicion; an outsider
+        proof = catcher.node.caught[liar.peer_id]
+        step = catcher._round_steps[proof.round_id]
+        group, _ = catcher._round_of(proof.round_id, step, proof.part, liar.peer_id)
+        victim = next(j for j, m in enumerate(group.members) if m.peer_id in honest_ids - {leader.peer_id}
+                      and m.reduces)
+        victim_id = group.members[victim].peer_id
+        framed = Accusation("lie", victim_id, proof.round_id, victim, step, "framed", evidence)
+        taken, note = _accuse(liar, leader.peer_id, framed)
+        assert not taken and "does not prove" in note, note
+        taken, note = _accuse(liar, leader.peer_id, Accusation("unanswered", victim_id, proof.round_id, victim, step,
+                                                               "a lone suspicion"))
+        assert taken and note == "noted", note  # one member's word: noted, nothing more
+        outsider = Swarm(_config("liar-outsider"))
+        try:
+            with pytest.raises(Exception):  # not a member of any of the leader's groups: the gate closes it
+                _accuse(outsider, leader.peer_id, framed)
+        finally:
+            outsider.shutdown()
+        time.sleep(2.0)  # a leader refresh or more
+
+        final = max(steps.get(swarms.index(s), 0) for s in honest) + 10
+        steps["final"] = final
+        for t, s in zip(threads, swarms):
+            if s is not liar:
+                t.join(120)
+    finally:
+        stop.set()
+        for s in swarms:
+            s.shutdown()
+        for t in threads:
+            t.join(30)
+    assert not [e for e in errors if not e.startswith(f"{swarms.index(liar)}:")], errors
+    assert not honest_dropped, honest_dropped
+    digests = {states[swarms.index(s)] for s in honest}
+    assert len(digests) == 1 and next(iter(digests))[0] == final, digests  # bitwise equal, same final step
+    for s in honest:  # nobody honest was ever accused of a proven lie, or dropped on suspicions
+        assert set(s.liars) <= {liar.peer_id}, s.liars
+        assert not (s.suspects() & honest_ids), s.suspicions
+    assert liar.peer_id not in leader.history.latest.member_ids()

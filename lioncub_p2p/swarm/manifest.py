@@ -9,8 +9,7 @@ line naming the field when an opinion it holds differs (``resolve``). Fields:
   text for the trainer CLI, e.g. "digits" with {"hidden": 256}); ``layout_hash``, ``param_count``:
   the exact tensor layout (``snapshot.Layout.digest``) and its parameter count;
 * what the swarm itself runs with and all peers must share: ``upload``, ``result``, ``transport``,
-  ``momentum`` (a ``MomentumSchedule`` as a map), ``momentum_rule``, ``audit_every``,
-  ``full_digest_every``, ``seed``;
+  ``momentum`` (a ``MomentumSchedule`` as a map), ``momentum_rule``, ``full_digest_every``, ``seed``;
 * what the trainer should use: ``lr``, ``weight_decay``, ``betas``, ``lr_schedule`` (a description),
   ``batch_size``; and ``secret_required`` (whether the run is private).
 
@@ -40,8 +39,10 @@ from .records import RateLimitedLog, dht_key, read_records, seal, store_record
 
 MANIFEST_TTL = 600.0
 MAX_MANIFESTS = 256
-SWARM_FIELDS = ("upload", "result", "transport", "momentum", "momentum_rule", "audit_every", "full_digest_every",
-                "seed")
+SWARM_FIELDS = ("upload", "result", "transport", "momentum", "momentum_rule", "full_digest_every", "seed")
+# fields older versions wrote that mean nothing now: read and dropped (audit_every: voters audit every round since
+# protocol 2), so their run files still load
+LEGACY_FIELDS = ("audit_every",)
 _MOMENTUM_KEYS = {"every", "until", "geometric", "start", "params"}
 
 
@@ -134,7 +135,6 @@ class Manifest:
     transport: str | None = None
     momentum: dict[str, Any] | None = None
     momentum_rule: str | None = None
-    audit_every: int | None = None
     full_digest_every: int | None = None
     seed: int | None = None
     lr: float | None = None
@@ -161,10 +161,10 @@ class Manifest:
         if not isinstance(value, dict):
             raise ManifestError("a manifest must be a map of settings")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in value if k not in known)
+        unknown = sorted(str(k) for k in value if k not in known and k not in LEGACY_FIELDS)
         if unknown:
             raise ManifestError(f"unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
-        return cls(**value)
+        return cls(**{k: v for k, v in value.items() if k in known})
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Manifest":
@@ -252,8 +252,6 @@ def _check(name: str, value: Any) -> Any:
         if value not in ("trimmed_mean", "average"):
             raise ManifestError(f"momentum_rule must be trimmed_mean or average, got {value!r}")
         return value
-    if name == "audit_every":
-        return _integer(value, name, 0, 1 << 20)
     if name == "full_digest_every":
         return _integer(value, name, 1, 1 << 20)
     if name == "seed":
@@ -281,7 +279,7 @@ def _check(name: str, value: Any) -> Any:
 
 
 DEFAULTS = Manifest(upload="sign", result="majority", transport="butterfly", momentum={"every": 20},
-                    momentum_rule="trimmed_mean", audit_every=5, full_digest_every=10, seed=0)
+                    momentum_rule="trimmed_mean", full_digest_every=10, seed=0)
 
 
 def resolve(opinions: Manifest, run: Manifest | None, run_id: str) -> Manifest:

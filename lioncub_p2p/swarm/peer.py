@@ -35,7 +35,7 @@ import random
 import signal
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -44,18 +44,21 @@ from hivemind.utils import get_dht_time
 
 from .. import failpoints
 from ..aio import BackgroundLoop
-from ..allreduce import AllReduceConfig, PeerSpec, RoundReport, RoundSpec, VoteNode
+from ..allreduce import AllReduceConfig, Caught, PeerSpec, RoundReport, RoundSpec, VoteNode
 from ..allreduce.admission import Admission
 from ..allreduce.allgather import GatherNode
+from ..allreduce.audit import MAX_EVIDENCE_BYTES
+from ..allreduce.commit import MAX_HEADER_BYTES, MAX_LEAF_BYTES, leaf_bytes
 from ..codecs import AverageResult, Bf16Upload, result_codec, upload_codec
 from ..identity import Identity, Verifier
 from ..momentum import MomentumSchedule
 from ..optim import LionCub
 from ..wire import PROTOCOL_VERSION
 from . import checkpoint, manifest as manifests, snapshot
+from .accuse import Accusation, AccuseServer, Refused, Suspicions, prove, send_accusation
 from .admit import AdmitServer, ask_admission
 from .manifest import DEFAULTS, Manifest, ManifestError, ManifestMismatch
-from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, next_group
+from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, announced_step, next_group
 from .probe import serve_probe
 from .records import RateLimitedLog, RunRecordValidator
 from .state_transfer import StateServer, download_state
@@ -68,6 +71,7 @@ DROP_AFTER_S = 5.0  # ...and seconds any member may miss rounds: fast rounds mus
 STEP_WINDOW = 100  # steps a member's announced step may lead the leader's and still count (forged far-future steps)
 MAX_CANDIDATES = 8  # group records a newcomer asks for admission, most populated first
 MAX_RECORD_TTL = 300.0
+ROUND_KINDS = ("vote", "momentum")
 LISTEN_ALL = ["/ip4/0.0.0.0/tcp/0"]
 # QUIC as well: the daemon accepts it, but over QUIC a stream closed right after its last write loses
 # that write (24 of 30 times on loopback) and the state, probe and fetch handlers close that way:
@@ -109,7 +113,6 @@ class SwarmConfig:
     transport: str | None = None  # "butterfly", or "allgather": D-Lion's all-gather of every vote (a baseline)
     momentum: MomentumSchedule | None = None  # default every 20 steps
     momentum_rule: str | None = None  # "trimmed_mean" (default) or "average"
-    audit_every: int | None = None  # every this many rounds one sampled part is reduced twice (0: never; default 5)
     full_digest_every: int | None = None  # the state tag hashes every parameter byte on these steps (default 10)
     seed: int | None = None  # keys the shared random bits of rounds (default 0)
     manifest: Manifest | None = None  # opinions on the trainer's settings (task, lr, batch size, ...)
@@ -206,7 +209,11 @@ class Swarm:
         self.records: dict[str, PeerRecord] = {}
         self.failures: Counter[str] = Counter()  # rounds in a row a member was not counted...
         self.failing_since: dict[str, float] = {}  # ...since when
-        self.disputes: dict[str, set[str]] = {}  # peer -> the peers whose results disagreed with its own
+        self.liars: dict[str, str] = {}  # peers proven to lie (checked audit evidence) -> why; refused for the run
+        self.suspicions = Suspicions()  # unprovable reports (misrepresented votes, unanswered audits)
+        self._round_steps: OrderedDict[bytes, int] = OrderedDict()  # round id -> step, of this peer's recent rounds
+        self._reported: set[str] = set()  # liars this peer told the leader about
+        self._background: set[concurrent.futures.Future] = set()
         self.evicted: dict[str, float] = {}  # dropped peer -> expiry of its record when it was dropped
         self.admitted: set[str] = set()  # peers that proved the run key to this peer, or were members of its groups
         self._proved_to: set[str] = set()  # members that admitted this peer
@@ -276,6 +283,7 @@ class Swarm:
         self.state_server = StateServer(self.p2p, config.run_id, max_uploads=config.max_state_uploads,
                                         provider=self._snapshot_between_steps, admission=self.admission)
         self.admit_server = AdmitServer(self.p2p, self.admission, self.admitted.add)
+        self.accuse_server = AccuseServer(self.p2p, self._accusation_header, self._on_accusation, self._is_member)
         self._synced = False  # the state server serves only once this peer holds the swarm's state
         self.loop.run(self._start_services(), timeout=30)
         self._round = ("vote", 0)  # the kind and step of the round in progress, for failpoints
@@ -313,6 +321,7 @@ class Swarm:
             await self.gather.start()
         await self.state_server.start()
         await self.admit_server.start()
+        await self.accuse_server.start()
 
     # -- finding the run -----------------------------------------------------------------------------
 
@@ -397,7 +406,7 @@ class Swarm:
         """Make this peer run with ``self.manifest``'s swarm settings (codecs, schedule, ...)."""
         m = self.manifest
         self.config = replace(self.config, upload=m.upload, result=m.result, transport=m.transport,
-                              momentum=m.momentum_schedule(), momentum_rule=m.momentum_rule, audit_every=m.audit_every,
+                              momentum=m.momentum_schedule(), momentum_rule=m.momentum_rule,
                               full_digest_every=m.full_digest_every, seed=m.seed)
         self.upload = upload_codec(m.upload)
         self.result = result_codec(m.result)
@@ -574,7 +583,8 @@ class Swarm:
                 self._trust(group)
 
     def _download(self, min_step: int, group: GroupRecord) -> None:
-        members = [m for m in group.members if m.peer_id != self.peer_id and not m.client_mode]
+        members = [m for m in group.members if m.peer_id != self.peer_id and not m.client_mode
+                   and m.peer_id not in self.liars]
         # the fastest donors first; ties in random order so newcomers spread
         members.sort(key=lambda m: (-self._weight_of(m), random.random()))
         donors = [m.peer_id for m in members]
@@ -599,12 +609,17 @@ class Swarm:
 
     # -- rounds ------------------------------------------------------------------------------------
 
+    def _round_id(self, kind: str, step: int, epoch: int) -> bytes:
+        return hashlib.blake2b(f"{self.config.run_id}|{kind}|{step}|{epoch}".encode(), digest_size=16).digest()
+
     def _spec(self, group: GroupRecord, step: int, kind: str = "vote") -> RoundSpec:
-        rid = hashlib.blake2b(f"{self.config.run_id}|{kind}|{step}|{group.epoch}".encode(), digest_size=16).digest()
+        rid = self._round_id(kind, step, group.epoch)
+        self._round_steps[rid] = step  # to name the round when reporting what its audits caught
+        while len(self._round_steps) > 256:
+            self._round_steps.popitem(last=False)
         if kind == "vote":
-            audit = bool(self.config.audit_every) and step % self.config.audit_every == 0
             return RoundSpec(rid, step, group.members, self.optimizer.buffer_bytes, self.upload, self.result,
-                             self.config.seed, audit=audit and self.gather is None)
+                             self.config.seed)
         numel = sum(m.numel() for name, m in self.optimizer.momentum_buffers() if self.config.momentum.selects(name))
         return RoundSpec(rid, step, group.members, 2 * numel, Bf16Upload(),
                          AverageResult(trimmed=self.config.momentum_rule == "trimmed_mean"), self.config.seed)
@@ -718,15 +733,15 @@ class Swarm:
         self._prepare(self.optimizer.step_count)
 
     def suspects(self) -> set[str]:
-        """Peers caught in audit mismatches with at least two different partners: lying reducers."""
-        return {pid for pid, partners in self.disputes.items() if len(partners) >= 2}
+        """Peers the leader drops and does not add: proven liars (for the rest of the run), and reducers
+        that two members reported for the same round (a misrepresented vote, an unanswered audit) in
+        the last few minutes (``accuse.Suspicions``)."""
+        return set(self.liars) | self.suspicions.suspects()
 
     def _observe(self, spec: RoundSpec, report: RoundReport, started: float) -> None:
         self.last_report = report
-        if report.audit is not None and report.audit[2] == "mismatch":
-            reducer, auditor = (spec.group[i].peer_id for i in report.audit[:2])
-            self.disputes.setdefault(reducer, set()).add(auditor)
-            self.disputes.setdefault(auditor, set()).add(reducer)
+        if report.caught:  # checked and acted on in the background (evidence checks recount, reports dial)
+            self._in_background(self._act_on_catches(list(report.caught)))
         received = [p for p in report.parts if p.status in ("ok", "recovered")]
         counted = set().union(*(set(p.counted) for p in received)) if received else set()
         for i, member in enumerate(spec.group):
@@ -800,6 +815,135 @@ class Swarm:
                 offset += m.numel()
         return not report.missing_parts
 
+    # -- caught reducers ----------------------------------------------------------------------------
+
+    def _in_background(self, coro) -> None:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop.loop)
+        self._background.add(future)
+        future.add_done_callback(self._background.discard)
+
+    async def _act_on_catches(self, caught: list[Caught]) -> None:
+        """What this peer's audits caught: a lie it can prove convicts the reducer here and goes to the
+        leader with its evidence; anything else is one member's suspicion, noted and reported."""
+        for c in caught:
+            try:
+                if c.kind == "lie":
+                    proof = await asyncio.to_thread(prove, c.evidence) if c.evidence else None
+                    if proof is None or proof.reducer != c.peer_id or self._round_of(proof.round_id, proof.step,
+                                                                                   proof.part, c.peer_id) is None:
+                        self.log.warning(f"unproven:{c.peer_id}", "reducer %s reported lying without evidence that "
+                                         "checks out here: not acted on (%s)", c.peer_id, c.reason)
+                        continue
+                    accusation = Accusation("lie", c.peer_id, proof.round_id, proof.part, proof.step,
+                                            f"{proof.reason}", c.evidence)
+                    self._convict(accusation, self.peer_id)
+                else:
+                    step = self._round_steps.get(c.round_id)
+                    if step is None or self._round_of(c.round_id, step, c.part, c.peer_id) is None:
+                        continue  # a round this peer no longer knows: too old to report
+                    accusation = Accusation(c.kind, c.peer_id, c.round_id, c.part, step, c.reason)
+                    self._suspect(accusation, self.peer_id)
+                await self._report(accusation)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a report that fails is logged; training goes on
+                self.log.warning(f"report:{type(e).__name__}", "acting on a caught reducer failed: %s: %s",
+                                 type(e).__name__, e)
+
+    def _round_of(self, round_id: bytes, step: int, part: int, reducer: str) -> tuple[GroupRecord, str] | None:
+        """The group and kind of one of this peer's recent rounds, if ``reducer`` reduced ``part`` in it."""
+        for group in list(self.history.by_epoch.values()):
+            for kind in ROUND_KINDS:
+                if self._round_id(kind, step, group.epoch) == round_id:
+                    ok = 0 <= part < len(group.members) and group.members[part].peer_id == reducer
+                    return (group, kind) if ok else None
+        return None
+
+    def _leader(self, group: GroupRecord | None, *, besides: str = "") -> str | None:
+        """Who leads ``group`` in this peer's eyes: its first reducing member not proven to lie."""
+        if group is None:
+            return None
+        return next((m.peer_id for m in group.members if m.reduces and m.peer_id not in self.liars
+                     and m.peer_id != besides), None)
+
+    def _convict(self, accusation: Accusation, by: str) -> str:
+        """A proven lie (the evidence was checked): refuse the liar for the rest of the run."""
+        liar = accusation.accused
+        if liar in self.liars:
+            return "already known"
+        latest = self.history.latest
+        led = latest is not None and liar == next((m.peer_id for m in latest.members if m.reduces), None)
+        self.liars[liar] = (f"round {accusation.round_id.hex()[:12]} (step {accusation.step}) part {accusation.part}: "
+                            f"{accusation.reason}; proved by {by}")
+        logger.warning("reducer %s proven to lie (evidence checked, from %s): %s; refused for the rest of the run",
+                       liar, "this peer's audit" if by == self.peer_id else by, accusation.reason)
+        if led and self._leader(latest) == self.peer_id:
+            # the liar led the group: every member must hear it, or some keep following its group records
+            members = [m.peer_id for m in latest.members if m.peer_id not in (liar, self.peer_id, by)]
+            for member in members:
+                self._in_background(self._send(member, accusation))
+        return "convicted"
+
+    def _suspect(self, accusation: Accusation, by: str) -> str:
+        """One member's unprovable report: two for the same round make the reducer a suspect for a while."""
+        if self.suspicions.add(accusation.accused, accusation.round_id, by, f"{accusation.kind}: {accusation.reason}"):
+            logger.warning("reducer %s suspected by two members for the same round, dropped while it is: %s",
+                           accusation.accused, "; ".join(self.suspicions.reasons(accusation.accused)))
+            return "suspected"
+        logger.info("reducer %s reported by %s (%s): %s", accusation.accused, by, accusation.kind, accusation.reason)
+        return "noted"
+
+    async def _report(self, accusation: Accusation) -> None:
+        """Tell the leader: a lie once per liar, every suspicion (the leader matches them by round)."""
+        leader = self._leader(self.history.latest, besides=accusation.accused)
+        if leader is None or leader == self.peer_id or accusation.accused in self._reported:
+            return
+        if accusation.kind == "lie":
+            self._reported.add(accusation.accused)
+        await self._send(leader, accusation)
+
+    async def _send(self, to: str, accusation: Accusation) -> None:
+        try:
+            taken, note = await send_accusation(self.p2p, to, accusation)
+            logger.info("told %s that %s %s: %s", to, accusation.accused,
+                        "lied" if accusation.kind == "lie" else f"is suspect ({accusation.kind})",
+                        note if taken else f"refused: {note}")
+        except Exception as e:
+            self.log.warning(f"send:{to}", "could not tell %s about %s: %s: %s", to, accusation.accused,
+                             type(e).__name__, e)
+
+    def _is_member(self, peer_id: str) -> bool:
+        return any(peer_id in g.member_ids() for g in list(self.history.by_epoch.values()))
+
+    def _accusation_header(self, accuser: str, accusation: Accusation, evidence_bytes: int) -> int:
+        """Before any evidence is read: a round of this peer's groups, its reducer accused by another of its
+        members. Returns the most evidence bytes such a round can produce."""
+        found = self._round_of(accusation.round_id, accusation.step, accusation.part, accusation.accused)
+        if found is None:
+            raise Refused("not a recent round of this peer's groups, or the accused did not reduce that part")
+        group, kind = found
+        if accuser not in group.member_ids() or accuser == accusation.accused:
+            raise Refused("the accuser is not another member of that round's group")
+        if accusation.kind != "lie":
+            return 0
+        if self.optimizer is None:
+            raise Refused("this peer has not joined yet")
+        spec = self._spec(group, accusation.step, kind)
+        start, stop = spec.bounds[accusation.part]
+        n, planes = len(group.members), spec.upload.planes
+        leaf = min(leaf_bytes(stop - start, planes) * planes, MAX_LEAF_BYTES)
+        return min(MAX_EVIDENCE_BYTES, spec.result_size(accusation.part, n) + MAX_HEADER_BYTES + 8192 + n * (leaf + 1024))
+
+    async def _on_accusation(self, accuser: str, accusation: Accusation) -> str:
+        """A member's report: a lie only with evidence that proves exactly it; else a suspicion."""
+        if accusation.kind != "lie":
+            return self._suspect(accusation, accuser)
+        proof = await asyncio.to_thread(prove, accusation.evidence)
+        if proof is None or (proof.reducer, proof.round_id, proof.part, proof.step) != \
+                (accusation.accused, accusation.round_id, accusation.part, accusation.step):
+            raise Refused("the evidence does not prove that reducer lied in that round and part")
+        return self._convict(replace(accusation, reason=proof.reason), accuser)
+
     # -- membership upkeep (background) -------------------------------------------------------------
 
     async def _refresh_forever(self) -> None:
@@ -824,7 +968,9 @@ class Swarm:
             return
         step = self.optimizer.step_count if self.optimizer is not None else 0
         window = 2 * STEP_WINDOW + self.config.lead_steps
-        chosen = next_group(await self.directory.groups(), self.history, step=step, window=window, log=self.log)
+        chosen = next_group(await self.directory.groups(), self.history, step=step, window=window,
+                            run_step=announced_step(self.history.latest, self.records), refused=set(self.liars),
+                            log=self.log)
         if chosen is not None:
             self._trust(chosen)
 
@@ -866,8 +1012,9 @@ class Swarm:
         A member that is still downloading the swarm's state votes with weight 0 (it reduces no part,
         so nobody waits for its part); it gets its weight once its record says it is synced. A member
         that was not counted in two rounds in a row, for at least ``DROP_AFTER_S``, is dropped; one still
-        syncing gets ``SYNC_GRACE_ROUNDS`` before that; a peer caught lying by audits, or that announced
-        it is leaving, is dropped at once. Only signed, validated records count, and a member's step
+        syncing gets ``SYNC_GRACE_ROUNDS`` before that; a peer proven to lie (audit evidence, refused for
+        the rest of the run), suspected by two members for one round, or that announced it is leaving, is
+        dropped at once. Only signed, validated records count, and a member's step
         counts only within ``STEP_WINDOW`` of this peer's."""
         latest = self.history.latest
         if latest is None or self.optimizer is None or not self._synced:
@@ -899,6 +1046,11 @@ class Swarm:
         for m in dropped:  # remember what the record of a dropped member said when it was dropped
             if m.peer_id in self.records:
                 self.evicted[m.peer_id] = self.records[m.peer_id].expires
+            if m.peer_id in self.liars:
+                logger.warning("dropping %s from the group: it lied (%s)", m.peer_id, self.liars[m.peer_id])
+            elif m.peer_id in suspects:
+                logger.warning("dropping %s from the group: suspected (%s)", m.peer_id,
+                               "; ".join(self.suspicions.reasons(m.peer_id)))
         # a dropped peer comes back only with a record announced since (a dead peer's record lingers
         # until it expires; re-adding it would make the group flap)
         new = [spec(r.peer_id, r.weight, r.client_mode) for r in self.records.values()
