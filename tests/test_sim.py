@@ -203,3 +203,49 @@ def test_process_faults_donor_momentum_and_link_cut_leave_survivors_identical(tm
     assert row["max_step_s"] < row["bound_s"]
     newcomer = (tmp_path / "lioncub" / "peer4.log").read_text()
     assert "stopped at" in newcomer and "loaded the swarm's state" in newcomer  # lost its donor, then got it all
+
+
+def _write_peer_logs(folder, losses_per_peer, seconds_per_step, votes=None, t0=100.0):
+    folder.mkdir()
+    for i, losses in enumerate(losses_per_peer):
+        rows = [{"step": k, "loss": loss, "time": t0 + seconds_per_step * k, "compute_s": 0.1, "step_s": 0.2,
+                 **({"peers": votes[k]} if votes else {})} for k, loss in enumerate(losses)]
+        (folder / f"peer{i}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_report_quality_smoothed_peers_mean_at_equal_steps_time_and_target(tmp_path):
+    """Hand-computed: A logs mean losses 6.5 .. 1.5 at 1 s per step, B 7 .. 4 at 2 s per step; window 2."""
+    from lioncub_p2p.sim.launcher import METHODS, compare, summarize, table
+
+    base = [6.0, 5.0, 4.0, 3.0, 2.0, 1.0]
+    _write_peer_logs(tmp_path / "a", [base, [x + 1 for x in base]], 1.0, votes=[2, 2, 2, 2, 1, 2])
+    _write_peer_logs(tmp_path / "b", [[7.0, 6.0, 5.0, 4.0]] * 2, 2.0)
+    a = summarize("lioncub", METHODS["lioncub"], tmp_path / "a", 2, None, 64)
+    b = summarize("hivemind-fp32", METHODS["hivemind-fp32"], tmp_path / "b", 2, None, 64)
+    assert a.curves["swarm_loss"] == [6.5, 5.5, 4.5, 3.5, 2.5, 1.5] and a.curves["swarm_time"] == [0, 1, 2, 3, 4, 5]
+    assert a.votes_counted == {"2": 5, "1": 1} and b.votes_counted == {}
+    points = compare([a, b], window=2)
+    assert (points.step, points.seconds, points.target) == (4, 5.0, 4.5)  # B: (5 + 4) / 2 at its last step
+    assert a.train_loss_at_common_step == 4.0 and b.train_loss_at_common_step == 4.5  # steps 3-4
+    assert a.train_loss_at_common_time == 2.0 and b.train_loss_at_common_time == 5.5  # A: steps 5-6, B: 2-3
+    assert a.seconds_to_target == 3.0 and b.seconds_to_target == 6.0
+    text = table([a, b], points)
+    assert "| 2 (83%), 1 (17%) |" in text and "train loss @ step 4" in text and "s to train loss 4.500" in text
+
+
+def test_byte_counters_are_read_once_more_when_every_peer_exits_between_two_polls():
+    """Both hivemind-fp32 peers exited within one 0.2 s poll: the loop ends without a 'last' reading.
+    The counters outlive the processes, so closing the window reads them (it reported 0 bits before)."""
+    from lioncub_p2p.sim.launcher import TrainingWindow
+
+    readings = iter([[(1000, 2000), (500, 500)], [(11000, 42000), (10500, 20500)]])
+    window = TrainingWindow(lambda: next(readings))
+    window.observe([0, 0], [0, 0], any_exited=False)  # every peer logged a step: the window opens
+    window.observe([3, 4], [3, 4], any_exited=False)
+    assert window.per_step() is None  # not closed yet
+    window.close([10, 10])
+    assert window.per_step() == [(1000.0, 4000.0), (1000.0, 2000.0)]  # bytes / 10 steps
+    nothing = TrainingWindow(lambda: None)  # no counters (unshaped): still None, no error
+    nothing.observe([0], [0], any_exited=True)
+    nothing.close([5])
+    assert nothing.per_step() is None

@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import yaml
 from .. import failpoints
 from ..aio import BackgroundLoop
 from ..swarm import snapshot
+from . import quality
 from .links import LinkProfile, NamespaceNetwork, namespaces_available, parse_links
 from .proxy import ShapingProxy
 
@@ -73,6 +75,10 @@ class MethodResult:
     final_eval_loss: float
     final_eval_accuracy: float
     eval_loss_at_common_step: float | None = None
+    train_loss_at_common_step: float | None = None  # the peers' mean loss per step, smoothed (quality.py)
+    train_loss_at_common_time: float | None = None
+    seconds_to_target: float | None = None  # until the smoothed loss first reaches the report's target
+    votes_counted: dict = field(default_factory=dict)  # votes a step counted -> steps (lioncub, dlion)
     speedup_vs_fp32: float | None = None
     divergence_events: int = 0
     peers_finished: int = 0
@@ -231,7 +237,7 @@ class Simulation:
         peer logged its first step to the first peer's exit), or None without namespaces."""
         done_by = time.monotonic() + self.seconds + 180
         stalled, left, back, cut = set(), set(), set(), {}
-        first = last = None
+        window = TrainingWindow(lambda: self._counters(len(peers)))
         ended_at, kill_at = None, float("inf")
         running = lambda: [p for p in peers if p is not None]  # noqa: E731  (newcomers start later)
         while time.monotonic() < done_by and any(p.poll() is None for p in running()):
@@ -248,10 +254,7 @@ class Simulation:
             steps = [_last_step(out / f"peer{i}.jsonl") for i in range(len(peers))]
             step = max(steps, default=-1)
             started = [s for s, p in zip(steps, peers) if p is not None]
-            if first is None and min(started) >= 0:
-                first = (self._counters(len(peers)), steps)
-            if first is not None and last is None and any(p.poll() is not None for p in running()):
-                last = (self._counters(len(peers)), steps)
+            window.observe(steps, started, any(p.poll() is not None for p in running()))
             for i, profile in enumerate(self.profiles):
                 if profile.join_at is not None and peers[i] is None and step >= profile.join_at and ended_at is None:
                     logger.info("%s: peer %d joins at step %d", name, i, step)
@@ -283,10 +286,38 @@ class Simulation:
                     logger.info("%s: peer %d started again at step %d", name, i, step)
                     peers[i] = self._start_peer(name, method, i, out, maddrs)
             time.sleep(0.2)
-        if first is None or last is None or first[0] is None:
+        window.close([_last_step(out / f"peer{i}.jsonl") for i in range(len(peers))])
+        return window.per_step()
+
+
+class TrainingWindow:
+    """Each peer's byte counters over the training phase: from the moment every started peer logged a
+    step to the first peer's exit (after it, the others' rounds wait for a peer that left)."""
+
+    def __init__(self, counters: Callable[[], list[tuple[int, int]] | None]):
+        self.counters = counters
+        self.first: tuple | None = None
+        self.last: tuple | None = None
+
+    def observe(self, steps: list[int], started: list[int], any_exited: bool) -> None:
+        """One poll: every peer's last logged step, the started peers' ones, whether any has exited."""
+        if self.first is None and started and min(started) >= 0:
+            self.first = (self.counters(), steps)
+        if self.first is not None and self.last is None and any_exited:
+            self.last = (self.counters(), steps)
+
+    def close(self, steps: list[int]) -> None:
+        """After the last poll: peers that all exited between two polls (a short run, fp32 baselines
+        that stop together) left no "last" reading; the counters outlive the processes, so take it now."""
+        if self.first is not None and self.last is None:
+            self.last = (self.counters(), steps)
+
+    def per_step(self) -> list[tuple[float, float]] | None:
+        """(bytes up, bytes down) per step and peer, or None without counters."""
+        if self.first is None or self.last is None or self.first[0] is None or self.last[0] is None:
             return None
         return [((b[0] - a[0]) / max(s1 - s0, 1), (b[1] - a[1]) / max(s1 - s0, 1))
-                for a, b, s0, s1 in zip(first[0], last[0], first[1], last[1])]
+                for a, b, s0, s1 in zip(self.first[0], self.last[0], self.first[1], self.last[1])]
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -354,6 +385,9 @@ def summarize(name: str, method: Method, out: Path, n: int, counters, hidden: in
               "eval_step": [r["step"] + 1 for r in first if "eval_loss" in r],
               "eval_loss": [r["eval_loss"] for r in first if "eval_loss" in r]}
     comm = [r["step_s"] - r.get("wait_s", 0.0) for r in rows]
+    swarm = swarm_curve(per_peer, t0)
+    curves.update(swarm)
+    votes = [v for v in swarm["swarm_votes"] if v is not None]
     return MethodResult(
         method=name, label=method.label, rounds=rounds,
         wall_s=(first[-1]["time"] - t0) if first else 0.0,
@@ -368,7 +402,35 @@ def summarize(name: str, method: Method, out: Path, n: int, counters, hidden: in
         final_eval_loss=statistics.mean([e["eval_loss"] for e in evals]) if evals else float("nan"),
         final_eval_accuracy=statistics.mean([e["eval_accuracy"] for e in evals]) if evals else float("nan"),
         divergence_events=sum(bool(r.get("repaired")) for r in rows), peers_finished=len(evals),
+        votes_counted={str(k): votes.count(k) for k in sorted(set(votes), reverse=True)},
         bytes_source=source, curves=curves)
+
+
+def swarm_curve(per_peer: list[list[dict]], t0: float) -> dict[str, list]:
+    """Per step from 1 to the last logged: the peers' mean training loss (a step nobody logged, e.g.
+    while a peer repaired, repeats the last value), peer 0's seconds since ``t0`` (else the earliest
+    peer's), and the votes the step counted (the largest count any peer reported; None for methods
+    that do not report one, the hivemind baselines)."""
+    means = quality.per_step_mean([[(r["step"], r["loss"]) for r in peer] for peer in per_peer])
+    if not means:
+        return {"swarm_step": [], "swarm_time": [], "swarm_loss": [], "swarm_votes": []}
+    times: dict[int, float] = {}
+    votes: dict[int, int] = {}
+    for i, peer in enumerate(per_peer):
+        for r in peer:
+            if i == 0 or r["step"] not in times:
+                times[r["step"]] = r["time"] - t0
+            if isinstance(r.get("peers"), int) and r["peers"] > 0:
+                votes[r["step"]] = max(votes.get(r["step"], 0), r["peers"])
+    by_step = {step: loss for step, loss, _ in means}
+    loss, when, out_loss, out_time, out_votes = means[0][1], 0.0, [], [], []
+    for step in range(means[-1][0] + 1):
+        loss, when = by_step.get(step, loss), times.get(step, when)
+        out_loss.append(loss)
+        out_time.append(when)
+        out_votes.append(votes.get(step))
+    return {"swarm_step": list(range(1, len(out_loss) + 1)), "swarm_time": out_time, "swarm_loss": out_loss,
+            "swarm_votes": out_votes}
 
 
 def final_agreement(out: Path, n: int) -> tuple[list[int | None], bool | None]:
@@ -402,15 +464,43 @@ def _mean_step(first: list[dict], per_peer: list[list[dict]]) -> float:
     return (window[-1]["time"] - window[0]["time"]) / (len(window) - 1)
 
 
-def compare(results: list[MethodResult]) -> None:
-    """Fill the cross-method columns: speedup against fp32, eval loss at the largest common step."""
+@dataclass(frozen=True)
+class QualityPoints:
+    """Where methods are compared: the last step all reached, the shortest training time, and the
+    loss target every method reached (the worst method's final smoothed loss)."""
+
+    step: int
+    seconds: float
+    target: float | None
+    window: int
+
+
+def compare(results: list[MethodResult], window: int = 10) -> QualityPoints:
+    """Fill the cross-method columns: speedup against fp32, the smoothed training loss (peers' mean)
+    at the last common step and at the shortest common time, the seconds to the common loss target,
+    and the eval loss at the largest common eval step."""
     fp32 = next((r for r in results if r.method == "hivemind-fp32"), None)
     common = common_step(results)
+    trained = [r for r in results if r.curves.get("swarm_loss")]
+    points = QualityPoints(min((len(r.curves["swarm_loss"]) for r in trained), default=0),
+                           min((r.curves["swarm_time"][-1] for r in trained), default=0.0),
+                           max((quality.smoothed_at(r.curves["swarm_loss"], len(r.curves["swarm_loss"]), window)
+                                for r in trained), default=None), window)
     for r in results:
         if fp32 is not None and r.step_s == r.step_s and r.step_s > 0:
             r.speedup_vs_fp32 = fp32.step_s / r.step_s
         at = [loss for step, loss in zip(r.curves["eval_step"], r.curves["eval_loss"]) if step <= common]
         r.eval_loss_at_common_step = at[-1] if at else None
+        losses, times = r.curves.get("swarm_loss", []), r.curves.get("swarm_time", [])
+        if not losses or not points.step:
+            continue
+        w = min(window, points.step)
+        r.train_loss_at_common_step = quality.smoothed_at(losses, points.step, w)
+        by_then = sum(1 for t in times if t <= points.seconds)
+        r.train_loss_at_common_time = quality.smoothed_at(losses, by_then, min(window, by_then)) if by_then else None
+        reached = quality.steps_to_reach(losses, points.target, w) if points.target is not None else None
+        r.seconds_to_target = times[reached - 1] if reached is not None else None
+    return points
 
 
 def common_step(results: list[MethodResult]) -> int:
@@ -418,18 +508,32 @@ def common_step(results: list[MethodResult]) -> int:
     return min((max(r.curves["eval_step"]) for r in results if r.curves["eval_step"]), default=0)
 
 
-def table(results: list[MethodResult], common_step: int) -> str:
-    rows = [f"| method | rounds | s/step (median) | compute / comm / wait s (medians) | MB up+down per step | bits/param | "
-            f"eval loss @ step {common_step} | final eval loss (acc %) | speedup vs fp32 | repairs | params equal |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+def table(results: list[MethodResult], points: QualityPoints) -> str:
+    target = f"{points.target:.3f}" if points.target is not None else "-"
+    rows = [f"| method | rounds | votes counted/step | s/step (median) | compute / comm / wait s (medians) | "
+            f"MB up+down per step | bits/param | train loss @ step {points.step} | train loss @ {points.seconds:.0f} s | "
+            f"s to train loss {target} | final eval loss (acc %) | speedup vs fp32 | repairs | params equal |",
+            "|" + "---|" * 14]
     for r in results:
-        at = f"{r.eval_loss_at_common_step:.3f}" if r.eval_loss_at_common_step is not None else "-"
         speed = f"{r.speedup_vs_fp32:.1f}x" if r.speedup_vs_fp32 else "-"
-        rows.append(f"| {r.label} | {r.rounds} | {r.step_s:.3f} ({r.median_step_s:.3f}) | {r.compute_s:.3f} / {r.communication_s:.3f} / "
-                    f"{r.waiting_s:.3f} | {(r.bytes_up_per_step + r.bytes_down_per_step) / 1e6:.3f} | "
-                    f"{r.bits_per_param:.2f} | {at} | {r.final_eval_loss:.3f} ({r.final_eval_accuracy:.1f}) | "
+        rows.append(f"| {r.label} | {r.rounds} | {_votes(r)} | {r.step_s:.3f} ({r.median_step_s:.3f}) | {r.compute_s:.3f} / "
+                    f"{r.communication_s:.3f} / {r.waiting_s:.3f} | {(r.bytes_up_per_step + r.bytes_down_per_step) / 1e6:.3f} | "
+                    f"{r.bits_per_param:.2f} | {_num(r.train_loss_at_common_step)} | {_num(r.train_loss_at_common_time)} | "
+                    f"{_num(r.seconds_to_target, 1)} | {r.final_eval_loss:.3f} ({r.final_eval_accuracy:.1f}) | "
                     f"{speed} | {r.divergence_events} | {_agreement(r)} |")
     return "\n".join(rows)
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    return f"{value:.{digits}f}" if value is not None and value == value else "-"
+
+
+def _votes(r: MethodResult) -> str:
+    """Votes counted per step: "4 (97%), 3 (3%)"; "-" for methods that count none (hivemind)."""
+    total = sum(r.votes_counted.values())
+    if not total:
+        return "-"
+    return ", ".join(f"{k} ({100 * v / total:.0f}%)" for k, v in r.votes_counted.items())
 
 
 def _agreement(r: MethodResult) -> str:
@@ -440,7 +544,7 @@ def _agreement(r: MethodResult) -> str:
     return f"{'yes' if r.identical_final_params else 'NO'} ({at_last} at step {last})"
 
 
-def plot(results: list[MethodResult], path: Path) -> None:
+def plot(results: list[MethodResult], path: Path, window: int = 10) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -448,18 +552,16 @@ def plot(results: list[MethodResult], path: Path) -> None:
 
     fig, (ax_time, ax_step) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in results:
-        ax_time.plot(r.curves["time"], _smooth(r.curves["loss"]), label=r.label)
-        ax_step.plot(r.curves["step"], _smooth(r.curves["loss"]), label=r.label)
-    ax_time.set(xlabel="wall-clock seconds", ylabel="train loss (peer 0, smoothed)", yscale="log")
-    ax_step.set(xlabel="step", ylabel="train loss (peer 0, smoothed)", yscale="log")
+        loss = quality.smoothed(r.curves.get("swarm_loss", []), window)
+        ax_time.plot(r.curves.get("swarm_time", []), loss, label=r.label)
+        ax_step.plot(r.curves.get("swarm_step", []), loss, label=r.label)
+    ylabel = f"train loss (peers' mean, smoothed over {window} steps)"
+    ax_time.set(xlabel="wall-clock seconds", ylabel=ylabel, yscale="log")
+    ax_step.set(xlabel="step", ylabel=ylabel, yscale="log")
     ax_step.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _smooth(values: list[float], k: int = 5) -> list[float]:
-    return [statistics.mean(values[max(0, i - k + 1) : i + 1]) for i in range(len(values))]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -474,6 +576,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=25.0, help="...or after this many seconds of training")
     p.add_argument("--lr", type=float, default=3e-4, help="Lion's learning rate")
     p.add_argument("--eval-every", type=int, default=5, help="evaluate every this many steps")
+    p.add_argument("--window", type=int, default=10, help="steps in the smoothed training loss of the report")
     p.add_argument("--upload-timeout", type=float, default=10.0, help="trainers' --upload-timeout (seconds)")
     p.add_argument("--result-timeout", type=float, default=30.0, help="trainers' --result-timeout (seconds)")
     p.add_argument("--shaping", choices=["auto", "netns", "proxy", "none"], default="auto",
@@ -525,6 +628,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(argv: list[str] | None = None) -> list[MethodResult]:
     args = parse_args(argv)
+    if args.window < 1:
+        raise SystemExit(f"error: --window {args.window}: the smoothing window needs at least 1 step")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     profiles = load_profiles(args.profile, args.links)
     try:
@@ -551,7 +656,8 @@ def run(argv: list[str] | None = None) -> list[MethodResult]:
             print(f"running {name} ...", flush=True)
             results.append(sim.run(name))
             r = results[-1]
-            print(f"  {r.rounds} rounds, {r.step_s:.3f} s/step, final eval loss {r.final_eval_loss:.3f}", flush=True)
+            print(f"  {r.rounds} rounds, {r.step_s:.3f} s/step, final eval loss {r.final_eval_loss:.3f}, "
+                  f"votes counted per step: {_votes(r)}", flush=True)
     except KeyboardInterrupt:
         print("interrupted: cleaning up", flush=True)
     finally:
@@ -560,15 +666,15 @@ def run(argv: list[str] | None = None) -> list[MethodResult]:
             signal.signal(sig, handler)
     if not results:
         return results
-    compare(results)
-    common = common_step(results)
-    print("\n" + table(results, common))
+    points = compare(results, args.window)
+    print(f"\ntraining loss: the peers' mean per step, smoothed over {points.window} steps (lioncub_p2p/sim/quality.py)")
+    print(table(results, points))
     report = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "shaping": sim.shaping, "notes": sim.notes, "profiles": [asdict(p) for p in profiles],
-              "results": [asdict(r) for r in results]}
+              "quality_points": asdict(points), "results": [asdict(r) for r in results]}
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
-    (args.out / "report.md").write_text(table(results, common) + "\n")
-    plot(results, args.out / "loss.png")
+    (args.out / "report.md").write_text(table(results, points) + "\n")
+    plot(results, args.out / "loss.png", args.window)
     print(f"\nreport: {args.out / 'report.json'}\nplot:   {args.out / 'loss.png'}", flush=True)
     return results
 
