@@ -451,3 +451,197 @@ def test_hybrid_swarm_only_on_the_leader():
         HybridAggregator(comm[1], FakeSwarm())
     with pytest.raises(ValueError, match="pass swarm= on local rank 0"):
         HybridAggregator(comm[0], None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Real gloo ranks (spawned processes on 127.0.0.1) and the butterfly (LocalSwarm) for the same votes
+
+
+def _rank_entry(rank: int, target, world: int, workdir: str, args: tuple) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's connections stay on the loopback interface
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
+    try:
+        result = target(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, f"{workdir}/rank{rank}.pt")
+
+
+def spawn_ranks(target, world: int, workdir: Path, *args, timeout: float = 240.0) -> list:
+    """target(rank, world, *args) in ``world`` spawned gloo ranks; their return values (tensors,
+    lists, dicts, strings), or the first rank's exception. Every process is gone when this returns."""
+    ctx = mp.start_processes(_rank_entry, args=(target, world, str(workdir), args), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"gloo ranks did not finish within {timeout} s")
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+    return [torch.load(workdir / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+GLOO_CASES = [(up, res, nbytes) for up in ("sign", "l1:4") for res in ("majority", "ternary", "mean")
+              for nbytes in (13, 3001)]
+
+
+def _gloo_votes(rank: int, world: int, seed: int, step: int) -> dict:
+    out = {}
+    for upload, result, nbytes in GLOO_CASES:
+        uploads = random_uploads(world, nbytes, upload, seed=nbytes * 10 + world)
+        agg = ClusterAggregator(None, upload=upload, result=result, seed=seed)
+        out[f"{upload}/{result}/{nbytes}"] = agg.aggregate(uploads[rank], step=step)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [3, 4])
+def test_gloo_ranks_equal_numpy_and_the_butterfly_byte_for_byte(world, tmp_path):
+    from lioncub_p2p.testing import LocalSwarm
+
+    seed, step = 13, 2
+    ranks = spawn_ranks(_gloo_votes, world, tmp_path, seed, step)
+    with LocalSwarm(world) as swarm:
+        for upload, result, nbytes in GLOO_CASES:
+            key = f"{upload}/{result}/{nbytes}"
+            uploads = random_uploads(world, nbytes, upload, seed=nbytes * 10 + world)
+            expected = numpy_update(uploads, upload, result, seed, step)
+            butterfly = swarm.allreduce(uploads, upload=upload, result=result, seed=seed, step=step)
+            for r in range(world):
+                got = ranks[r][key]
+                assert got.dtype == expected.dtype and torch.equal(got, expected), f"{key}: rank {r} vs numpy"
+                assert butterfly[r] is not None and butterfly[r].dtype == got.dtype, key
+                assert got.numpy().tobytes() == butterfly[r].numpy().tobytes(), f"{key}: rank {r} vs butterfly"
+
+
+def _digits_setup(seed: int):
+    from lioncub_p2p.tasks.digits import digits_task
+
+    task = digits_task(seed=0, hidden=32)
+    return task, task.make_model(seed)
+
+
+def _digest(model: nn.Module) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _gloo_training(rank: int, world: int, steps: int, seed: int) -> list[str]:
+    task, model = _digits_setup(seed)
+    schedule = MomentumSchedule(every=10)
+    agg = ClusterAggregator(None, upload="sign", result="majority", momentum=schedule, seed=seed)
+    opt = LionCub(model.named_parameters(), lr=3e-3, weight_decay=0.1, aggregator=agg, seed=seed)
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    digests = []
+    for _ in range(steps):
+        x, y = task.sample(rank, world, 16, gen)
+        opt.zero_grad()
+        task.loss(model, x, y).backward()
+        opt.step()
+        digests.append(_digest(model))
+    return digests
+
+
+def _inprocess_digits(world: int, steps: int, seed: int) -> tuple[list[str], nn.Module]:
+    """sim/inprocess.py's vote path on the digits: one reducer over all uploads, exact momentum average."""
+    task, base = _digits_setup(seed)
+    schedule = MomentumSchedule(every=10)
+    up, res = upload_codec("sign"), result_codec("majority")
+    models = [copy.deepcopy(base) for _ in range(world)]
+    opts = [LionCub(m.named_parameters(), lr=3e-3, weight_decay=0.1, upload=up, seed=seed) for m in models]
+    gens = [torch.Generator().manual_seed(seed * 1000 + i) for i in range(world)]
+    digests = []
+    for step in range(steps):
+        uploads = []
+        for i, (model, opt) in enumerate(zip(models, opts)):
+            x, y = task.sample(i, world, 16, gens[i])
+            opt.zero_grad()
+            task.loss(model, x, y).backward()
+            uploads.append(opt.compute_upload())
+        wire = reduce_votes(uploads, up, res, numel=8 * opts[0].buffer_bytes, seed=seed, step=step)
+        for opt in opts:
+            opt.apply_aggregate(wire)
+        if schedule.due(step + 1):
+            average_in_process([opt.momentum_buffers() for opt in opts], schedule)
+        digests.append(_digest(models[0]))
+    return digests, models[0]
+
+
+@pytest.mark.slow
+def test_gloo_training_keeps_ranks_equal_and_matches_the_in_process_reference(tmp_path):
+    world, steps, seed = 3, 40, 1
+    ranks = spawn_ranks(_gloo_training, world, tmp_path, steps, seed)
+    reference, model = _inprocess_digits(world, steps, seed)
+    for r in range(world):
+        for step in range(steps):
+            assert ranks[r][step] == reference[step], f"rank {r} differs from the in-process reference at step {step}"
+    assert len(set(reference)) == steps  # the parameters moved every step
+    task, _ = _digits_setup(seed)
+    assert task.evaluate(model)[1] > 50.0  # and learned the digits (10 classes)
+
+
+class LocalSwarmAggregator:
+    """The leader's swarm for a slow hybrid test: a LocalSwarm butterfly where peer 0 votes the box's
+    sign and the other peers vote fixed random bits. Keeps every peer's update."""
+
+    upload = SignUpload()
+
+    def __init__(self, swarm, seed: int):
+        self.swarm, self.seed = swarm, seed
+        self.rounds: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def aggregate(self, upload: torch.Tensor, *, step: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(100 + step)
+        votes = [upload.cpu()] + [torch.randint(0, 256, upload.shape, dtype=torch.uint8, generator=gen)
+                                  for _ in range(self.swarm.n - 1)]
+        updates = self.swarm.allreduce(votes, seed=self.seed, step=step)
+        self.rounds.append((votes, updates))
+        return updates[0]
+
+
+@pytest.mark.slow
+def test_hybrid_with_a_real_butterfly_keeps_the_box_equal_to_the_swarm():
+    from lioncub_p2p.testing import LocalSwarm
+
+    steps, seed = 4, 9
+    with LocalSwarm(3) as swarm:
+        leader_swarm = LocalSwarmAggregator(swarm, seed)
+
+        def rank(r, comm):
+            model = _toy_model()
+            agg = HybridAggregator(comm, leader_swarm if r == 0 else None, seed=seed)
+            opt = LionCub(model.named_parameters(), lr=1e-2, aggregator=agg, seed=seed)
+            params = []
+            for step in range(steps):
+                x, y = _toy_data(r, step)
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                before = [p.detach().clone() for p in model.parameters()]
+                opt.step()
+                params.append((before, [p.detach().clone() for p in model.parameters()]))
+            return params
+
+        out = run_threads(4, rank, timeout=300)
+    assert len(leader_swarm.rounds) == steps
+    for step, (votes, updates) in enumerate(leader_swarm.rounds):
+        assert all(torch.equal(u, updates[0]) for u in updates)  # every swarm peer applies the same bytes
+        assert torch.equal(updates[0], numpy_update(votes, "sign", "majority", seed, step))
+        for r in range(4):  # and so does every local rank: its parameters moved by exactly that update
+            before, after = out[r][step]
+            assert all(torch.equal(a, b) for a, b in zip(out[0][step][1], after)), (r, step)
+            probe = _toy_model()
+            with torch.no_grad():
+                for p, b in zip(probe.parameters(), before):
+                    p.copy_(b)
+            ref = LionCub(probe.named_parameters(), lr=1e-2, seed=seed)
+            ref.apply_aggregate(updates[0])
+            assert all(torch.equal(a, b) for a, b in zip(probe.parameters(), after)), (r, step)
