@@ -1,14 +1,22 @@
 """Reachability checks: on loopback (fast) the nonce comes back; behind a real NAT (slow, namespaces) it does not."""
 import asyncio
+import json
+import logging
+import os
+import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 from hivemind.p2p import P2P
 
 from lioncub_p2p.sim.hosts import HostNetwork, missing_tools
 from lioncub_p2p.swarm import reachability
+from lioncub_p2p.swarm.reachability import Reachability
 
 
 def test_dialback_on_loopback_reaches_the_listening_port_and_reports_the_observed_ip():
@@ -27,6 +35,92 @@ def test_dialback_on_loopback_reaches_the_listening_port_and_reports_the_observe
     first, nobody = asyncio.run(scenario())
     assert first.dialable and first.observed_ip == "127.0.0.1", first
     assert not nobody.dialable and "no coordinator answered" in nobody.note, nobody
+
+
+class FakeCheck:
+    """Stands for ``reachability.check``: records what it was asked, answers ``answer``."""
+
+    def __init__(self, answer: Reachability):
+        self.answer, self.calls = answer, []
+
+    async def __call__(self, initial_peers, port, *, timeout=10.0, host="0.0.0.0"):
+        self.calls.append((list(initial_peers), port, host))
+        return self.answer
+
+
+PEERS = ["/ip4/10.0.0.1/tcp/31337/p2p/QmcoordinatorXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXXX"]
+NAT = Reachability(False, "203.0.113.5", "peers cannot dial", answered=True)
+PUBLIC_ELSEWHERE = Reachability(True, "203.0.113.5", "peers can dial", answered=True)  # TEST-NET: nobody's interface
+HERE = Reachability(True, "127.0.0.1", "peers can dial", answered=True)
+SILENT = Reachability(False, None, "no coordinator answered the reachability check (x)", answered=False)
+
+
+def _plan(mode, answer, *, peers=PEERS, hosts=("/ip4/0.0.0.0/tcp/0",), announce=()):
+    check = FakeCheck(answer)
+    plan = asyncio.run(reachability.plan(mode, list(peers), list(hosts), list(announce), checker=check))
+    return plan, check.calls
+
+
+def test_auto_mode_decides_from_the_dialback_and_forced_modes_never_ask():
+    plan, calls = _plan("auto", NAT)
+    ((peers, port, host),) = calls
+    assert peers == PEERS and host == "0.0.0.0" and 0 < port < 65536
+    assert plan.client_mode and plan.host_maddrs == [f"/ip4/0.0.0.0/tcp/{port}"] and plan.announce_maddrs == []
+    assert plan.note == (f"peers cannot dial 203.0.113.5:{port} (behind NAT or a firewall): joining in client mode — "
+                         f"you vote and receive every result, you reduce nothing and serve no state")
+    plan, calls = _plan("auto", PUBLIC_ELSEWHERE, hosts=["/ip4/0.0.0.0/tcp/4321", "/ip4/0.0.0.0/udp/0/quic-v1"])
+    assert calls[0][1] == 4321 and not plan.client_mode  # a fixed port is the one checked and kept
+    assert plan.host_maddrs == ["/ip4/0.0.0.0/tcp/4321", "/ip4/0.0.0.0/udp/0/quic-v1"]
+    assert plan.announce_maddrs == ["/ip4/203.0.113.5/tcp/4321"] and "1:1 NAT" in plan.note
+    plan, calls = _plan("auto", HERE, hosts=["/ip4/127.0.0.1/tcp/0"])
+    assert calls[0][2] == "127.0.0.1"  # the check listens where the daemon will
+    assert not plan.client_mode and plan.announce_maddrs == [] and "peers can dial you at 127.0.0.1" in plan.note
+    plan, _ = _plan("auto", SILENT)  # nobody answered: nothing known, listen as configured
+    assert not plan.client_mode and plan.announce_maddrs == [] and plan.note.startswith("could not check")
+    for mode, kwargs, client in ((True, {}, True), (False, {}, False), ("auto", {"peers": []}, False),
+                                 ("auto", {"announce": ["/ip4/198.51.100.1/tcp/31337"]}, False),
+                                 ("auto", {"hosts": ["/ip4/0.0.0.0/udp/0/quic-v1"]}, False)):
+        plan, calls = _plan(mode, NAT, **kwargs)
+        assert not calls and plan.client_mode is client, (mode, kwargs)  # forced, a founder, told, or no TCP
+        assert plan.host_maddrs == list(kwargs.get("hosts", ["/ip4/0.0.0.0/tcp/0"]))
+        assert plan.announce_maddrs == list(kwargs.get("announce", []))
+
+
+def test_is_local_knows_this_machines_addresses():
+    assert reachability.is_local("127.0.0.1") and not reachability.is_local("203.0.113.5")
+    assert not reachability.is_local("not an ip")
+
+
+def test_a_swarm_behind_nat_starts_in_client_mode_by_itself_and_says_so_once(monkeypatch, caplog):
+    """SwarmConfig's default client_mode="auto": the check (patched: NAT, then 1:1 NAT) decides before the
+    daemon starts. Behind NAT the peer does not listen, announces client mode and logs one line; behind
+    a 1:1 NAT it announces the observed address."""
+    from lioncub_p2p.swarm import Swarm, SwarmConfig
+
+    founder = Swarm(SwarmConfig("nat-auto", host_maddrs=["/ip4/127.0.0.1/tcp/0"]))  # no initial peers: listens
+    try:
+        assert founder.listen_plan.reachability is None and founder.visible_maddrs()
+        maddrs = founder.visible_maddrs()
+        monkeypatch.setattr(reachability, "check", FakeCheck(NAT))
+        with caplog.at_level(logging.INFO, logger="lioncub_p2p.swarm.peer"):
+            joiner = Swarm(SwarmConfig("nat-auto", initial_peers=maddrs))
+        try:
+            lines = [r.getMessage() for r in caplog.records if "client mode" in r.getMessage()]
+            assert len(lines) == 1 and "peers cannot dial 203.0.113.5:" in lines[0], lines
+            assert joiner.config.client_mode is True and joiner.visible_maddrs() == []
+            assert joiner._my_spec().client_mode and not joiner._my_spec().reduces
+        finally:
+            joiner.shutdown()
+        monkeypatch.setattr(reachability, "check", FakeCheck(PUBLIC_ELSEWHERE))
+        joiner = Swarm(SwarmConfig("nat-auto", initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        try:
+            port = joiner.config.host_maddrs[0].split("/")[-1]
+            assert joiner.config.client_mode is False
+            assert [m.rsplit("/p2p/", 1)[0] for m in joiner.visible_maddrs()] == [f"/ip4/203.0.113.5/tcp/{port}"]
+        finally:
+            joiner.shutdown()
+    finally:
+        founder.shutdown()
 
 
 SERVER = textwrap.dedent("""
@@ -62,3 +156,57 @@ def test_a_host_behind_nat_is_found_undialable_and_a_public_host_dialable():
             server.kill()
     assert answers["p"] == ["True", public.ip], answers
     assert answers["h"] == ["False", home.public_ip], answers  # the router's WAN address, as seen from outside
+
+
+@pytest.mark.slow
+def test_a_trainer_behind_nat_chooses_client_mode_by_itself_and_trains_with_a_public_founder(tmp_path):
+    """Two hosts: a founder on the public segment, a volunteer behind a masquerading NAT router. Both
+    run lioncub-train with no --client-mode flag; the volunteer finds out by itself (a dial-back from
+    the founder fails) that it cannot be dialed, joins in client mode, votes every round, and both end
+    at the same step with bitwise-equal parameters."""
+    why = missing_tools(nat=True)
+    assert why is None, f"this test builds network namespaces and a NAT router: {why}"
+    steps = 60
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS="1")
+    common = f"--run-id natrun --steps {steps} --wait-peers 2 --quiet --hidden 32"
+    procs = []
+    with HostNetwork() as net:
+        founder_host, home = net.add_public("f"), net.add_private("h")
+
+        def spawn(host: str, args: str) -> subprocess.Popen:
+            proc = subprocess.Popen(net.exec_prefix(host) + ["bash", "-c", f"lioncub-train {args}"], cwd=tmp_path,
+                                    env=env, stdout=open(tmp_path / f"{host}.log", "w"), stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            procs.append(proc)
+            return proc
+
+        def founder_address() -> str | None:
+            found = re.search(r"(/ip4/" + re.escape(founder_host.ip) + r"/tcp/31337/p2p/\w+)",
+                              (tmp_path / "f.log").read_text())
+            return found.group(1) if found else None
+
+        try:
+            founder = spawn("f", f"{common} --host-maddrs /ip4/0.0.0.0/tcp/31337 --final-state f.state")
+            deadline = time.monotonic() + 90
+            while founder_address() is None and time.monotonic() < deadline and founder.poll() is None:
+                time.sleep(0.2)
+            address = founder_address()
+            assert address, (tmp_path / "f.log").read_text()[-2000:]
+            volunteer = spawn("h", f"{common} --initial-peers {address} --final-state h.state "
+                                   f"--metrics-jsonl h.jsonl")
+            codes = [founder.wait(240), volunteer.wait(240)]
+        finally:
+            for proc in procs:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    logs = {h: (tmp_path / f"{h}.log").read_text() for h in ("f", "h")}
+    assert codes == [0, 0], {h: log[-2000:] for h, log in logs.items()}
+    lines = [line for line in logs["h"].splitlines() if "client mode" in line and "peers cannot dial" in line]
+    assert len(lines) == 1 and f"peers cannot dial {home.public_ip}:" in lines[0], logs["h"][-2000:]
+    assert "client mode" not in logs["f"]  # the founder (no initial peers) listens
+    assert (tmp_path / "f.state").read_bytes() == (tmp_path / "h.state").read_bytes()
+    rows = [json.loads(line) for line in (tmp_path / "h.jsonl").read_text().splitlines() if line.strip()]
+    assert rows[-1]["step"] == steps - 1 and max(r["peers"] for r in rows) == 2  # it voted with the founder

@@ -6,8 +6,10 @@
 
 Listens on every interface (TCP) and prints which of its addresses others can dial.
 What the run trains and how (task, lr, batch, encodings) comes from the run's manifest unless a flag
-says otherwise: a flag that disagrees with the run stops the peer with one line. Behind NAT (nobody can dial you) add --client-mode: you vote and receive every result but reduce
-nothing. Ctrl+C or SIGTERM leaves the run cleanly after the current step (a second one at once).
+says otherwise: a flag that disagrees with the run stops the peer with one line. Before joining it
+asks the coordinators to dial it back: behind NAT (nobody can dial it) it joins in client mode by
+itself (it votes and receives every result, reduces nothing, serves no state); --client-mode on/off
+forces either. Ctrl+C or SIGTERM leaves the run cleanly after the current step (a second one at once).
 Settings are checked before joining: a mistake ends in one line saying what to change.
 """
 from __future__ import annotations
@@ -37,6 +39,7 @@ logger = logging.getLogger("lioncub.train")
 HIDDEN = argparse.SUPPRESS  # options for tests and the simulator, left out of --help
 # the trainer's settings where neither a flag nor the run's manifest gives one
 DEFAULTS = {"task": "digits", "batch": 32, "lr": 3e-4, "weight_decay": 0.1}
+CLIENT_MODES = {"auto": "auto", "on": True, "off": False}  # --client-mode -> SwarmConfig.client_mode
 METHODS = {"lioncub": "butterfly", "dlion": "allgather", "hivemind-fp32": None, "hivemind-fp16": None}  # -> transport
 
 
@@ -86,8 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="where to listen (every interface, TCP, a port chosen by the OS)")
     net.add_argument("--announce-maddrs", nargs="*", default=[],
                      help="addresses others should dial, e.g. /ip4/PUBLIC_IP/tcp/PORT with a forwarded port")
-    net.add_argument("--client-mode", action="store_true",
-                     help="behind NAT: dial out only; you vote and get every result but reduce nothing")
+    net.add_argument("--client-mode", nargs="?", const="on", default="auto", choices=CLIENT_MODES,
+                     help="auto: client mode if the coordinators cannot dial this machine back (behind NAT); "
+                          "on (the flag alone): dial out only, vote and get every result, reduce nothing; off: listen")
     net.add_argument("--weight", type=float, default=1.0, help="share of reduction work (e.g. your upload Mbit/s)")
     net.add_argument("--identity-path", default=None, help="private key file: keeps this peer's id across restarts")
 
@@ -170,11 +174,12 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
         from .baseline import train_with_hivemind_averager
 
         task, batches_for = early or prepare_task(args, own)
-        train_with_hivemind_averager(args, own, task, batches_for, initial_peers, stop)
+        plain = argparse.Namespace(**{**vars(args), "client_mode": CLIENT_MODES[args.client_mode] is True})
+        train_with_hivemind_averager(plain, own, task, batches_for, initial_peers, stop)
         return 0
     config = SwarmConfig(args.run_id, initial_peers=initial_peers,
                          host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs,
-                         identity_path=args.identity_path, client_mode=args.client_mode, weight=args.weight,
+                         identity_path=args.identity_path, client_mode=CLIENT_MODES[args.client_mode], weight=args.weight,
                          run_secret=args.run_secret, allow_peers=args.allow_peers,
                          upload=args.upload, result=args.result, transport=METHODS.get(args.method),
                          momentum=MomentumSchedule(every=args.momentum_every) if args.momentum_every is not None else None,
@@ -196,8 +201,9 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
     optimizer = None
     metrics = board = None
     try:
-        for line in reachability(swarm.visible_maddrs(), client_mode=args.client_mode):
-            print(line, flush=True)
+        if not (swarm.config.client_mode and swarm.listen_plan.note):  # else the swarm said why, in one line
+            for line in reachability(swarm.visible_maddrs(), client_mode=swarm.config.client_mode):
+                print(line, flush=True)
         settings, task, batches_for = task_for(swarm.manifest)
         params = list(task.model.named_parameters())
         if args.checkpoint_dir:  # a checkpoint of another model: one line now, not a SnapshotError after joining
@@ -211,7 +217,7 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
             swarm.wait_for_peers(args.wait_peers)
             start_step = optimizer.step_count
         logger.info("training %s from step %d as %s%s", task.name, start_step, swarm.peer_id,
-                    " (client mode)" * args.client_mode)
+                    " (client mode)" * swarm.config.client_mode)
         train(args, settings, task, batches_for, optimizer, swarm, stop, metrics, board)
     except Interrupted:
         pass  # a stop signal while waiting (joining, waiting for peers): leave now

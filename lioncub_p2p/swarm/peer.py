@@ -54,7 +54,7 @@ from ..identity import Identity, Verifier
 from ..momentum import MomentumSchedule
 from ..optim import LionCub
 from ..wire import PROTOCOL_VERSION
-from . import checkpoint, manifest as manifests, snapshot
+from . import checkpoint, manifest as manifests, reachability, snapshot
 from .accuse import Accusation, AccuseServer, Refused, Suspicions, prove, send_accusation
 from .admit import AdmitServer, ask_admission
 from .manifest import DEFAULTS, Manifest, ManifestError, ManifestMismatch
@@ -105,7 +105,10 @@ class SwarmConfig:
     host_maddrs: list[str] = field(default_factory=lambda: list(LISTEN_ALL))  # all interfaces (TCP)
     announce_maddrs: list[str] = field(default_factory=list)
     identity_path: str | None = None  # None: a fresh key in a private temporary directory
-    client_mode: bool = False  # behind NAT: dial out only, reduce nothing
+    # "auto": ask the initial peers whether they can dial this machine (reachability.py): client mode if
+    # not, the observed address announced behind a 1:1 NAT; True: client mode (dial out only, vote, reduce
+    # nothing, serve no state); False: listen as configured
+    client_mode: bool | str = "auto"
     weight: float = 1.0  # share of the reduction work (e.g. upload Mbit/s)
     nat_probing: bool = False  # UPnP / AutoNAT probing of the real network card
     upload: str | None = None  # "sign", "l1:BITS"
@@ -134,6 +137,8 @@ class SwarmConfig:
             raise ValueError(f"record_ttl must be in (0, {MAX_RECORD_TTL:.0f}] s, got {self.record_ttl}")
         if not self.weight >= 0 or self.weight > 1e6:
             raise ValueError(f"weight must be in [0, 1e6], got {self.weight}")
+        if self.client_mode not in (True, False, "auto"):
+            raise ValueError(f"client_mode must be True, False or 'auto', got {self.client_mode!r}")
         self.opinions()  # checks every setting given (ManifestError, a ValueError, names the field)
 
     def opinions(self) -> Manifest:
@@ -245,6 +250,17 @@ class Swarm:
             self.loop.stop()
             raise SwarmError(f"cannot use the identity file {config.identity_path} ({e}): give a writable path "
                              f"or another file") from None
+        try:  # before the daemon takes the port: can peers dial it? (client mode decided here, once)
+            self.listen_plan = self.loop.run(reachability.plan(config.client_mode, config.initial_peers,
+                                                               config.host_maddrs, config.announce_maddrs), timeout=90)
+        except Exception as e:  # the check must never keep a peer out: listen as configured
+            self.listen_plan = reachability.ListenPlan(False, list(config.host_maddrs), list(config.announce_maddrs),
+                                                       f"the reachability check failed ({type(e).__name__}: {e})")
+        plan = self.listen_plan
+        if plan.note:  # one line: whether peers can dial this machine, and what this peer does about it
+            logger.log(logging.WARNING if plan.client_mode else logging.INFO, "%s", plan.note)
+        self.config = config = replace(config, client_mode=plan.client_mode, host_maddrs=plan.host_maddrs,
+                                       announce_maddrs=plan.announce_maddrs)
         try:
             # a key made just now is not anyone else's: skip hivemind's check (it starts a second daemon, ~0.45 s)
             self.dht = DHT(start=True, initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
@@ -322,6 +338,8 @@ class Swarm:
         await self.state_server.start()
         await self.admit_server.start()
         await self.accuse_server.start()
+        if not self.config.client_mode:  # tell joiners whether they can be dialed (reachability.py)
+            await reachability.serve_dialback(self.p2p)
 
     # -- finding the run -----------------------------------------------------------------------------
 

@@ -15,6 +15,11 @@ here, before the peer's daemon starts, with ``lioncub/dialback/1``:
 
 A coordinator that lies can only make a peer choose client mode or announce a wrong address for
 itself; it cannot make the peer dial anything.
+
+``plan`` turns the answer into how a swarm member starts (``SwarmConfig.client_mode="auto"``): not
+dialable -> client mode; dialable at an IP none of its interfaces carries -> announce that IP; a
+founder (no initial peers), forced modes, given announce addresses and unanswered checks -> listen
+as configured. Listening members and coordinators serve dial-backs (``serve_dialback``).
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
@@ -43,6 +49,7 @@ class Reachability:
     dialable: bool
     observed_ip: str | None  # this machine's address as a coordinator saw it
     note: str  # one line for the volunteer
+    answered: bool = True  # False: no coordinator answered, so nothing is known either way
 
 
 def observed_ip(maddr: Multiaddr | str | None) -> str | None:
@@ -119,17 +126,30 @@ async def _dial_and_send(ip: str, port: int, nonce: bytes) -> bool:
         conn.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
+def free_port(host: str = "0.0.0.0") -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-async def check(initial_peers: list[str], port: int, *, timeout: float = 10.0) -> Reachability:
-    """Whether peers can dial this machine on TCP ``port`` (which must be free now: the daemon takes
-    it afterwards). Asks the initial peers one by one until one answers."""
+def is_local(ip: str) -> bool:
+    """Whether this machine has ``ip`` on one of its interfaces (the kernel lets a socket bind to it)."""
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(ip).version == 6 else socket.AF_INET
+        with socket.socket(family) as s:
+            s.bind((ip, 0))
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+async def check(initial_peers: list[str], port: int, *, timeout: float = 10.0, host: str = "0.0.0.0") -> Reachability:
+    """Whether peers can dial this machine on TCP ``port`` at ``host`` (free now: the daemon takes it
+    afterwards). Asks the initial peers one by one until one answers."""
     if not initial_peers:
-        return Reachability(False, None, "no --initial-peers to ask: cannot tell whether peers can dial you")
+        return Reachability(False, None, "no --initial-peers to ask: cannot tell whether peers can dial you",
+                            answered=False)
     nonce = os.urandom(16)
     received = asyncio.Event()
 
@@ -142,13 +162,14 @@ async def check(initial_peers: list[str], port: int, *, timeout: float = 10.0) -
         finally:
             writer.close()
 
-    server = await asyncio.start_server(on_connect, "0.0.0.0", port, reuse_address=True)
+    server = await asyncio.start_server(on_connect, host, port, reuse_address=True)
     try:
         client = await P2P.create(initial_peers=initial_peers, no_listen=True, nat_port_map=False, auto_nat=False,
                                   host_maddrs=[], dht_mode="client", use_relay=False)
     except Exception as e:  # hivemind raises P2PDaemonError when no bootstrap peer answers
         server.close()
-        return Reachability(False, None, f"no coordinator answered the reachability check ({e})")
+        return Reachability(False, None, f"no coordinator answered the reachability check "
+                                         f"({' '.join(str(e).split())[:200]})", answered=False)
     notes = []
     try:
         for peer in _peer_ids(initial_peers):
@@ -169,7 +190,8 @@ async def check(initial_peers: list[str], port: int, *, timeout: float = 10.0) -
             if received.is_set():
                 return Reachability(True, ip, f"peers can dial you at {ip}:{port}")
             return Reachability(False, ip, f"peers cannot dial {ip}:{port} (behind NAT or a firewall)")
-        return Reachability(False, None, "no coordinator answered the reachability check (" + "; ".join(notes) + ")")
+        return Reachability(False, None, "no coordinator answered the reachability check (" + "; ".join(notes) + ")",
+                            answered=False)
     finally:
         server.close()
         await client.shutdown()
@@ -194,3 +216,64 @@ def _peer_ids(maddrs: list[str]) -> list[PeerID]:
         if peer and PeerID.from_base58(peer) not in ids:
             ids.append(PeerID.from_base58(peer))
     return ids
+
+
+# -- how a swarm member starts -----------------------------------------------------------------------
+
+CLIENT_MODE_NOTE = ("joining in client mode — you vote and receive every result, you reduce nothing and serve "
+                    "no state")
+
+
+@dataclass(frozen=True)
+class ListenPlan:
+    client_mode: bool
+    host_maddrs: list[str]
+    announce_maddrs: list[str]
+    note: str = ""  # one line for the log ("" when there is nothing to say)
+    reachability: Reachability | None = field(default=None, compare=False)
+
+
+def _tcp_listen(host_maddrs: list[str]) -> tuple[int, str, int] | None:
+    """(index, host, port) of the first /ip4|ip6/HOST/tcp/PORT address to listen on, if any."""
+    for i, maddr in enumerate(host_maddrs):
+        parts = str(maddr).split("/")
+        if len(parts) == 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp" and parts[4].isdigit():
+            return i, parts[2], int(parts[4])
+    return None
+
+
+async def plan(client_mode: bool | str, initial_peers: list[str], host_maddrs: list[str],
+               announce_maddrs: list[str], *,
+               checker: Callable[..., Awaitable[Reachability]] | None = None) -> ListenPlan:
+    """How a swarm member listens. ``client_mode`` True/False force it; "auto" with initial peers asks
+    them (``check``, or ``checker``) whether the TCP port of ``host_maddrs`` can be dialed: no -> client
+    mode; yes at an IP that is not this machine's -> announce ``/ip4/IP/tcp/PORT`` (1:1 NAT, cloud VMs).
+    A founder (no initial peers), given ``announce_maddrs`` (the user knows where it is dialed), a
+    QUIC-only listener and an unanswered check listen as configured."""
+    hosts, announce = list(host_maddrs), list(announce_maddrs)
+    if client_mode is True:
+        return ListenPlan(True, hosts, announce)
+    if client_mode is False or not initial_peers or announce:
+        return ListenPlan(False, hosts, announce)
+    tcp = _tcp_listen(hosts)
+    if tcp is None:
+        return ListenPlan(False, hosts, announce, "no TCP address to listen on: cannot check whether peers can "
+                                                  "dial you (the dial-back is TCP)")
+    i, host, port = tcp
+    if port == 0:
+        port = free_port(host)
+        hosts[i] = f"/{'ip6' if ':' in host else 'ip4'}/{host}/tcp/{port}"
+    found = await (checker or check)(initial_peers, port, host=host)
+    if not found.answered:
+        return ListenPlan(False, hosts, announce, f"could not check whether peers can dial you ({found.note}): "
+                                                  f"listening on {hosts[i]}", found)
+    where = f"[{found.observed_ip}]" if found.observed_ip and ":" in found.observed_ip else found.observed_ip
+    if not found.dialable:
+        return ListenPlan(True, hosts, announce, f"peers cannot dial {where or '?'}:{port} (behind NAT or a "
+                                                 f"firewall): {CLIENT_MODE_NOTE}", found)
+    if found.observed_ip and not is_local(found.observed_ip):
+        version = "ip6" if ":" in found.observed_ip else "ip4"
+        public = f"/{version}/{found.observed_ip}/tcp/{port}"
+        return ListenPlan(False, hosts, [public], f"peers dial you at {where}:{port}, an address none of this "
+                                                  f"machine's interfaces has (1:1 NAT): announcing {public}", found)
+    return ListenPlan(False, hosts, announce, f"peers can dial you at {where}:{port}", found)
