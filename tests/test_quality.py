@@ -220,3 +220,36 @@ def test_compare_refuses_bad_input_with_one_line(capsys):
         with pytest.raises(SystemExit) as e:
             compare(argv)
         assert needle in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def test_link_model_against_hand_computed_rounds():
+    """Two 10 Mbit/s peers, half the parameters each: each sends and receives half the votes and half
+    the results, 0.5·P·(b + r) / 10⁷ s. The simulator's 100/50/20/10 links (parts ∝ upload rate): the
+    10 Mbit/s peer uploads its votes for, and downloads the results of, 170/180 of the parameters."""
+    from lioncub_p2p.sim.frontier import round_seconds, step_seconds, traffic
+    from lioncub_p2p.sim.links import parse_links
+
+    assert round_seconds(10**6, 1, 1, parse_links("10,10")) == pytest.approx(0.5 * 2e6 / 1e7)
+    assert round_seconds(10**6, 1, 1, parse_links("100,50,20,10")) == pytest.approx(170 / 180 * 2e6 / 1e7)
+    assert round_seconds(10**6, 4, 1, parse_links("100/10,100/10")) == pytest.approx(0.5e6 * 4 / 1e7 + 0.5e6 / 1e7)
+    t = traffic("sign/majority+sync20", workers=4, steps=400)
+    assert (t.vote_up, t.vote_down, t.sync_rounds_per_step) == (1.0, 1.0, 0.05)
+    assert traffic("l1:4/mean", 4, 400).vote_down == 6.0  # tally of 4 voters × codes up to 14: 6 planes
+    assert traffic("sign/majority+slices32", 4, 400).vote_up == 1.5
+    links = parse_links("100,50,20,10")
+    assert step_seconds(t, 10**6, 0.25, links) == pytest.approx(0.25 + 170 / 180 * (2e6 + 0.05 * 32e6) / 1e7)
+    assert step_seconds(traffic("global", 4, 400), 10**6, 0.0, links) == pytest.approx(170 / 180 * 64e6 / 1e7)
+
+
+def test_abstaining_votes_against_hand_counts():
+    from lioncub_p2p.sim.variants import _abstain_vote
+
+    # mean |c| per voter: 1, 4/3, 1, 5/3. Step 0, every 2: elements 0 and 2 may abstain, element 1 may not.
+    dirs = [[torch.tensor([1.0, 1.0, -1.0])], [torch.tensor([1.0, 1.0, -2.0])],
+            [torch.tensor([1.0, -1.0, -1.0])], [torch.tensor([-1.0, -3.0, -1.0])]]
+    # element 0: voter 1 (|1| < 4/3) and voter 3 (|−1| < 5/3) abstain: +1 +1 -> +; element 1: 2-2 tie -> random
+    # element 2: voter 3 abstains, voter 1 (|−2| >= 4/3) does not: −3 -> −
+    u = _abstain_vote(dirs, seed=0, step=0, every=2)[0]
+    assert u[0] == 1.0 and u[2] == -1.0 and abs(u[1]) == 1.0
+    # step 1: only element 1 may abstain: voter 1 does (|1| < 4/3), voters 0, 2, 3 do not: +1 −1 −1 -> −
+    assert _abstain_vote(dirs, seed=0, step=1, every=2)[0][1] == -1.0

@@ -25,6 +25,9 @@ option         what changes                                                     
 ``betaB``      the vote's direction uses β1 = B (e.g. beta0.95); momentum unchanged  none
 ``slicesK``    momentum averaged in K slices, one slice (1/K of the elements) per    32/K
                step, exactly: every element synced every K steps, never a burst
+``abstainK``   on 1/K of the elements (rotating each step) a second bit lets a peer   1/K up
+               abstain where |c| < mean|c| of its tensor (an l1:2 vote there); the
+               sum of ±1/0 votes decides, ties at random
 =============  ==================================================================  ============
 """
 from __future__ import annotations
@@ -43,7 +46,7 @@ from .inprocess import (MOMENTUM_SYNC_BITS, Clock, CompareTask, DataExhausted, M
                         average_momenta, worker_loss)
 
 FLAGS = ("ef", "efvote", "weighted", "tieprev", "agree")
-NUMBERED = ("efdecay", "beta", "slices")
+NUMBERED = ("efdecay", "beta", "slices", "abstain")
 
 
 def check_variant(name: str, spec: str = "") -> None:
@@ -70,6 +73,7 @@ class Options:
     agree: bool = False
     beta1: float | None = None
     slices: int = 0
+    abstain: int = 0
 
     @classmethod
     def of(cls, names: Sequence[str]) -> "Options":
@@ -90,6 +94,8 @@ class Options:
                 values["beta1"] = float(name[4:])
             elif name.startswith("slices"):
                 values["slices"] = int(float(name[6:]))
+            elif name.startswith("abstain"):
+                values["abstain"] = int(float(name[7:]))
         return cls(**values)
 
 
@@ -135,8 +141,8 @@ def run_variant(method: Method, task: CompareTask, *, workers: int, steps: int, 
     names = [name for name, _ in model.named_parameters()]
     layout = Layout(params)
     up, res = upload_codec(method.upload), result_codec(method.result)
-    if opt.weighted and up.planes != 1:
-        raise ValueError(f"method {method.name!r}: weighted votes take 1-bit (sign) uploads")
+    if (opt.weighted or opt.abstain) and (up.planes != 1 or res.name != "majority"):
+        raise ValueError(f"method {method.name!r}: weighted and abstain votes take sign uploads, majority results")
     beta1, beta2 = betas
     vote_beta1 = opt.beta1 if opt.beta1 is not None else beta1
     momenta = [[torch.zeros_like(p) for p in params] for _ in range(workers)]
@@ -166,6 +172,9 @@ def run_variant(method: Method, task: CompareTask, *, workers: int, steps: int, 
         if opt.weighted:
             updates = _weighted_vote(directions, seed, step)
             side_up += 32.0 * len(params) / numel  # each peer's weight per tensor, fp32
+        elif opt.abstain:
+            updates = _abstain_vote(directions, seed, step, opt.abstain)
+            side_up += 1.0 / opt.abstain
         else:
             uploads = [layout.pack(up, d, seed, step) for d in directions]
             wire = reduce_votes(uploads, up, res, numel=layout.nbytes * 8, seed=seed, step=step)
@@ -215,6 +224,21 @@ def _weighted_vote(directions: list[list[torch.Tensor]], seed: int, step: int) -
         tie = ops.unpack_signs(ops.pack_signs(torch.zeros(total.numel()), seed=derive_key(seed, step, index, 7)),
                                total.numel()).view_as(total)
         out.append(torch.where(total == 0, tie, torch.sign(total)))
+    return out
+
+
+def _abstain_vote(directions: list[list[torch.Tensor]], seed: int, step: int, every: int) -> list[torch.Tensor]:
+    """sign(Σᵢ aᵢ·sign(cᵢ)) with aᵢ = 0 where element j has (j + step) % every == 0 and |cᵢ| is below
+    the mean |cᵢ| of the tensor, else 1; exact ties at random."""
+    out = []
+    for index, per_worker in enumerate(zip(*directions)):
+        flat = [c.reshape(-1) for c in per_worker]
+        flagged = (torch.arange(flat[0].numel()) + step) % every == 0
+        total = sum(torch.where(flagged & (c.abs() < c.abs().mean()), 0.0, torch.where(c > 0, 1.0, -1.0))
+                    for c in flat)
+        tie = ops.unpack_signs(ops.pack_signs(torch.zeros(total.numel()), seed=derive_key(seed, step, index, 8)),
+                               total.numel())
+        out.append(torch.where(total == 0, tie, torch.sign(total)).view_as(per_worker[0]))
     return out
 
 
