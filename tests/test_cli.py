@@ -182,6 +182,7 @@ def test_preflight_reports_each_check(tmp_path):
         code, out, err = results["ok"]
         assert code == 0, out + err[-2000:]
         assert "[ OK ] coordinators answer: 1 peers online" in out
+        assert "[ OK ] dialable: the coordinators dialed you back at 127.0.0.1:" in out  # the coordinator's dial-back
         assert "you listen on loopback only" in out and "--host-maddrs /ip4/0.0.0.0/tcp/0" in out  # the flag to change
         assert "bandwidth to" in out and "Mbit/s" in out and "per round" in out
         code, out, _ = results["wrong run"]
@@ -194,6 +195,46 @@ def test_preflight_reports_each_check(tmp_path):
         assert "private" in results["no secret"][1]
     finally:
         procs.close()
+
+
+def test_preflight_probes_only_members_of_the_admitted_group():
+    """A probe carries the run token: never to a peer that only published a record (anyone can)."""
+    from lioncub_p2p.allreduce import PeerSpec
+    from lioncub_p2p.cli.preflight import probe_targets
+    from lioncub_p2p.swarm.membership import GroupRecord, PeerRecord
+
+    group = GroupRecord(3, 10, (PeerSpec("a"), PeerSpec("b"), PeerSpec("c", client_mode=True), PeerSpec("d", 0.0),
+                                PeerSpec("me")), author="a")
+    records = {pid: PeerRecord(pid, synced=True) for pid in ("a", "c", "d", "me", "outsider")}
+    records["b"] = PeerRecord("b", synced=False)  # still downloading: nothing to measure against
+    assert probe_targets(group, records, "me") == ["a"]
+    assert probe_targets(group, {}, "me") == ["a", "b"]  # no records read: the group says who reduces
+    assert probe_targets(None, records, "me") == []  # no group admitted this peer: nobody
+
+
+def test_preflight_says_whether_the_dialback_reached_this_machine():
+    from lioncub_p2p.cli.preflight import reachability_verdicts
+    from lioncub_p2p.swarm import SwarmConfig
+    from lioncub_p2p.swarm.reachability import ListenPlan, Reachability
+
+    hosts = ["/ip4/0.0.0.0/tcp/4001"]
+    nat = ListenPlan(True, hosts, [], "x", Reachability(False, "203.0.113.5", "x"))
+    ((verdict, line),) = reachability_verdicts(SwarmConfig("r", host_maddrs=hosts, client_mode=True), [], nat)
+    assert verdict == "OK" and "cannot dial you back at 203.0.113.5:4001" in line and "client mode" in line
+    assert "--announce-maddrs" in line  # what to change to reduce as well
+    public = ListenPlan(False, hosts, ["/ip4/203.0.113.5/tcp/4001"], "x", Reachability(True, "203.0.113.5", "x"))
+    config = SwarmConfig("r", host_maddrs=hosts, announce_maddrs=["/ip4/203.0.113.5/tcp/4001"], client_mode=False)
+    ((verdict, line),) = reachability_verdicts(config, ["/ip4/203.0.113.5/tcp/4001/p2p/Qm"], public)
+    assert verdict == "OK" and "dialed you back at 203.0.113.5:4001" in line and "announcing" in line
+    loop = ["/ip4/127.0.0.1/tcp/4001"]
+    here = ListenPlan(False, loop, [], "x", Reachability(True, "127.0.0.1", "x"))
+    verdicts = reachability_verdicts(SwarmConfig("r", host_maddrs=loop, client_mode=False),
+                                     ["/ip4/127.0.0.1/tcp/4001/p2p/Qm"], here)
+    assert [v for v, _ in verdicts] == ["OK", "WARN"] and "loopback only" in verdicts[1][1]
+    silent = ListenPlan(False, hosts, [], "x", Reachability(False, None, "x", answered=False))
+    ((verdict, line),) = reachability_verdicts(SwarmConfig("r", host_maddrs=hosts, client_mode=False),
+                                               ["/ip4/192.168.1.5/tcp/4001/p2p/Qm"], silent)
+    assert verdict == "WARN" and "private addresses only" in line  # nothing answered: the addresses alone
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ Listens on every interface (TCP) by default, prints its multiaddrs (give them to
 as --initial-peers) sorted by who can dial them, and keeps a stable peer id across restarts through
 the identity file. With --manifest run.yaml it publishes the run's settings (task, lr, batch size,
 encodings, ...; signed with its identity) and keeps them alive: trainers that name this coordinator
-in --initial-peers adopt them. With --monitor-jsonl it logs, every --monitor-period seconds, the peers alive,
+in --initial-peers adopt them. It answers trainers' dial-back requests (``lioncub/dialback/1``), so a
+trainer behind NAT finds out it cannot be dialed and joins in client mode. With --monitor-jsonl it logs, every --monitor-period seconds, the peers alive,
 the global step, samples/s and bytes/s, and appends them as JSON lines. SIGINT and SIGTERM stop it
 cleanly (its DHT child and libp2p daemon included).
 """
@@ -22,12 +23,13 @@ import time
 from pathlib import Path
 
 from hivemind import DHT
-from hivemind.utils import get_dht_time
 
+from ..aio import BackgroundLoop
 from ..identity import Identity
 from ..swarm.manifest import MANIFEST_TTL, Manifest, ManifestError, publish_manifest
-from ..swarm.membership import PeerRecord
+from ..swarm.membership import read_peer_records
 from ..swarm.peer import LISTEN_ALL
+from ..swarm.reachability import serve_dialback
 from ..swarm.records import RunRecordValidator
 from .addresses import check_listen, check_peers, reachability
 from .checks import check_run_id, check_writable_file
@@ -65,15 +67,8 @@ def parse_args(argv: list[str] | None = None, *, monitor_default: bool = False) 
 
 
 def run_summary(dht: DHT, run_id: str) -> dict:
-    """What the run's peer records say right now."""
-    found = dht.get(f"{run_id}.peers", latest=True)
-    records = []
-    if found is not None and isinstance(found.value, dict):
-        now = get_dht_time()
-        for pid, item in found.value.items():
-            record = PeerRecord.parse(pid, getattr(item, "value", None), getattr(item, "expiration_time", 0.0))
-            if record is not None and record.expires > now:
-                records.append(record)
+    """What the run's peer records say right now (signed, validated, unexpired; at most 5 s to read)."""
+    records = list(read_peer_records(dht, run_id, timeout=5).values())
     losses = [r.loss for r in records if r.loss is not None]
     return {"time": time.time(), "run_id": run_id, "peers_alive": len(records),
             "peers_synced": sum(r.synced for r in records), "client_mode_peers": sum(r.client_mode for r in records),
@@ -150,9 +145,21 @@ def serve(args: argparse.Namespace, stop: StopSignals) -> None:
     except Exception as e:
         raise UsageError(f"the DHT did not start ({' '.join(str(e).split())[:300]}). If --initial-peers are set, are "
                          f"they reachable? Is another process using this identity file or port?") from None
+    loop = p2p = None
     try:
+        if not args.client_mode:  # answer trainers asking whether they can be dialed (behind NAT or not)
+            loop = BackgroundLoop("coordinator")
+            p2p = loop.run(dht.replicate_p2p(), timeout=30)
+            loop.run(serve_dialback(p2p), timeout=30)
         _serve(args, dht, stop, manifest, identity)
     finally:
+        if loop is not None:
+            try:
+                if p2p is not None:
+                    loop.run(p2p.shutdown(), timeout=5)  # our handle only: the DHT owns the daemon
+            except Exception as e:
+                logger.debug("closing the p2p handle: %s", e)
+            loop.stop()
         dht.shutdown()
         print("coordinator stopped", flush=True)
 

@@ -3,10 +3,12 @@
 Checks, in order, each with a one-line verdict: the coordinators answer (the DHT starts and finds
 the run's records); the run admits this peer (a private run's leader refuses a peer without its
 secret, an open run one with a secret) and this peer's flags agree with the run's manifest: a
-failed check with a non-zero exit; whether peers can dial this machine, and if not the exact flags
-to change; the upload and download bandwidth to a member of the run (a timed 4 MiB probe each way;
-a refused probe is a failed check); the compute time of one step of the run's task here; and the
-resulting seconds per round. Exit code 0: ready.
+failed check with a non-zero exit; whether peers can dial this machine (the coordinators dial it
+back, the same check lioncub-train makes before joining: dialable, or it will join in client mode),
+and the exact flags to change; the upload and download bandwidth to a member of the run's group (a
+timed 4 MiB probe each way, only to members: the probe carries the run token; a refused probe is a
+failed check); the compute time of one step of the run's task here; and the resulting seconds per
+round. Exit code 0: ready.
 """
 from __future__ import annotations
 
@@ -17,26 +19,67 @@ from collections.abc import Callable
 import torch
 
 from ..swarm import AdmissionRefused, Manifest, SettingsMismatch, Swarm, SwarmConfig, SwarmError
+from ..swarm.membership import GroupRecord, PeerRecord
 from ..swarm.peer import LISTEN_ALL
 from ..swarm.probe import measure
+from ..swarm.reachability import ListenPlan
 from .addresses import PUBLIC_PORT_ADVICE, dialable_from_outside, scope
 
 FAIL_COORDINATORS, FAIL_EMPTY_RUN, FAIL_ADMISSION, FAIL_PROBE, FAIL_SETTINGS = 2, 3, 4, 5, 6
 
 
+def reachability_verdicts(config: SwarmConfig, visible: list[str], plan: ListenPlan | None) -> list[tuple[str, str]]:
+    """("OK" or "WARN", line) pairs saying whether others can dial this peer, and which flag to change.
+
+    ``config`` is the swarm's (client mode resolved); ``plan`` what the dial-back found (``Swarm.listen_plan``)."""
+    found = plan.reachability if plan is not None else None
+    if found is not None and found.answered:
+        if config.client_mode:
+            return [("OK", f"the coordinators cannot dial you back at {found.observed_ip}:{_port(config)} (behind "
+                           f"NAT or a firewall): you will join in client mode (you vote and receive every result, "
+                           f"you reduce nothing and serve no state); to reduce as well, forward a port (e.g. 31337) "
+                           f"on your router to this machine and pass --host-maddrs /ip4/0.0.0.0/tcp/31337 "
+                           f"--announce-maddrs /ip4/YOUR_PUBLIC_IP/tcp/31337")]
+        lines = [("OK", f"dialable: the coordinators dialed you back at {found.observed_ip}:{_port(config)}"
+                        + (f" (announcing {' '.join(config.announce_maddrs)})" if config.announce_maddrs else ""))]
+        if visible and all(scope(m) == "loopback" for m in visible):
+            lines.append(_loopback_only(config))
+        return lines
+    return [reachability_verdict(config, visible)]
+
+
+def _port(config: SwarmConfig) -> str:
+    tcp = [m.split("/")[4] for m in config.host_maddrs if len(m.split("/")) == 5 and m.split("/")[3] == "tcp"]
+    return tcp[0] if tcp else "?"
+
+
+def _loopback_only(config: SwarmConfig) -> tuple[str, str]:
+    return "WARN", (f"you listen on loopback only ({' '.join(config.host_maddrs)}): no other machine can dial you; "
+                    f"listen on every interface with --host-maddrs {' '.join(LISTEN_ALL)} (the default), then "
+                    f"{PUBLIC_PORT_ADVICE}")
+
+
 def reachability_verdict(config: SwarmConfig, visible: list[str]) -> tuple[str, str]:
-    """("OK" or "WARN", the line saying whether others can dial this peer and which flag to change)."""
+    """("OK" or "WARN", the line saying whether others can dial this peer and which flag to change),
+    from its addresses alone (no dial-back answered: a founder, or coordinators of an older version)."""
     if config.client_mode:
         return "OK", "client mode: you dial out only; you vote and receive results, reduce nothing"
     if dialable_from_outside(visible):
         public = [m for m in visible if scope(m) == "public"]
         return "OK", f"reachable: peers can dial you at {public[0]}" + (f" (+{len(public) - 1} more)" if public[1:] else "")
     if visible and all(scope(m) == "loopback" for m in visible):
-        return "WARN", (f"you listen on loopback only ({' '.join(config.host_maddrs)}): no other machine can dial you; "
-                        f"listen on every interface with --host-maddrs {' '.join(LISTEN_ALL)} (the default), then "
-                        f"{PUBLIC_PORT_ADVICE}")
+        return _loopback_only(config)
     return "WARN", (f"peers on other networks probably cannot dial you (private addresses only: "
                     f"{', '.join(visible) or 'none'}): {PUBLIC_PORT_ADVICE}")
+
+
+def probe_targets(group: GroupRecord | None, records: dict[str, PeerRecord], me: str) -> list[str]:
+    """Whom to probe: reducing members of the group that admitted this peer whose records (if any) say
+    they are synced. Nobody else: a probe carries the run token, and anyone can publish a peer record."""
+    if group is None:
+        return []
+    return [m.peer_id for m in group.members
+            if m.reduces and m.peer_id != me and (m.peer_id not in records or records[m.peer_id].synced)]
 
 
 def preflight(config: SwarmConfig, task_for: Callable[[Manifest], tuple]) -> int:
@@ -56,7 +99,7 @@ def preflight(config: SwarmConfig, task_for: Callable[[Manifest], tuple]) -> int
         return FAIL_COORDINATORS
     try:
         records = swarm.loop.run(swarm.directory.peers(), timeout=30)
-        group = swarm.loop.run(swarm.directory.group(), timeout=30)
+        group = swarm.history.latest  # the group that admitted this peer (in a private run: proved the key)
         if not config.initial_peers:
             print("  [WARN] no --initial-peers: this machine would start a run of its own")
         elif not records and group is None:
@@ -68,12 +111,12 @@ def preflight(config: SwarmConfig, task_for: Callable[[Manifest], tuple]) -> int
         if group is not None:
             print(f"  [ OK ] admission: the run's group (epoch {group.epoch}, {len(group.members)} members) "
                   f"admits this peer{' (run secret checked)' if config.run_secret else ''}")
-        visible = [str(m) for m in config.announce_maddrs] or swarm.visible_maddrs()
-        verdict, line = reachability_verdict(config, visible)
-        print(f"  [{verdict:^4}] {line}", flush=True)
+        visible = [str(m) for m in swarm.config.announce_maddrs] or swarm.visible_maddrs()
+        for verdict, line in reachability_verdicts(swarm.config, visible, swarm.listen_plan):
+            print(f"  [{verdict:^4}] {line}", flush=True)
         up = down = None
         refusals = []
-        donors = [pid for pid, r in records.items() if r.synced and not r.client_mode and pid != swarm.peer_id]
+        donors = probe_targets(group, records, swarm.peer_id)
         for pid in donors[:3]:
             try:
                 up, down = swarm.loop.run(measure(swarm.p2p, pid, token=swarm.admission.token(swarm.peer_id)),
