@@ -5,7 +5,8 @@
         print(swarm.reports[0].parts)
 
 Each peer runs its own libp2p daemon (hivemind's p2pd) with NAT probing off and its own identity
-(so it signs its results); peers in client mode do not listen at all and only dial out. ``kill``
+(so it signs its results), listening on TCP or (``transport="quic"``) QUIC only; peers in client mode
+do not listen at all and only dial out. ``kill``
 SIGKILLs a peer's daemon (optionally at a precise moment of the next round), ``stall`` freezes it
 with SIGSTOP for some seconds. Leaving (the end of the ``with``) cancels the peers' tasks before
 closing their daemons, as a leaving Swarm does.
@@ -40,11 +41,17 @@ Behavior = Callable[[VoteNode, RoundSpec, torch.Tensor], Awaitable[object]]
 FAST_CONFIG = AllReduceConfig(upload_timeout=3.0, result_timeout=6.0, join_timeout=2.0, recovery_timeout=2.0)
 
 
+LISTEN = {"tcp": ["/ip4/127.0.0.1/tcp/0"], "quic": ["/ip4/127.0.0.1/udp/0/quic-v1"]}
+
+
 class LocalSwarm:
     def __init__(self, n_peers: int, *, client_mode: Sequence[int] = (), weights: Sequence[float] | None = None,
-                 config: AllReduceConfig = FAST_CONFIG):
+                 config: AllReduceConfig = FAST_CONFIG, transport: str = "tcp"):
         if n_peers < 1:
             raise ValueError("need at least one peer")
+        if transport not in LISTEN:
+            raise ValueError(f"transport must be one of {sorted(LISTEN)}, got {transport!r}")
+        self.transport = transport
         self.n = n_peers
         self.client_mode = set(client_mode)
         self.weights = list(weights) if weights is not None else [1.0] * n_peers
@@ -78,7 +85,7 @@ class LocalSwarm:
             client = i in self.client_mode
             identity = Identity.load_or_create(os.path.join(self._keys, f"peer{i}.key"))
             self.identities.append(identity)
-            p2p = await P2P.create(initial_peers=listening, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
+            p2p = await P2P.create(initial_peers=listening, host_maddrs=LISTEN[self.transport], nat_port_map=False,
                                    auto_nat=False, no_listen=client, identity_path=identity.path,
                                    check_if_identity_free=False)  # fresh keys: nobody else has them
             node = VoteNode(p2p, self.config, identity=identity)
@@ -305,7 +312,7 @@ class PeakRss:
 async def start_outsider(swarm: LocalSwarm) -> P2P:
     """A daemon outside the group, connected to peer 0 (anyone who found the run on the DHT)."""
     maddrs = [str(m) for m in await swarm.nodes[0].p2p.get_visible_maddrs()]
-    return await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
+    return await P2P.create(initial_peers=maddrs, host_maddrs=LISTEN[swarm.transport], nat_port_map=False,
                             auto_nat=False)
 
 

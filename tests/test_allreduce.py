@@ -143,15 +143,15 @@ def test_reducer_killed_mid_answer_survivors_agree():
         send = node._send_result
         node._outcome_for = lambda state, voter, outcome: (outcome, voter == holder)
 
-        async def answer(writer, state, part, marked):
+        async def answer(writer, spec, part, marked, report=None):
             outcome, whole = marked
             if whole:
-                return await send(writer, state, part, outcome)
+                return await send(writer, spec, part, outcome, report)
             step = SMALL_CHUNKS.chunk_bytes
             for k in range(5):  # the first 5 chunks, none of them the last
                 first = dict(header=outcome.header, signature=outcome.signature, public_key=outcome.public_key)
                 await write_frame(writer, pb.ResultChunk(
-                    version=PROTOCOL_VERSION, round_id=state.spec.round_id, part=part, offset=k * step,
+                    version=PROTOCOL_VERSION, round_id=spec.round_id, part=part, offset=k * step,
                     data=outcome.wire[k * step: (k + 1) * step], result=pb.RESULT_MAJORITY, **(first if k == 0 else {})))
             await asyncio.sleep(60)  # dies before sending the rest
 

@@ -16,7 +16,7 @@ from hivemind.p2p import P2P, PeerID
 
 from ..identity import Identity
 from ..ops import majority_vote
-from ..wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
+from ..wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, WireError, close_after_reply, pb, read_frame, write_frame
 from ..wire.gate import StreamGate, guard
 from .admission import OPEN, Admission
 from .round import (MAX_FIRST_FRAME_BYTES, AllReduceConfig, PartReport, RoundReport, RoundSpec, chunk_spans,
@@ -84,6 +84,7 @@ class GatherNode:
 
     async def _send(self, spec: RoundSpec, me: int, to: int, buffer: torch.Tensor, report: RoundReport) -> None:
         encoding, bits = upload_wire(spec.upload)
+        writer = None
         try:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[to].peer_id),
                                                                           GATHER_PROTOCOL)
@@ -96,9 +97,13 @@ class GatherNode:
                     last=offset + length >= len(data),
                     token=self.admission.token(self.peer_id) if offset == 0 else b""))
                 report.bytes_up += sent
-            writer.close()
+            # the receiver closes once it has the last chunk; closing first can lose that chunk (QUIC)
+            await close_after_reply(reader, writer, self.config.join_timeout)
         except Exception as e:
             logger.info("gather round %s: upload to %d failed: %s", spec.round_id.hex()[:12], to, e)
+        finally:
+            if writer is not None:
+                writer.close()
 
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:  # the whole upload within the round's upload window, whatever the sender's pace

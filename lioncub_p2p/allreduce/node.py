@@ -62,15 +62,16 @@ from hivemind.p2p import P2P, PeerID
 from ..codecs import Bf16Upload
 from ..identity import Identity, Verifier
 from ..ops import unpack_signs
-from ..wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
+from ..wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, WireError, close_after_reply, pb, read_frame, write_frame
 from ..wire.gate import StreamGate, guard
 from .admission import OPEN, Admission
+from .archive import RoundArchive
 from .audit import MAX_AUDIT_LEAVES, check_statements, decoded, judge, make_evidence, value_bound
 from .commit import (DIGEST_BYTES, MAX_HEADER_BYTES, MAX_TAG_BYTES, check_header, leaf_bytes, leaf_count, leaf_of, parse_header,
                      result_signed_bytes, root_of, statement_signed_bytes)
 from .deadline import AdaptiveDeadline
 from .reducer import PartReduction
-from .round import (MAX_FIRST_FRAME_BYTES, AllReduceConfig, Caught, PartReport, PartResult, RoundReport, RoundSpec,
+from .round import (AUDIT_MIN_RATE, MAX_FIRST_FRAME_BYTES, AllReduceConfig, Caught, PartReport, PartResult, RoundReport, RoundSpec,
                     chunk_spans, result_wire, upload_wire)
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,14 @@ class StreamClosed(WireError):
     """The stream ended before any result came: on a kept stream, the other end closed it meanwhile."""
 
 
+class BadOpening(WireError):
+    """An audit answer that does not open the reducer's signed commitments: never honest."""
+
+
+class Unreachable(Exception):
+    """The reducer to audit cannot be dialed (it left or died): no verdict."""
+
+
 @dataclass
 class RoundState:
     spec: RoundSpec
@@ -98,6 +107,8 @@ class RoundState:
     voted: bool = False
     tag: bytes = b""
     recovered: dict[int, PartResult] = field(default_factory=dict)  # parts received from other peers
+    # part -> (monotonic time its result arrived, whether its reducer itself sent it): audits start from here
+    received: dict[int, tuple[float, bool]] = field(default_factory=dict)
     handlers: set = field(default_factory=set)  # stream handler tasks serving this round here
 
 
@@ -128,6 +139,10 @@ class VoteNode:
         self._pending_by_peer: Counter[str] = Counter()
         self._kept: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
         self._audits: set[asyncio.Task] = set()
+        self._audit_turns: dict[str, asyncio.Lock] = {}  # one audit at a time per reducer (its stream cap is 2)
+        self._audit_users: Counter[str] = Counter()
+        self.audits_expired = 0  # audits not asked within half the window (a slow queue): not counted against anyone
+        self.archive = RoundArchive(self.config.audit_window_s, self.config.audit_keep_bytes)
         self.caught: dict[str, Caught] = {}  # every reducer this peer caught, by peer id (the first proof)
         self.catches: deque[Caught] = deque(maxlen=1024)  # every catch, newest last (measurements)
         self._new_caught: list[Caught] = []  # not reported yet
@@ -159,7 +174,7 @@ class VoteNode:
     async def settle_audits(self, timeout: float | None = None) -> None:
         """Wait for the audits in flight (tests, and a peer that wants its verdicts before leaving)."""
         if self._audits:
-            await asyncio.wait(list(self._audits), timeout=timeout or self.config.audit_timeout + 1)
+            await asyncio.wait(list(self._audits), timeout=timeout or self.config.audit_window_s)
 
     # -- running a round ---------------------------------------------------------------------------
 
@@ -277,15 +292,17 @@ class VoteNode:
             self._waiting.pop(rid).set()
 
     def _forget(self, state: RoundState) -> None:
-        """Free a round: stop its reduction if no vote ever came, end the streams still serving it."""
+        """Take a round out of the live table: stop its reduction if no vote ever came, end the streams
+        still serving it, and archive what late audits and result requests need (``archive.py``)."""
         tasks = [state.reducing, *state.handlers]
         for task in tasks:
             if task is not None and not task.done() and task is not asyncio.current_task():
                 task.cancel()
         state.handlers.clear()
-        if state.reduction is not None:
-            state.reduction.votes.clear()
-            state.reduction.trees.clear()
+        results = {j: fut.result() for j, fut in state.direct.items()
+                   if fut.done() and not fut.cancelled() and fut.result() is not None}
+        results.update(state.recovered)
+        self.archive.keep(state.spec, results, state.reduction)
 
     def _check_own_root(self, state: RoundState, j: int, outcome: PartResult, own_root: bytes) -> None:
         """A header that counts this peer must carry the root of exactly the codes it sent."""
@@ -372,6 +389,7 @@ class VoteNode:
         outcome: PartResult | None = None
         try:
             outcome = await asyncio.wait_for(exchange(), max(deadline, 0.0))
+            state.received[j] = (time.monotonic(), True)
             report.parts[j].record(outcome)
             self._emit(f"result:{j}")
         except Exception as e:  # any failure of this reducer leaves the part to recovery
@@ -481,19 +499,21 @@ class VoteNode:
         """The result sent to ``voter``: the same for everyone (simulations override it to lie to one)."""
         return outcome
 
-    async def _send_result(self, writer: asyncio.StreamWriter, state: RoundState, part: int, outcome: PartResult) -> None:
+    async def _send_result(self, writer: asyncio.StreamWriter, spec: RoundSpec, part: int, outcome: PartResult,
+                           report: RoundReport | None = None) -> None:
         wire, step = outcome.wire, self.config.chunk_bytes
         for offset in range(0, max(len(wire), 1), step):
             first = offset == 0
-            chunk = pb.ResultChunk(version=PROTOCOL_VERSION, round_id=state.spec.round_id, part=part, offset=offset,
+            chunk = pb.ResultChunk(version=PROTOCOL_VERSION, round_id=spec.round_id, part=part, offset=offset,
                                    data=wire[offset : offset + step], last=offset + step >= len(wire),
-                                   result=result_wire(state.spec.result), group_epoch=self.group_epoch,
+                                   result=result_wire(spec.result), group_epoch=self.group_epoch,
                                    header=outcome.header if first else b"",
                                    signature=outcome.signature if first else b"",
                                    public_key=outcome.public_key if first else b"")
             sent = await write_frame(writer, chunk)
-            state.report.bytes_up += sent
-            state.report.payload_up += min(step, len(wire) - offset)
+            if report is not None:
+                report.bytes_up += sent
+                report.payload_up += min(step, len(wire) - offset)
             self._emit("result_chunk")
 
     async def _recover(self, state: RoundState, j: int) -> PartResult | None:
@@ -502,16 +522,16 @@ class VoteNode:
         spec = state.spec
         askers = [i for i, p in enumerate(spec.group) if i != state.me and not p.client_mode]
 
-        async def ask(i: int) -> PartResult:
+        async def ask(i: int) -> tuple[int, PartResult]:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[i].peer_id),
                                                                           FETCH_PROTOCOL)
             try:
                 sent = await write_frame(writer, pb.FetchResult(version=PROTOCOL_VERSION, round_id=spec.round_id, part=j,
                                                                 token=self.admission.token(self.peer_id)))
                 state.report.bytes_up += sent
-                return await self._read_result(reader, state, j, forwarded=True)
+                return i, await self._read_result(reader, state, j, forwarded=True)
             finally:
-                writer.close()
+                writer.close()  # after the last chunk: the member waits for this close before its own
 
         pending = {asyncio.create_task(asyncio.wait_for(ask(i), self.config.recovery_timeout)) for i in askers}
         for task in pending:  # answers that come after the first good one are not needed, nor their errors
@@ -521,7 +541,9 @@ class VoteNode:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     if task.exception() is None:
-                        return task.result()
+                        sender, outcome = task.result()
+                        state.received[j] = (time.monotonic(), sender == j)
+                        return outcome
                     if isinstance(task.exception(), WireError):
                         logger.info("round %s: refused a result for part %d: %s", spec.round_id.hex()[:12], j,
                                     task.exception())
@@ -535,7 +557,11 @@ class VoteNode:
     def _start_audits(self, state: RoundState, outcomes: dict[int, PartResult]) -> None:
         """Audit ``audits_per_round`` other reducers' parts, chosen now that their results are in."""
         candidates = sorted(j for j, outcome in outcomes.items() if j != state.me and outcome.header)
-        if not candidates or len(self._audits) >= MAX_AUDITS_IN_FLIGHT:
+        if not candidates:
+            return
+        if len(self._audits) >= MAX_AUDITS_IN_FLIGHT:
+            self.audits_expired += 1
+            logger.info("round %s: no audit (%d in flight)", state.spec.round_id.hex()[:12], len(self._audits))
             return
         for j in self.audit_rng.sample(candidates, min(self.config.audits_per_round, len(candidates))):
             header = parse_header(outcomes[j].header)
@@ -547,14 +573,38 @@ class VoteNode:
 
     async def _audit(self, state: RoundState, j: int, outcome: PartResult, header: pb.ResultHeader,
                      leaves: list[int]) -> None:
+        """Ask reducer j to open ``leaves`` and recount them. An auditor asks within half of the reducer's
+        ``audit_window_s`` after the result arrived, one audit at a time per reducer (its audit stream
+        cap is 2), or not at all. What counts against the reducer: a recount that differs (a lie, with
+        evidence), an opening that does not verify, and, for a result its reducer sent this peer itself
+        (so the window surely still ran when asked), a refusal, a timeout or a stream closed twice
+        before any answer. A reducer this peer cannot dial any more (gone) is not accused."""
         spec = state.spec
         reducer = spec.group[j].peer_id
+        received_at, direct = state.received.get(j, (time.monotonic(), False))
+        ask_by = received_at + self.config.audit_window_s / 2
+        turn = self._audit_turns.setdefault(reducer, asyncio.Lock())
+        self._audit_users[reducer] += 1
         verdict = "ok"
         try:
-            answers = await asyncio.wait_for(self._ask_audit(spec, j, leaves, len(header.counted)),
-                                             self.config.audit_timeout)
+            try:
+                await asyncio.wait_for(turn.acquire(), max(ask_by - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                self.audits_expired += 1
+                logger.info("round %s part %d: audit not asked within %.0f s of the result: dropped",
+                            spec.round_id.hex()[:12], j, self.config.audit_window_s / 2)
+                state.report.audit = (j, j, "expired")
+                return
+            try:
+                answers = await asyncio.wait_for(self._ask_audit(spec, j, leaves, len(header.counted)),
+                                                 self._audit_deadline(spec, header, len(leaves)))
+            finally:
+                turn.release()
             for k in leaves:
-                reason = judge(header, outcome.wire, k, answers[k])
+                try:
+                    reason = judge(header, outcome.wire, k, answers[k])
+                except WireError as e:
+                    raise BadOpening(str(e)) from e
                 if reason:
                     evidence = make_evidence(outcome.header, outcome.signature, outcome.public_key, outcome.wire, k,
                                              answers[k]) if outcome.signature else b""
@@ -564,34 +614,67 @@ class VoteNode:
                     break
         except asyncio.CancelledError:
             return
+        except Unreachable as e:
+            verdict = "unreachable"
+            logger.info("round %s part %d: reducer %s not audited: %s", spec.round_id.hex()[:12], j, reducer, e)
         except (asyncio.TimeoutError, WireError, *NETWORK_ERRORS) as e:
             verdict = "unanswered"
-            self._convict(Caught(reducer, spec.round_id, j, "unanswered",
-                                 f"round {spec.round_id.hex()[:12]} part {j}: audit not answered "
-                                 f"({type(e).__name__}: {e})"))
+            reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            if direct or isinstance(e, BadOpening):
+                self._convict(Caught(reducer, spec.round_id, j, "unanswered",
+                                     f"round {spec.round_id.hex()[:12]} part {j}: audit not answered ({reason})"))
+            else:  # forwarded by another member: when the reducer last sent it, this peer cannot tell
+                verdict = "unanswered (forwarded result: not counted)"
+                logger.info("round %s part %d: audit of a forwarded result not answered (%s): not counted",
+                            spec.round_id.hex()[:12], j, reason)
         except Exception as e:  # a bug here must not look like a lie
             logger.warning("audit of part %d failed: %s: %s", j, type(e).__name__, e)
             return
+        finally:
+            self._audit_users[reducer] -= 1
+            if self._audit_users[reducer] <= 0:
+                del self._audit_users[reducer]
+                self._audit_turns.pop(reducer, None)
         state.report.audit = (j, j, verdict)
 
+    def _audit_deadline(self, spec: RoundSpec, header: pb.ResultHeader, leaves: int) -> float:
+        """``audit_timeout`` plus the answer's transfer at ``AUDIT_MIN_RATE`` (a slow link is no lie)."""
+        count = leaf_count(header.stop - header.start, header.leaf_bytes)
+        per_answer = spec.upload.planes * header.leaf_bytes + DIGEST_BYTES * max(count - 1, 0).bit_length() + 64
+        return self.config.audit_timeout + leaves * len(header.counted) * per_answer / AUDIT_MIN_RATE
+
     async def _ask_audit(self, spec: RoundSpec, j: int, leaves: list[int], voters: int) -> dict[int, list]:
-        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[j].peer_id),
-                                                                      AUDIT_PROTOCOL)
-        try:
-            await write_frame(writer, pb.AuditRequest(version=PROTOCOL_VERSION, round_id=spec.round_id, part=j,
-                                                      leaves=leaves, token=self.admission.token(self.peer_id)))
+        """The reducer's answers, by leaf. A stream that ends before any answer (a stream cap that
+        refused it, a reset) is asked again once; a reducer that cannot be dialed raises Unreachable."""
+        attempt = 0
+        while True:
+            try:
+                _, reader, writer = await self.p2p.call_binary_stream_handler(
+                    PeerID.from_base58(spec.group[j].peer_id), AUDIT_PROTOCOL)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                raise Unreachable(f"{type(e).__name__}: {e}") from e
             answers: dict[int, list] = {k: [] for k in leaves}
-            for k in leaves:
-                for _ in range(voters):
-                    msg, _ = await read_frame(reader, pb.AuditAnswer)
-                    if msg is None:
-                        raise WireError("audit stream closed early")
-                    if msg.error:
-                        raise WireError(f"reducer refused the audit: {msg.error}")
-                    answers[k].append(msg)
-            return answers
-        finally:
-            writer.close()
+            try:
+                await write_frame(writer, pb.AuditRequest(version=PROTOCOL_VERSION, round_id=spec.round_id, part=j,
+                                                          leaves=leaves, token=self.admission.token(self.peer_id)))
+                for k in leaves:
+                    for _ in range(voters):
+                        msg, _ = await read_frame(reader, pb.AuditAnswer)
+                        if msg is None:
+                            raise StreamClosed("audit stream closed early")
+                        if msg.error:
+                            raise WireError(f"reducer refused the audit: {msg.error}")
+                        answers[k].append(msg)
+                return answers
+            except (StreamClosed, *NETWORK_ERRORS):
+                if attempt or any(answers.values()):
+                    raise
+            finally:
+                writer.close()  # every answer read (or given up): the reducer waits for this close
+            attempt += 1
+            await asyncio.sleep(0.2)
 
     # -- serving other peers ---------------------------------------------------------------------
 
@@ -633,6 +716,7 @@ class VoteNode:
         """Count one round's votes from this stream and answer them. True: the stream may carry the
         voter's next round; False: it is done (closed by the voter, idle, or refused)."""
         state = voter = red = None
+        replied = False
         peer = info.peer_id.to_base58()
         task = asyncio.current_task()
         try:
@@ -666,12 +750,12 @@ class VoteNode:
             outcome = await asyncio.wait_for(asyncio.shield(red.result), max(until - time.monotonic(), 0.0))
             if outcome is None:
                 raise WireError("no result: fewer than a quorum of votes were counted")
-            await asyncio.wait_for(self._send_result(writer, state, red.part, self._outcome_for(state, voter, outcome)),
-                                   max(until - time.monotonic(), 0.0))
+            await asyncio.wait_for(self._send_result(writer, spec, red.part, self._outcome_for(state, voter, outcome),
+                                                     state.report), max(until - time.monotonic(), 0.0))
             return True
         except WireError as e:
             self._refuse(state, red, voter, info, str(e))
-            await self._try_send_error(writer, state, state.me if state else 0, str(e))
+            replied = await self._try_send_error(writer, state, state.me if state else 0, str(e))
         except (asyncio.TimeoutError, *NETWORK_ERRORS) as e:
             self._refuse(state, red, voter, info, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
         except Exception as e:  # never let a peer's bytes crash this peer
@@ -680,6 +764,8 @@ class VoteNode:
         finally:
             if state is not None:
                 state.handlers.discard(task)
+        if replied:  # a refusal ends the stream: let the voter read it before closing (QUIC loses it otherwise)
+            await close_after_reply(reader, writer)
         return False
 
     def _take_statement(self, state: RoundState, red: PartReduction, voter: int, peer: str,
@@ -740,17 +826,22 @@ class VoteNode:
         if red is not None and voter is not None:
             red.drop(voter, reason)
 
-    async def _try_send_error(self, writer, state, part: int, reason: str) -> None:
+    async def _try_send_error(self, writer, state, part: int, reason: str) -> bool:
+        """Tell the other side why its stream ends; True if that was written."""
         try:
             await asyncio.wait_for(write_frame(writer, pb.ResultChunk(
                 version=PROTOCOL_VERSION, round_id=state.spec.round_id if state else b"", part=part, error=reason[:200])),
                 1.0)
+            return True
         except Exception:
-            pass
+            return False
 
     async def _on_fetch_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Forward a part's signed result: from a live round (waiting for it to settle), else from the archive."""
         state = None
+        replied = False
         peer = info.peer_id.to_base58()
+        task = asyncio.current_task()
         try:
             req, _ = await asyncio.wait_for(read_frame(reader, pb.FetchResult, 1024), self.config.first_frame_timeout)
             if req is None:
@@ -759,33 +850,53 @@ class VoteNode:
             if refused:
                 raise WireError(f"not admitted: {refused}")
             state = self._rounds.get(req.round_id)
-            if state is None:
-                raise WireError("unknown round")
-            state.spec.index_of(peer)
-            future = state.direct.get(req.part)
-            if future is None:
-                raise WireError(f"no part {req.part} in this round")
-            state.handlers.add(asyncio.current_task())
-            outcome = await asyncio.wait_for(asyncio.shield(future), self.config.result_timeout)
-            outcome = outcome or state.recovered.get(req.part)
+            if state is not None:
+                spec = state.spec
+                spec.index_of(peer)
+                future = state.direct.get(req.part)
+                if future is None:
+                    raise WireError(f"no part {req.part} in this round")
+                state.handlers.add(task)
+                outcome = await asyncio.wait_for(asyncio.shield(future), self.config.result_timeout)
+                outcome = outcome or state.recovered.get(req.part)
+            else:
+                kept = self.archive.get(req.round_id)
+                if kept is None:
+                    raise WireError("unknown round")
+                spec = kept.spec
+                spec.index_of(peer)
+                outcome = kept.results.get(req.part)
             if outcome is None or not outcome.signature:
                 raise WireError(f"part {req.part}: no result signed by its reducer here")
-            await asyncio.wait_for(self._send_result(writer, state, req.part, outcome), self.config.result_timeout)
+            await asyncio.wait_for(self._send_result(writer, spec, req.part, outcome), self.config.result_timeout)
+            self.archive.served(req.round_id)
+            replied = True
         except WireError as e:
             (logger.warning if "not admitted" in str(e) else logger.info)(
                 "refused a result request from %s: %s", info.peer_id, e)
-            await self._try_send_error(writer, state, 0, str(e))
+            replied = await self._try_send_error(writer, state, 0, str(e))
         except (asyncio.TimeoutError, *NETWORK_ERRORS):
             pass
         except Exception as e:
             logger.warning("fetch stream from %s failed: %s: %s", info.peer_id, type(e).__name__, e)
         finally:
             if state is not None:
-                state.handlers.discard(asyncio.current_task())
+                state.handlers.discard(task)
+        if replied:  # the asker closes after the last chunk; closing first can lose it (QUIC)
+            await close_after_reply(reader, writer)
+
+    def _audited(self, round_id: bytes) -> tuple[RoundSpec, PartReduction | None] | None:
+        """The spec and this peer's reduction of a round, live or archived (None: unknown or forgotten)."""
+        state = self._rounds.get(round_id)
+        if state is not None:
+            return state.spec, state.reduction
+        kept = self.archive.get(round_id)
+        return (kept.spec, kept.reduction) if kept is not None else None
 
     async def _on_audit_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Open every counted voter's codes in the asked leaves of the part this peer reduced."""
         peer = info.peer_id.to_base58()
+        replied = False
         try:
             req, _ = await asyncio.wait_for(read_frame(reader, pb.AuditRequest, 1024), self.config.first_frame_timeout)
             if req is None:
@@ -793,14 +904,14 @@ class VoteNode:
             refused = self.admission.reason(peer, req.token)
             if refused:
                 raise WireError(f"not admitted: {refused}")
-            state = self._rounds.get(req.round_id)
-            if state is None:
+            found = self._audited(req.round_id)
+            if found is None:
                 raise WireError("unknown or forgotten round")
-            state.spec.index_of(peer)
-            red = state.reduction
+            spec, red = found
+            spec.index_of(peer)
             if red is None or req.part != red.part or red.outcome is None or not red.trees:
                 raise WireError(f"no result of part {req.part} here")
-            leaf = leaf_bytes(red.nbytes, state.spec.upload.planes)
+            leaf = leaf_bytes(red.nbytes, spec.upload.planes)
             count = leaf_count(red.nbytes, leaf)
             if not 0 < len(req.leaves) <= MAX_AUDIT_LEAVES or any(k >= count for k in req.leaves):
                 raise WireError(f"audit of leaves {list(req.leaves)[:8]} of {count}")
@@ -809,17 +920,21 @@ class VoteNode:
                     answer = pb.AuditAnswer(version=PROTOCOL_VERSION, leaf=k, voter=voter,
                                             codes=leaf_of(red.votes[voter], leaf, k), path=red.trees[voter].path(k))
                     await asyncio.wait_for(write_frame(writer, answer), self.config.audit_timeout)
+                    replied = True
         except WireError as e:
             logger.info("refused an audit from %s: %s", info.peer_id, e)
             try:
                 await asyncio.wait_for(write_frame(writer, pb.AuditAnswer(version=PROTOCOL_VERSION, error=str(e)[:200])),
                                        1.0)
+                replied = True
             except Exception:
                 pass
         except (asyncio.TimeoutError, *NETWORK_ERRORS):
             pass
         except Exception as e:
             logger.warning("audit stream from %s failed: %s: %s", info.peer_id, type(e).__name__, e)
+        if replied:  # the auditor closes once it has every answer; closing first can lose the last (QUIC)
+            await close_after_reply(reader, writer)
 
 
 def assemble(spec: RoundSpec, outcomes: dict[int, PartResult | None]) -> tuple[torch.Tensor, dict[int, str]]:

@@ -27,7 +27,11 @@ class AllReduceConfig:
       nothing is allocated to it before (see ``wire/gate.py`` for the stream caps).
     * ``audits_per_round``: parts each voter audits after a round (chosen privately, see
       ``audit.py``); ``audit_leaves``: Merkle leaves opened per audit; ``audit_timeout``: how long
-      an auditor waits for the reducer's answer (audits run in the background)."""
+      an auditor waits for the reducer's answer, plus its transfer at ``AUDIT_MIN_RATE`` (audits run
+      in the background).
+    * ``audit_window_s``: a reducer answers audits of a part for at least this long after it last
+      sent the part's result (and members forward results they hold as long); auditors ask within
+      half of it. ``audit_keep_bytes`` bounds what is kept for that (``archive.py``)."""
 
     chunk_bytes: int = 256 << 10
     upload_timeout: float = 10.0
@@ -43,7 +47,9 @@ class AllReduceConfig:
     first_frame_timeout: float = 5.0
     audits_per_round: int = 1
     audit_leaves: int = 2
-    audit_timeout: float = 5.0
+    audit_timeout: float = 10.0
+    audit_window_s: float = 30.0
+    audit_keep_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if not 8 <= self.chunk_bytes <= MAX_CHUNK_BYTES or self.chunk_bytes % 8:
@@ -52,6 +58,8 @@ class AllReduceConfig:
             raise ValueError("need 0 < upload_timeout < result_timeout")
         if not 1 <= self.audit_leaves <= 8 or self.audits_per_round < 0:
             raise ValueError("need 1 <= audit_leaves <= 8 and audits_per_round >= 0")
+        if not (self.audit_timeout > 0 and self.audit_window_s > 0 and self.audit_keep_bytes >= 0):
+            raise ValueError("need audit_timeout > 0, audit_window_s > 0 and audit_keep_bytes >= 0")
 
     @property
     def serve_deadline(self) -> float:
@@ -60,6 +68,7 @@ class AllReduceConfig:
         return self.join_timeout + self.upload_timeout + self.result_timeout
 
 
+AUDIT_MIN_RATE = 125_000  # bytes/s (1 Mbit/s): the slowest link an audit answer is given time for
 FIRST_CHUNK_BYTES = 4096  # a stream's first chunk is small: the reducer admits its sender within
 MAX_FIRST_FRAME_BYTES = 16 << 10  # ...its first-frame deadline and buffers at most this before that
 

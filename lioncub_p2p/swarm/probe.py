@@ -15,7 +15,7 @@ import time
 from hivemind.p2p import P2P, PeerID
 
 from ..allreduce.admission import OPEN, Admission
-from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
+from ..wire import PROTOCOL_VERSION, WireError, close_after_reply, pb, read_frame, write_frame
 from ..wire.gate import StreamGate, guard
 
 PROBE_PROTOCOL = "lioncub/probe/1"
@@ -50,6 +50,7 @@ async def serve_probe(p2p: P2P, admission: Admission = OPEN) -> StreamGate:
             if req.upload_bytes > MAX_PROBE_BYTES or req.download_bytes > MAX_PROBE_BYTES:
                 raise WireError("probe larger than 8 MiB")
             await asyncio.wait_for(answer(reader, writer, req), PROBE_DEADLINE_S)
+            await close_after_reply(reader, writer)  # the caller closes once it has read it all (QUIC)
         except (WireError, asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError, OSError):
             pass
 

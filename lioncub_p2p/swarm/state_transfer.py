@@ -21,7 +21,7 @@ from hivemind.p2p import P2P, PeerID
 
 from .. import failpoints
 from ..allreduce.admission import OPEN, Admission
-from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
+from ..wire import PROTOCOL_VERSION, WireError, close_after_reply, pb, read_frame, write_frame
 from ..wire.gate import StreamGate, guard
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class StateServer:
                 self._pending[min_step] -= 1
 
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        counted = False
+        counted = replied = False
         try:
             req, _ = await asyncio.wait_for(read_frame(reader, pb.StateRequest, 4096), FIRST_FRAME_S)
             if req is None:
@@ -123,30 +123,38 @@ class StateServer:
                 # a fresh run where both started from the same initialization: momenta are zero on both
                 await write_frame(writer, pb.StateChunk(version=PROTOCOL_VERSION, step=0, total_bytes=0, last=True,
                                                         params_digest=digest))
-                return
-            start = req.offset
-            if req.params_digest and req.params_digest != digest:
-                start = 0  # this donor moved on from the snapshot being resumed: send its own from the start
-            if start > len(blob):
-                raise WireError(f"offset {start} past the snapshot's {len(blob)} bytes")
-            for offset in range(start, max(len(blob), start + 1), CHUNK_BYTES):
-                await write_frame(writer, pb.StateChunk(
-                    version=PROTOCOL_VERSION, step=step, total_bytes=len(blob), offset=offset,
-                    data=blob[offset : offset + CHUNK_BYTES], last=offset + CHUNK_BYTES >= len(blob),
-                    params_digest=digest))
-                if offset > start:  # the newcomer holds part of the snapshot now
-                    failpoints.reached("serve")
+            else:
+                await self._send(writer, req, step, blob, digest)
+            replied = True
         except WireError as e:
             logger.warning("state request from %s refused: %s", info.peer_id, e)
             try:
                 await write_frame(writer, pb.StateChunk(version=PROTOCOL_VERSION, error=str(e)[:200]))
+                replied = True
             except Exception:
                 pass
         except (asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError, OSError) as e:
             logger.info("state upload to %s ended: %s", info.peer_id, type(e).__name__)
         finally:
-            if counted:
+            if counted:  # the download slot is free once everything is written
                 self._uploads -= 1
+        if replied:  # the newcomer closes once it has read the last chunk: closing first can lose it (QUIC)
+            await close_after_reply(reader, writer)
+
+    @staticmethod
+    async def _send(writer: asyncio.StreamWriter, req: pb.StateRequest, step: int, blob: bytes, digest: bytes) -> None:
+        start = req.offset
+        if req.params_digest and req.params_digest != digest:
+            start = 0  # this donor moved on from the snapshot being resumed: send its own from the start
+        if start > len(blob):
+            raise WireError(f"offset {start} past the snapshot's {len(blob)} bytes")
+        for offset in range(start, max(len(blob), start + 1), CHUNK_BYTES):
+            await write_frame(writer, pb.StateChunk(
+                version=PROTOCOL_VERSION, step=step, total_bytes=len(blob), offset=offset,
+                data=blob[offset : offset + CHUNK_BYTES], last=offset + CHUNK_BYTES >= len(blob),
+                params_digest=digest))
+            if offset > start:  # the newcomer holds part of the snapshot now
+                failpoints.reached("serve")
 
 
 class _Download:

@@ -9,6 +9,12 @@ each handed to the libp2p daemon in one write (two writes cost a second syscall 
 frame: -17% median step on loopback with one). Readers check the length against a cap *before*
 reading the body, so an oversized or garbage frame costs at most 4 bytes of memory; nothing from a
 peer is ever unpickled. ``gate`` bounds what a stream gets before its sender is admitted.
+
+Closing: the side that writes last must not close its stream right after its last write. The libp2p
+daemon then tears the stream down with the tail still in flight, and over QUIC that tail is lost
+(a 70 KB reply followed by a close was lost in 24 to 27 of 30 trials on loopback; never over TCP).
+``close_after_reply`` waits, bounded in time and bytes, for the reader to close its end first;
+readers close as soon as they have read what they asked for.
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ from . import lioncub_pb2 as pb
 
 PROTOCOL_VERSION = 2  # 2: signed results, audits, voter statements, admission before resources
 HEADER_BYTES = 4
+LINGER_S = 5.0  # the longest a writer waits for its reader to close after the last reply
+LINGER_BYTES = 4 << 20  # ...reading and dropping at most this much meanwhile
 MAX_CHUNK_BYTES = 1 << 20  # payload bytes per message
 MAX_FRAME_BYTES = MAX_CHUNK_BYTES + 4096  # payload plus the largest header fields we accept
 
@@ -62,4 +70,27 @@ async def read_frame(reader: asyncio.StreamReader, message_type: type[Message],
     return message, HEADER_BYTES + length
 
 
-__all__ = ["pb", "PROTOCOL_VERSION", "MAX_CHUNK_BYTES", "MAX_FRAME_BYTES", "WireError", "write_frame", "read_frame"]
+async def close_after_reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float = LINGER_S,
+                            max_bytes: int = LINGER_BYTES) -> bool:
+    """Close a stream after this side's last write, once the other side has closed its end.
+
+    Waits at most ``timeout`` seconds and drops at most ``max_bytes`` the other side still sends,
+    so a peer that never closes holds the stream no longer than that. True if the other side closed."""
+    loop = asyncio.get_running_loop()
+    deadline, left, closed = loop.time() + timeout, max_bytes, False
+    try:
+        while left > 0:
+            data = await asyncio.wait_for(reader.read(min(left, 64 << 10)), max(deadline - loop.time(), 0.0))
+            if not data:
+                closed = True
+                break
+            left -= len(data)
+    except (asyncio.TimeoutError, ConnectionError, OSError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
+    return closed
+
+
+__all__ = ["pb", "PROTOCOL_VERSION", "MAX_CHUNK_BYTES", "MAX_FRAME_BYTES", "WireError", "write_frame", "read_frame",
+           "close_after_reply", "LINGER_S"]
