@@ -175,11 +175,13 @@ def test_variants_change_the_run_and_count_their_bits(tmp_path, monkeypatch):
     task = _tiny_task(tmp_path, monkeypatch)
     plain = run_variant(parse_method("sign/majority"), task, workers=4, steps=10, batch=8, lr=3e-2, weight_decay=0.1,
                         seed=0)
-    for spec, extra_up, extra_total in (("sign/majority+ef", 0, 0), ("sign/majority+tieprev", 0, 0),
+    for spec, extra_up, extra_total in (("sign/majority+ef", 0, 0), ("sign/majority+efvote", 0, 0),
+                                        ("sign/majority+tieprev", 0, 0), ("sign/majority+weighted", 32 * 4 / 121, 32 * 4 / 121),
+                                        ("sign/majority+agree", 0, 16 * 4 / 121), ("sign/majority+abstain2", 0.5, 0.5),
                                         ("sign/majority+slices4", 4.0, 8.0), ("sign/majority+beta0.95", 0, 0)):
         run = run_method(parse_method(spec), task, workers=4, steps=10, batch=8, lr=3e-2, weight_decay=0.1, seed=0)
         assert run.losses[0] == plain.losses[0] and run.losses[1:] != plain.losses[1:], spec
-        # slices: a 1-element tensor is in one of the 4 slices, synced at steps 4 and 8 of 10, not 2.5 times
+        # 121 parameters in 4 tensors; slices: a 1-element tensor is in one of the 4 slices, synced at steps 4 and 8 of 10, not 2.5 times
         assert run.upload_bits == pytest.approx(1.0 + extra_up, rel=0.01) and \
             run.bits_per_element_per_step == pytest.approx(2.0 + extra_total, rel=0.01), spec
     assert Options.of(["efvote", "efdecay0.5"]) == Options(ef="efvote", ef_decay=0.5)

@@ -187,7 +187,7 @@ def run_variant(method: Method, task: CompareTask, *, workers: int, steps: int, 
             for i, d in enumerate(directions):
                 for e, v, u in zip(errors[i], d, updates):
                     scale = v.abs().mean()
-                    e.copy_(v - scale * (u if opt.ef == "efvote" else torch.sign(v)))
+                    e.copy_(v - scale * (u.view_as(v) if opt.ef == "efvote" else torch.sign(v)))
         scales = [1.0] * len(params)
         if opt.agree:
             scales = _agreement_scales(updates, directions, layout.numels)
