@@ -14,6 +14,7 @@ closing their daemons, as a leaving Swarm does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -24,7 +25,7 @@ import signal
 import tempfile
 import threading
 import time
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Iterator, Sequence
 
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -160,6 +161,29 @@ class LocalSwarm:
         if task is not None:
             self._loop.loop.call_soon_threadsafe(task.cancel)
 
+    @contextlib.contextmanager
+    def throttled(self, i: int, *, stopped: float = 0.03, running: float = 0.03) -> Iterator[None]:
+        """Peer i's daemon alternately frozen (SIGSTOP, ``stopped`` s) and running (``running`` s) while
+        the ``with`` block runs: everything it sends or answers comes late and in bursts, as from a
+        loaded host on a slow link."""
+        done = threading.Event()
+
+        def toggle() -> None:
+            while not done.is_set():
+                self._signal(i, signal.SIGSTOP)
+                done.wait(stopped)
+                self._signal(i, signal.SIGCONT)
+                done.wait(running)
+
+        thread = threading.Thread(target=toggle, name=f"throttle-{i}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+            self._signal(i, signal.SIGCONT)
+
     def stall(self, i: int, seconds: float) -> None:
         """Freeze peer i's daemon (SIGSTOP) for ``seconds``: its streams go silent, nothing resets."""
         self._signal(i, signal.SIGSTOP)
@@ -279,6 +303,22 @@ def lie_to(node: VoteNode, voter: int) -> list[bytes]:
 
     node._outcome_for = outcome_for  # type: ignore[method-assign]
     return lied
+
+
+@contextlib.contextmanager
+def cpu_load(processes: int = 2) -> Iterator[None]:
+    """``processes`` busy loops in child processes while the ``with`` block runs (a loaded machine)."""
+    import subprocess
+    import sys
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+               for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
 
 
 # -- rogue peers: the attack suite's tools (tests/test_attacks_round.py, lioncub-reliability) ---------
