@@ -766,6 +766,9 @@ def test_a_lying_reducer_is_dropped_by_the_leader_on_evidence_and_nobody_honest_
         framed = Accusation("lie", victim_id, proof.round_id, victim, step, "framed", evidence)
         taken, note = _accuse(liar, leader.peer_id, framed)
         assert not taken and "does not prove" in note, note
+        bulky = Accusation("lie", victim_id, proof.round_id, victim, step, "bulky", b"\0" * (512 << 10))
+        taken, note = _accuse(liar, leader.peer_id, bulky)  # refused from its header, before any of it is read
+        assert not taken and "more than such a round produces" in note, note
         taken, note = _accuse(liar, leader.peer_id, Accusation("unanswered", victim_id, proof.round_id, victim, step,
                                                                "a lone suspicion"))
         assert taken and note == "noted", note  # one member's word: noted, nothing more

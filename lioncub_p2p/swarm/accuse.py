@@ -6,7 +6,8 @@ the group's leader can drop a member, so the others send it what they caught on 
 
     A -> L  HEADER    magic, kind, part, step, and the lengths of round id, accused, reason, evidence
     A -> L  FIELDS    round id, accused peer id, reason (UTF-8, <= 200 bytes)
-    A -> L  EVIDENCE  the ``Evidence`` bytes of a lie (nothing for a suspicion)
+    L -> A  READY     magic, code 2 (send the evidence): only for a lie whose header L accepts
+    A -> L  EVIDENCE  the ``Evidence`` bytes of a lie
     L -> A  VERDICT   magic, code (0 taken, 1 refused), a reason of <= 200 bytes
 
 The receiver checks the fixed header and the fields before reading any evidence: the sender must
@@ -49,7 +50,7 @@ EXCHANGE_TIMEOUT = 60.0  # the whole exchange, evidence included
 MAX_CONCURRENT = 4
 MAX_PER_PEER_PER_MINUTE = 10
 LINGER_S = 5.0  # wait for the accuser to close after the verdict (over QUIC a closed stream can lose its last write)
-TAKEN, REFUSED = 0, 1
+TAKEN, REFUSED, READY = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -135,22 +136,21 @@ class AccuseServer:
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         accuser = info.peer_id.to_base58()
         try:
-            code, note = await asyncio.wait_for(self._exchange(accuser, reader), EXCHANGE_TIMEOUT)
+            code, note = await asyncio.wait_for(self._exchange(accuser, reader, writer), EXCHANGE_TIMEOUT)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
             logger.info("accusation from %s broke off: %s", accuser, type(e).__name__)
             return
         except Exception as e:  # a bug here must not take the handler down with a traceback
             logger.warning("accusation from %s failed: %s: %s", accuser, type(e).__name__, e)
             code, note = REFUSED, "internal error"
-        reason = _clean(note).encode()[:MAX_REASON]
         try:
-            writer.write(MAGIC + bytes([code, len(reason)]) + reason)
-            await asyncio.wait_for(writer.drain(), LINGER_S)
+            await asyncio.wait_for(_answer(writer, code, note), LINGER_S)
             await asyncio.wait_for(reader.read(1), LINGER_S)  # the accuser closes first
         except (asyncio.TimeoutError, ConnectionError, OSError):
             pass
 
-    async def _exchange(self, accuser: str, reader: asyncio.StreamReader) -> tuple[int, str]:
+    async def _exchange(self, accuser: str, reader: asyncio.StreamReader,
+                        writer: asyncio.StreamWriter) -> tuple[int, str]:
         fixed = await reader.readexactly(_HEADER.size)
         magic, kind, part, step, n_rid, n_accused, n_reason, n_evidence = _HEADER.unpack(fixed)
         if magic != MAGIC or kind >= len(KINDS) or not 0 < n_rid <= MAX_ROUND_ID or not 0 < n_accused <= MAX_PEER_ID \
@@ -171,12 +171,29 @@ class AccuseServer:
             bound = self.on_header(accuser, accusation, n_evidence)
             if n_evidence > bound:
                 raise Refused(f"{n_evidence} bytes of evidence, more than such a round produces ({bound})")
-            evidence = await reader.readexactly(n_evidence) if n_evidence else b""
+            evidence = b""
+            if n_evidence:  # only now may the accuser send it: nothing refused is ever sent or read
+                await _answer(writer, READY, "")
+                evidence = await reader.readexactly(n_evidence)
             done = await self.on_accusation(accuser, Accusation(**{**accusation.__dict__, "evidence": evidence}))
         except Refused as e:
             logger.info("refused an accusation of %s by %s: %s", accusation.accused, accuser, e)
             return REFUSED, str(e)
         return TAKEN, done
+
+
+async def _answer(writer: asyncio.StreamWriter, code: int, note: str) -> None:
+    reason = _clean(note).encode()[:MAX_REASON]
+    writer.write(MAGIC + bytes([code, len(reason)]) + reason)
+    await writer.drain()
+
+
+async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, str]:
+    head = await reader.readexactly(len(MAGIC) + 2)
+    if head[:4] != MAGIC or head[4] not in (TAKEN, REFUSED, READY) or head[5] > MAX_REASON:
+        raise ConnectionError("not an accusation verdict")
+    note = (await reader.readexactly(head[5])).decode("utf-8", "replace") if head[5] else ""
+    return head[4], _clean(note)
 
 
 async def send_accusation(p2p: P2P, to: str, accusation: Accusation, *,
@@ -186,16 +203,17 @@ async def send_accusation(p2p: P2P, to: str, accusation: Accusation, *,
         _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(to), ACCUSE_PROTOCOL)
         try:
             writer.write(_encode(accusation))
-            chunk = 1 << 20
-            for offset in range(0, len(accusation.evidence), chunk):
-                writer.write(accusation.evidence[offset : offset + chunk])
-                await writer.drain()
             await writer.drain()
-            verdict = await reader.readexactly(len(MAGIC) + 2)
-            if verdict[:4] != MAGIC:
-                raise ConnectionError("not an accusation verdict")
-            note = (await reader.readexactly(verdict[5])).decode("utf-8", "replace") if verdict[5] else ""
-            return verdict[4] == TAKEN, _clean(note)
+            code, note = await _read_answer(reader)
+            if code == READY and accusation.evidence:
+                chunk = 1 << 20
+                for offset in range(0, len(accusation.evidence), chunk):
+                    writer.write(accusation.evidence[offset : offset + chunk])
+                    await writer.drain()
+                code, note = await _read_answer(reader)
+            if code == READY:
+                raise ConnectionError("asked for evidence twice")
+            return code == TAKEN, note
         finally:
             writer.close()
 
