@@ -128,8 +128,10 @@ def test_tie_rules_weights_and_agreement_against_hand_counts():
     # 4 voters on 3 elements: 3-1 for +, 2-2 tie, 0-4 for −
     dirs = [[torch.tensor([1.0, 1.0, -1.0])], [torch.tensor([1.0, 1.0, -2.0])],
             [torch.tensor([1.0, -1.0, -1.0])], [torch.tensor([-1.0, -3.0, -1.0])]]
-    u = [torch.tensor([1.0, -1.0, -1.0])]
-    assert _ties_to_previous(u, dirs, [torch.tensor([5.0, 5.0, 5.0])])[0].tolist() == [1.0, 5.0, -1.0]
+    u = [torch.tensor([1.0, 1.0, -1.0])]  # the tie drew +1
+    # the tie follows the sign of the previous result (or of its EMA), unless that is 0
+    assert _ties_to_previous(u, dirs, [torch.tensor([5.0, -0.5, 5.0])])[0].tolist() == [1.0, -1.0, -1.0]
+    assert _ties_to_previous(u, dirs, [torch.tensor([-5.0, 0.0, 5.0])])[0].tolist() == [1.0, 1.0, -1.0]
     assert _ties_to_previous(u, dirs, [None])[0].tolist() == u[0].tolist()
     # agreement per element |2·plus − 4|/4: 0.5, 0, 1 -> 0.5 for this tensor; a second, unanimous one -> 1
     both = [d + [torch.ones(3)] for d in dirs]
@@ -176,7 +178,8 @@ def test_variants_change_the_run_and_count_their_bits(tmp_path, monkeypatch):
     plain = run_variant(parse_method("sign/majority"), task, workers=4, steps=10, batch=8, lr=3e-2, weight_decay=0.1,
                         seed=0)
     for spec, extra_up, extra_total in (("sign/majority+ef", 0, 0), ("sign/majority+efvote", 0, 0),
-                                        ("sign/majority+tieprev", 0, 0), ("sign/majority+weighted", 32 * 4 / 121, 32 * 4 / 121),
+                                        ("sign/majority+tieprev", 0, 0), ("sign/majority+tieema0.9", 0, 0),
+                                        ("sign/majority+weighted", 32 * 4 / 121, 32 * 4 / 121),
                                         ("sign/majority+agree", 0, 16 * 4 / 121), ("sign/majority+abstain2", 0.5, 0.5),
                                         ("sign/majority+slices4", 4.0, 8.0), ("sign/majority+beta0.95", 0, 0)):
         run = run_method(parse_method(spec), task, workers=4, steps=10, batch=8, lr=3e-2, weight_decay=0.1, seed=0)
@@ -255,3 +258,18 @@ def test_abstaining_votes_against_hand_counts():
     assert u[0] == 1.0 and u[2] == -1.0 and abs(u[1]) == 1.0
     # step 1: only element 1 may abstain: voter 1 does (|1| < 4/3), voters 0, 2, 3 do not: +1 −1 −1 -> −
     assert _abstain_vote(dirs, seed=0, step=1, every=2)[0][1] == -1.0
+
+
+def test_lr_search_walks_the_grid_to_the_best_point():
+    from lioncub_p2p.sim.inprocess import search_lr
+
+    grid = [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2]
+    best = {1e-3: 5.0, 2e-3: 4.0, 4e-3: 3.5, 8e-3: 3.0, 1.6e-2: float("nan")}  # diverged at the top
+    calls = []
+    lr, tried = search_lr(grid, 2e-3, lambda x: calls.append(x) or best[x])
+    assert lr == 8e-3 and sorted(calls) == [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2] and len(calls) == 5
+    assert tried[1.6e-2] == math.inf and tried[8e-3] == 3.0
+    calls.clear()
+    lr, tried = search_lr(grid, 4e-3, lambda x: calls.append(x) or {1e-3: 9, 2e-3: 2, 4e-3: 1, 8e-3: 3, 1.6e-2: 9}[x])
+    assert lr == 4e-3 and sorted(calls) == [2e-3, 4e-3, 8e-3]  # a minimum in the middle: 3 runs
+    assert search_lr([1e-3], 1.0, lambda x: 1.0) == (1e-3, {1e-3: 1.0})

@@ -20,6 +20,8 @@ option         what changes                                                     
 ``weighted``   votes weighted by each peer's per-tensor confidence mean|c|:           32 per tensor
                u = sign(Σ wᵢ·sign(cᵢ)); ties broken at random
 ``tieprev``    even-n ties take the previous step's result instead of a random bit   none
+``tieemaB``    even-n ties take the sign of an EMA (β = B) of the past results        none
+               (``tieprev`` is ``tieema0``); where it is 0, a random bit
 ``agree``      per tensor, the step is scaled by the vote's agreement                  ~16 per tensor
                mean|2T − total|/total, normalized to mean 1 over tensors
 ``betaB``      the vote's direction uses β1 = B (e.g. beta0.95); momentum unchanged  none
@@ -46,7 +48,7 @@ from .inprocess import (MOMENTUM_SYNC_BITS, Clock, CompareTask, DataExhausted, M
                         average_momenta, worker_loss)
 
 FLAGS = ("ef", "efvote", "weighted", "tieprev", "agree")
-NUMBERED = ("efdecay", "beta", "slices", "abstain")
+NUMBERED = ("efdecay", "beta", "slices", "abstain", "tieema")
 
 
 def check_variant(name: str, spec: str = "") -> None:
@@ -70,6 +72,7 @@ class Options:
     ef_decay: float = 1.0
     weighted: bool = False
     tie_previous: bool = False
+    tie_ema: float = 0.0  # with tie_previous: ties follow sign(EMA of results) with this β
     agree: bool = False
     beta1: float | None = None
     slices: int = 0
@@ -86,6 +89,8 @@ class Options:
                 values["weighted"] = True
             elif name == "tieprev":
                 values["tie_previous"] = True
+            elif name.startswith("tieema"):
+                values["tie_previous"], values["tie_ema"] = True, float(name[6:])
             elif name == "agree":
                 values["agree"] = True
             elif name.startswith("efdecay"):
@@ -182,7 +187,9 @@ def run_variant(method: Method, task: CompareTask, *, workers: int, steps: int, 
             updates = [_signs(u, n) for u, n in zip(layout.split(update), layout.numels)]
         if opt.tie_previous and workers % 2 == 0 and up.planes == 1:
             updates = _ties_to_previous(updates, directions, previous)
-        previous = [u.clone() for u in updates]
+        previous = [u.reshape(-1).clone() if prev is None or not opt.tie_ema
+                    else prev.mul_(opt.tie_ema).add_(u.reshape(-1), alpha=1 - opt.tie_ema)
+                    for u, prev in zip(updates, previous)]
         if errors is not None:
             for i, d in enumerate(directions):
                 for e, v, u in zip(errors[i], d, updates):
@@ -251,7 +258,8 @@ def _ties_to_previous(updates: list[torch.Tensor], directions: list[list[torch.T
             out.append(u)
             continue
         ones = sum((c > 0).to(torch.int16) for c in per_worker)
-        out.append(torch.where(2 * ones.view(-1) == len(per_worker), prev.view(-1), u.view(-1)))
+        follow = torch.where(prev == 0, u.view(-1), torch.sign(prev.view(-1)))  # an EMA can be 0: keep the draw
+        out.append(torch.where(2 * ones.view(-1) == len(per_worker), follow, u.view(-1)))
     return out
 
 
