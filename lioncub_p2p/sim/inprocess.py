@@ -24,6 +24,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -424,10 +425,13 @@ class RunCache:
 
     def put(self, key: str, outcome: Outcome) -> None:
         self.runs[key] = asdict(outcome)
-        if self.path is not None:
+        if self.path is not None:  # one write on an O_APPEND file: comparisons sharing a cache never interleave
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a") as f:
-                f.write(json.dumps({"key": key, "outcome": asdict(outcome)}) + "\n")
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, (json.dumps({"key": key, "outcome": asdict(outcome)}) + "\n").encode())
+            finally:
+                os.close(fd)
 
 
 @dataclass
