@@ -645,3 +645,46 @@ def test_hybrid_with_a_real_butterfly_keeps_the_box_equal_to_the_swarm():
             ref = LionCub(probe.named_parameters(), lr=1e-2, seed=seed)
             ref.apply_aggregate(updates[0])
             assert all(torch.equal(a, b) for a, b in zip(probe.parameters(), after)), (r, step)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The examples, run as users run them
+
+
+def _run_example(*args: str, timeout: float = 600) -> str:
+    """Run an example in its own process group; the whole group (spawned ranks, libp2p daemons) is
+    killed if it outlives ``timeout`` or when it is done."""
+    import signal
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, *args], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    return stdout
+
+
+@pytest.mark.slow
+def test_cluster_example_trains_identical_ranks():
+    out = _run_example("examples/multi_gpu/cluster.py", "--ranks", "3", "--steps", "40")
+    assert "3 ranks (gloo), 40 steps" in out and "parameters identical: True" in out
+    assert float(out.split("test accuracy ")[1].split("%")[0]) > 80.0
+    assert "1.33 bits per parameter sent per step" in out  # 2·(n−1)/n: one bit up and one down, own part kept
+
+
+@pytest.mark.slow
+def test_hybrid_example_box_votes_as_one_swarm_peer():
+    out = _run_example("examples/multi_gpu/hybrid.py", "--ranks", "2", "--peers", "2", "--steps", "30")
+    assert "parameters identical: True" in out
+    assert "box: its last round had a group of 3 swarm peers" in out  # 2 volunteers + the box, not 2 + 2 ranks
+    assert float(out.split("test accuracy ")[1].split("%")[0]) > 70.0
