@@ -443,10 +443,12 @@ class MethodRuns:
 
 
 def run_all(methods: Sequence[Method], task: CompareTask, setup: Setup, *, seeds: Sequence[int], lr: float,
-            lr_sweep: Sequence[float] = (), sweep_seed: int = 1000, window: int = 20, cache: RunCache | None = None,
+            lr_sweep: Sequence[float] = (), sweep_seed: int = 1000, sweep_step: int | None = None, window: int = 20,
+            cache: RunCache | None = None,
             log: Callable[[str], None] = print) -> list[MethodRuns]:
     """Every method on every seed, each at its own lr: ``method.lr``, else the best of ``lr_sweep``
-    (the lowest smoothed training loss at the last step, on ``sweep_seed``, a seed not reported),
+    (the lowest smoothed training loss at ``sweep_step``, else the last step, on ``sweep_seed``, a seed not
+    reported),
     else ``lr``."""
     cache = cache or RunCache(None)
 
@@ -467,7 +469,7 @@ def run_all(methods: Sequence[Method], task: CompareTask, setup: Setup, *, seeds
         if lr_sweep and method.lr is None:
             def score(candidate: float, method: Method = method) -> float:
                 o = one(method, candidate, sweep_seed)
-                return quality.smoothed_at(o.losses, o.steps, window)
+                return quality.smoothed_at(o.losses, min(sweep_step or o.steps, o.steps), window)
 
             chosen, sweep = search_lr(sorted(set(lr_sweep)), lr, score)
             edge = " (at the edge of the grid: widen it)" if chosen in (min(lr_sweep), max(lr_sweep)) else ""
@@ -578,6 +580,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated grid of lrs: each method runs at its best one, found by a local search "
                         "from the grid point nearest --lr")
     p.add_argument("--sweep-seed", type=int, default=1000, help="the seed the lr sweep runs on (not reported)")
+    p.add_argument("--sweep-step", type=int, default=None,
+                   help="the step whose smoothed loss ranks the lrs [--steps]; earlier for tasks whose training "
+                        "loss reaches ~0 (digits), where the last step ranks noise floors"),
     p.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1, paired across methods")
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
@@ -612,6 +617,8 @@ def run(argv: list[str] | None = None) -> list[Summary]:
                 (args.seeds < 1, "--seeds must be >= 1"), (args.window < 1, "--window must be >= 1"),
                 (not 1 <= target <= args.steps, f"--target-step {target} must lie in 1..--steps ({args.steps})"),
                 (any(not 1 <= k <= args.steps for k in points), f"--eval-at steps must lie in 1..{args.steps}"),
+                (args.sweep_step is not None and not 1 <= args.sweep_step <= args.steps,
+                 f"--sweep-step must lie in 1..{args.steps}"),
                 (any(x <= 0 for x in sweep + [args.lr]), "learning rates must be positive")]
     for bad, message in problems:
         if bad:
@@ -625,7 +632,7 @@ def run(argv: list[str] | None = None) -> list[Summary]:
     setup = Setup(args.task, args.hidden, args.workers, args.steps, args.batch, args.weight_decay, points)
     started = time.monotonic()
     runs = run_all(methods, task, setup, seeds=range(args.seeds), lr=args.lr, lr_sweep=sweep,
-                   sweep_seed=args.sweep_seed, window=args.window, cache=RunCache(args.cache),
+                   sweep_seed=args.sweep_seed, sweep_step=args.sweep_step, window=args.window, cache=RunCache(args.cache),
                    log=lambda line: print(line, flush=True))
     rows = summarize(runs, window=args.window, target=target, points=points)
     print(f"\n{args.task}, {args.workers} workers, {args.steps} steps, batch {args.batch}/worker, {args.seeds} seeds, "
