@@ -868,7 +868,8 @@ class VoteNode:
                 outcome = kept.results.get(req.part)
             if outcome is None or not outcome.signature:
                 raise WireError(f"part {req.part}: no result signed by its reducer here")
-            await asyncio.wait_for(self._send_result(writer, spec, req.part, outcome), self.config.result_timeout)
+            await asyncio.wait_for(self._send_result(writer, spec, req.part, outcome, state and state.report),
+                                   self.config.result_timeout)
             self.archive.served(req.round_id)
             replied = True
         except WireError as e:
