@@ -6,9 +6,9 @@ path of ``sim/inprocess.py``: one tally of all uploads, every replica applies th
 each task and seed. Every step's packed result is compared with the previous one: the flip rate is
 the fraction of parameters whose voted sign changed. Each part of the butterfly (``--workers``
 equal parts, ``partition.part_bounds``) is encoded as a reducer would send it: plain (1 bit per
-position), the Golomb-Rice and zlib deltas, and the smallest of the three (what ``encode_delta``
-sends); bits per parameter count every byte of every part (tags and headers included) over the
-model's parameters. "entropy" is the bound for a coder of independent flips at the measured rate;
+position), the Golomb-Rice and zlib deltas against the previous result, the context delta (also
+against the result before it), and the smallest of them (what ``encode_delta`` sends); bits per
+parameter count every byte of every part (tags and headers included) over the model's parameters. "entropy" is the bound for a coder of independent flips at the measured rate;
 "H(flip given last flip)" the bound for one that also conditions on whether the parameter flipped
 one step earlier (the receiver knows: it holds the last two results).
 
@@ -30,7 +30,7 @@ import torch
 
 from lioncub_p2p.allreduce.partition import PeerSpec, part_bounds
 from lioncub_p2p.codecs import reduce_votes, result_codec, upload_codec
-from lioncub_p2p.codecs_delta import decode_delta, encode_candidates
+from lioncub_p2p.codecs_delta import decode_delta, encode_candidates, encoded_kind
 from lioncub_p2p.momentum import MomentumSchedule, average_in_process
 from lioncub_p2p.optim import LionCub
 from lioncub_p2p.sim.tasks import digits_task, stdlib_bytes_task
@@ -67,7 +67,7 @@ def run(task_name: str, seed: int, steps: int, workers: int, sync_every: int) ->
     mask = param_mask(opts[0])
     numel = int(mask.sum())
     bounds = [b for b in part_bounds(nbytes, [PeerSpec(str(i)) for i in range(workers)]) if b[1] > b[0]]
-    previous, flipped_before = None, None
+    previous = before = flipped_before = None
     rows, encode_s, decode_s = [], 0.0, 0.0
     for step in range(steps):
         uploads = []
@@ -82,19 +82,22 @@ def run(task_name: str, seed: int, steps: int, workers: int, sync_every: int) ->
         if schedule.due(step + 1):
             average_in_process([opt.momentum_buffers() for opt in opts], schedule)
         current = result.numpy()
-        sizes = {"plain": 0, "rice": 0, "zlib": 0, "chosen": 0}
+        kind_counts: dict[str, int] = {}
+        sizes = {"plain": 0, "rice": 0, "zlib": 0, "context": 0, "chosen": 0}
         for a, b in bounds:
             prev_part = None if previous is None else previous[a:b]
+            before_part = None if before is None else before[a:b]
             started = time.perf_counter()
-            candidates = encode_candidates(current[a:b], prev_part)
+            candidates = encode_candidates(current[a:b], prev_part, before_part)
             chosen = min(candidates.values(), key=len)
             encode_s += time.perf_counter() - started
             started = time.perf_counter()
-            assert decode_delta(chosen, prev_part, b - a).numpy().tobytes() == current[a:b].tobytes()
+            assert decode_delta(chosen, prev_part, b - a, before_part).numpy().tobytes() == current[a:b].tobytes()
             decode_s += time.perf_counter() - started
-            for name in ("plain", "rice", "zlib"):
-                sizes[name] += len(candidates.get(name, candidates["plain"]))
+            for name in ("plain", "rice", "zlib", "context"):
+                sizes[name] += len(candidates.get(name, chosen))  # not available yet: what was sent
             sizes["chosen"] += len(chosen)
+            kind_counts[encoded_kind(chosen)] = kind_counts.get(encoded_kind(chosen), 0) + 1
         flips = conditional = None
         if previous is not None:
             changed = np.unpackbits(current ^ previous, bitorder="little").astype(bool)[mask]
@@ -106,8 +109,9 @@ def run(task_name: str, seed: int, steps: int, workers: int, sync_every: int) ->
                     (1 - share) * entropy(float(fresh.mean()) if fresh.size else 0.0)
             flipped_before = changed
         rows.append({"step": step, "flip_rate": flips, "conditional_entropy": conditional,
+                     "kind": max(kind_counts, key=kind_counts.get),
                      **{f"{k}_bytes": v for k, v in sizes.items()}})
-        previous = current.copy()
+        previous, before = current.copy(), previous
     loss = task.evaluate(models[0])
     return {"task": task_name, "seed": seed, "workers": workers, "steps": steps, "params": numel, "nbytes": nbytes,
             "parts": len(bounds), "sync_every": sync_every, "rows": rows, "test": list(loss),
@@ -123,7 +127,7 @@ def summarize(runs: list[dict]) -> str:
                      f"{steps} steps, seeds {[r['seed'] for r in mine]}, momentum sync every "
                      f"{mine[0]['sync_every'] or 'never'}; test loss {[round(r['test'][0], 3) for r in mine]}")
         lines.append("| steps | flip rate % (mean, min–max over seeds) | entropy | H(flip given last flip) | plain | "
-                     "rice | zlib | sent (smallest) | rice ÷ entropy |")
+                     "rice | zlib | context | sent (smallest) |")
         lines.append("|---|---|---|---|---|---|---|---|---|")
         for lo, hi in WINDOWS + [(1, 10**9)]:
             per_seed = []
@@ -132,7 +136,7 @@ def summarize(runs: list[dict]) -> str:
                 if not window:
                     continue
                 bits = {k: 8 * statistics.mean(row[f"{k}_bytes"] for row in window) / numel
-                        for k in ("plain", "rice", "zlib", "chosen")}
+                        for k in ("plain", "rice", "zlib", "context", "chosen")}
                 rate = statistics.mean(row["flip_rate"] for row in window)
                 h = statistics.mean(entropy(row["flip_rate"]) for row in window)
                 ctx = [row["conditional_entropy"] for row in window if row["conditional_entropy"] is not None]
@@ -146,13 +150,18 @@ def summarize(runs: list[dict]) -> str:
             label = "all (from 1)" if hi == 10**9 and lo == 1 else f"{lo}–{min(hi, steps) - 1}"
             lines.append(f"| {label} | {100 * statistics.mean(rates):.2f} ({100 * min(rates):.2f}–{100 * max(rates):.2f})"
                          f" | {h:.3f} | {hc:.3f} | {mean('plain'):.3f} | {mean('rice'):.3f} | {mean('zlib'):.3f} | "
-                         f"**{mean('chosen'):.3f}** | {mean('rice') / max(h, 1e-9):.2f} |")
+                         f"{mean('context'):.3f} | **{mean('chosen'):.3f}** |")
         every = [8 * statistics.mean(row["chosen_bytes"] for row in r["rows"]) / numel for r in mine]
+        kinds = {}
+        for r in mine:
+            for row in r["rows"]:
+                kinds[row["kind"]] = kinds.get(row["kind"], 0) + 1
         plain = [8 * statistics.mean(row["plain_bytes"] for row in r["rows"]) / numel for r in mine]
         lines.append(f"result leg over all {steps} steps (step 0 plain): {statistics.mean(plain):.3f} → "
                      f"{statistics.mean(every):.3f} bits/param ({statistics.mean(plain) / statistics.mean(every):.2f}× "
                      f"fewer); encode {statistics.mean(r['encode_ms_per_step'] for r in mine):.2f} ms, decode "
-                     f"{statistics.mean(r['decode_ms_per_step'] for r in mine):.2f} ms per step (all parts, 1 thread)")
+                     f"{statistics.mean(r['decode_ms_per_step'] for r in mine):.2f} ms per step (all parts, 1 thread); "
+                     f"steps by the encoding most parts sent: {kinds}")
     return "\n".join(lines)
 
 

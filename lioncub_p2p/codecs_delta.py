@@ -2,8 +2,11 @@
 
 The voted sign of most parameters is the same as one step earlier (``benchmarks/flip_rate.py``
 measures how often it is not), so a part's result can be sent as the positions where it differs
-from the part's previous result, coded as gaps, and the receiver XORs them onto its copy of the
-previous result. Exact: ``decode_delta(encode_delta(r, p), p, len(r)) == r`` for every r and p.
+from the part's previous result, and the receiver XORs them onto its copy of that result. A
+parameter that flipped one step earlier flips again far more often than one that did not (signs
+oscillate around zero), so when both ends also hold the result before that, the flips are coded in
+two classes, those two contexts, each at its own rate. Exact: ``decode_delta(encode_delta(r, p, b),
+p, len(r), b) == r`` for every r, p, b.
 
 One tag byte, then the body (bits LSB first, as ``ops.pack_signs`` packs them):
 
@@ -11,18 +14,26 @@ One tag byte, then the body (bits LSB first, as ``ops.pack_signs`` packs them):
 tag    name      body
 =====  ========  ===========================================================================
 0      plain     the packed result itself (nbytes bytes): no previous result, or nothing smaller
-1      rice      the flips' gaps (zeros between consecutive flips, from position −1) in
-                 Golomb-Rice code with parameter k, quotients and remainders as two streams:
-                 varint count, byte k, varint quotient bytes, the quotients in unary (q ones
-                 and a zero each, zero padding), then count·k remainder bits
+1      rice      the flip bitmap as one Rice stream (below)
 2      zlib      zlib stream of the packed flip bitmap (XOR of the two results)
+3      context   two Rice streams: the flips at the positions that flipped one step earlier
+                 (previous XOR the result before it), then the flips at the others, each over
+                 its class's positions in order
 =====  ========  ===========================================================================
 
-The encoder sends the smallest of the three; a delta that is not smaller than plain is refused
-by the decoder (only one encoding of each result is valid, and memory stays bounded by the
-part's size). Golomb-Rice with the best k is within a few percent of the entropy of independent
-flips; zlib wins where flips cluster (see docs/benchmarks.md, "Cluster path and result bits").
-The two streams of the Rice code make both directions vectorized numpy.
+A Rice stream codes a bit vector of known length m by the gaps (zeros) between its set bits, or
+between its clear bits when more than half are set ("complement"), in Golomb-Rice code with the
+parameter k that makes it smallest, quotients and remainders apart so both directions are
+vectorized numpy: varint count, byte k | 0x80·complement, varint quotient bytes, the quotients in
+unary (q ones and a zero each, zero padding), then count·k remainder bits (zero padding).
+
+The encoder sends the smallest encoding (plain on ties). The decoder refuses anything malformed and
+any delta that is not smaller than plain, so its work and memory are bounded by the part's size,
+which the receiver knows, whatever the bytes claim: at most about 100 bytes of transient memory
+per byte of the part (int64 positions of a dense delta), a few bytes for hostile streams that are
+refused. It cannot tell whether a well-formed delta is
+the one the reducer meant: the signed digest of the decoded result (and the state digest after
+applying it) is what checks that (docs/benchmarks.md, "Cluster path and result bits").
 """
 from __future__ import annotations
 
@@ -31,9 +42,10 @@ import zlib
 import numpy as np
 import torch
 
-PLAIN, RICE, ZLIB = 0, 1, 2
-NAMES = {PLAIN: "plain", RICE: "rice", ZLIB: "zlib"}
+PLAIN, RICE, ZLIB, CONTEXT = 0, 1, 2, 3
+NAMES = {PLAIN: "plain", RICE: "rice", ZLIB: "zlib", CONTEXT: "context"}
 MAX_K = 40  # Rice parameters above log2 of any part's bit count are never the smallest
+COMPLEMENT = 0x80
 MAX_VARINT_BYTES = 10
 
 
@@ -49,6 +61,10 @@ def _bytes(t: torch.Tensor | np.ndarray | bytes) -> np.ndarray:
     if isinstance(t, (bytes, bytearray, memoryview)):
         return np.frombuffer(bytes(t), dtype=np.uint8)
     return np.asarray(t, dtype=np.uint8).reshape(-1)
+
+
+def _bits(packed: np.ndarray) -> np.ndarray:
+    return np.unpackbits(packed, bitorder="little").view(bool)
 
 
 # -- varints -------------------------------------------------------------------------------------
@@ -77,12 +93,7 @@ def _read_varint(blob: bytes, at: int) -> tuple[int, int]:
     raise DeltaError("varint longer than 10 bytes")
 
 
-# -- Golomb-Rice on gaps ---------------------------------------------------------------------------
-
-
-def flip_positions(current: np.ndarray, previous: np.ndarray) -> np.ndarray:
-    """Bit positions (LSB first) where two packed results differ, ascending int64."""
-    return np.flatnonzero(np.unpackbits(current ^ previous, bitorder="little")).astype(np.int64)
+# -- Rice streams ----------------------------------------------------------------------------------
 
 
 def rice_size_bits(gaps: np.ndarray, k: int) -> int:
@@ -98,75 +109,101 @@ def best_rice_k(gaps: np.ndarray) -> int:
     return min(candidates, key=lambda k: (rice_size_bits(gaps, k), k))
 
 
-def _rice_body(positions: np.ndarray) -> bytes:
+def _rice_stream(bits: np.ndarray) -> bytes:
+    """A bool vector as a Rice stream (its length is known to the reader)."""
+    complement = int(np.count_nonzero(bits)) > len(bits) // 2
+    positions = np.flatnonzero(~bits if complement else bits)
     gaps = np.diff(positions, prepend=-1) - 1
     count = len(gaps)
     k = best_rice_k(gaps)
     quotients = gaps >> k
-    # unary: q ones then a zero per gap; the zero of gap i sits at sum(q[:i+1]) + i
-    zeros_at = np.cumsum(quotients + 1) - 1
-    used = int(zeros_at[-1]) + 1 if count else 0
-    unary = np.ones(used, dtype=np.uint8)
+    zeros_at = np.cumsum(quotients + 1) - 1  # the zero closing gap i's unary code
+    unary = np.ones(int(zeros_at[-1]) + 1 if count else 0, dtype=np.uint8)
     unary[zeros_at] = 0
-    unary_bytes = np.packbits(unary, bitorder="little").tobytes()  # pads with zeros
+    unary_bytes = np.packbits(unary, bitorder="little").tobytes()
     if k:
-        remainders = gaps & ((1 << k) - 1)
-        fields = ((remainders[:, None] >> np.arange(k, dtype=np.int64)) & 1).astype(np.uint8)
+        fields = ((gaps[:, None] >> np.arange(k, dtype=np.int64)) & 1).astype(np.uint8)
         remainder_bytes = np.packbits(fields.reshape(-1), bitorder="little").tobytes()
     else:
         remainder_bytes = b""
-    return _varint(count) + bytes([k]) + _varint(len(unary_bytes)) + unary_bytes + remainder_bytes
+    return (_varint(count) + bytes([k | (COMPLEMENT if complement else 0)]) + _varint(len(unary_bytes)) + unary_bytes
+            + remainder_bytes)
 
 
-def _rice_positions(body: bytes, nbits: int) -> np.ndarray:
-    count, at = _read_varint(body, 0)
-    if count > nbits:
-        raise DeltaError(f"{count} flips in a result of {nbits} bits")
+def _read_rice_stream(body: bytes, at: int, length: int) -> tuple[np.ndarray, int]:
+    """The bool vector of ``length`` that the Rice stream at ``body[at:]`` codes, and where it ends."""
+    count, at = _read_varint(body, at)
+    if count > length:
+        raise DeltaError(f"{count} positions in a stream of {length} bits")
     if at >= len(body):
         raise DeltaError("truncated rice header")
-    k = body[at]
+    k, complement = body[at] & ~COMPLEMENT, bool(body[at] & COMPLEMENT)
     if k > MAX_K:
         raise DeltaError(f"rice parameter {k} above {MAX_K}")
+    ones = length - count if complement else count
+    if complement != (ones > length // 2):  # one way to code each vector: the fewer positions
+        raise DeltaError("rice stream's complement flag does not match its count")
     unary_len, at = _read_varint(body, at + 1)
     remainder_len = (count * k + 7) // 8
-    if at + unary_len + remainder_len != len(body):
-        raise DeltaError(f"rice body of {len(body)} bytes, its header says {at + unary_len + remainder_len}")
+    end = at + unary_len + remainder_len
+    if end > len(body):
+        raise DeltaError(f"rice stream runs to byte {end} of {len(body)}")
+    bits = np.full(length, complement, dtype=bool)
     if not count:
         if unary_len:
-            raise DeltaError("quotients without flips")
-        return np.zeros(0, dtype=np.int64)
+            raise DeltaError("quotients without positions")
+        return bits, end
     unary = np.unpackbits(np.frombuffer(body, dtype=np.uint8, count=unary_len, offset=at), bitorder="little")
+    zeros = unary.size - int(np.count_nonzero(unary))
+    if zeros < count:
+        raise DeltaError(f"{zeros} quotients for {count} positions")
+    if zeros >= count + 8:  # counted before listing them: hostile zeros cost no index array
+        raise DeltaError("quotient stream not canonical (extra bytes or padding bits)")
     zeros_at = np.flatnonzero(unary == 0)
-    if len(zeros_at) < count:
-        raise DeltaError(f"{len(zeros_at)} quotients for {count} flips")
     used = int(zeros_at[count - 1]) + 1
     if (used + 7) // 8 != unary_len or unary[used:].any():
         raise DeltaError("quotient stream not canonical (extra bytes or padding bits)")
     quotients = np.diff(zeros_at[:count], prepend=-1) - 1
     if k:
-        fields = np.unpackbits(np.frombuffer(body, dtype=np.uint8, offset=at + unary_len),
+        fields = np.unpackbits(np.frombuffer(body, dtype=np.uint8, count=remainder_len, offset=at + unary_len),
                                bitorder="little")
-        if fields[count * k:].any():
+        if fields[count * k :].any():
             raise DeltaError("remainder stream padding bits set")
-        remainders = fields[: count * k].reshape(count, k).astype(np.int64) @ (np.int64(1) << np.arange(k))
+        fields = fields[: count * k].reshape(count, k)
+        remainders = np.zeros(count, dtype=np.int64)
+        for j in range(k):  # bit by bit: no (count, k) int64 temporary
+            remainders |= fields[:, j].astype(np.int64) << j
     else:
         remainders = np.zeros(count, dtype=np.int64)
-    if int(quotients.max()) > (nbits - 1) >> k:  # before shifting: q << k must not overflow
-        raise DeltaError("a gap runs past the result")
-    gaps = (quotients << k) | remainders
-    if int(gaps.max()) >= nbits:
-        raise DeltaError("a gap runs past the result")
-    positions = np.cumsum(gaps + 1) - 1
-    if int(positions[-1]) >= nbits:
-        raise DeltaError(f"flip at bit {int(positions[-1])} of a {nbits}-bit result")
-    return positions
+    if int(quotients.max()) > (length - 1) >> k:  # before shifting: q << k must not overflow
+        raise DeltaError("a gap runs past the stream")
+    del unary, zeros_at
+    gaps = quotients
+    gaps <<= k
+    gaps |= remainders
+    del remainders
+    if int(gaps.max()) >= length:
+        raise DeltaError("a gap runs past the stream")
+    gaps += 1
+    positions = np.cumsum(gaps, out=gaps)
+    positions -= 1
+    if int(positions[-1]) >= length:
+        raise DeltaError(f"position {int(positions[-1])} in a stream of {length} bits")
+    bits[positions] = not complement
+    return bits, end
 
 
 # -- the result encoding -----------------------------------------------------------------------------
 
 
-def encode_candidates(current, previous) -> dict[str, bytes]:
-    """Every encoding of ``current`` (packed result) against ``previous`` (None: plain only), by name."""
+def _context(previous: np.ndarray, before: np.ndarray) -> np.ndarray:
+    """True where the previous step flipped the sign: the class whose flips are coded first."""
+    return _bits(previous ^ before)
+
+
+def encode_candidates(current, previous=None, before=None) -> dict[str, bytes]:
+    """Every encoding of ``current`` (a packed result) given what the receiver holds: ``previous``
+    (the last result; None: plain only) and ``before`` (the one before; adds "context"), by name."""
     cur = _bytes(current)
     out = {"plain": bytes([PLAIN]) + cur.tobytes()}
     if previous is None:
@@ -174,22 +211,29 @@ def encode_candidates(current, previous) -> dict[str, bytes]:
     prev = _bytes(previous)
     if prev.shape != cur.shape:
         raise ValueError(f"previous result has {prev.size} bytes, this one {cur.size}")
-    out["rice"] = bytes([RICE]) + _rice_body(flip_positions(cur, prev))
-    out["zlib"] = bytes([ZLIB]) + zlib.compress((cur ^ prev).tobytes(), 9)
+    xor = cur ^ prev
+    flips = _bits(xor)
+    out["rice"] = bytes([RICE]) + _rice_stream(flips)
+    out["zlib"] = bytes([ZLIB]) + zlib.compress(xor.tobytes())
+    if before is not None:
+        earlier = _bytes(before)
+        if earlier.shape != cur.shape:
+            raise ValueError(f"the result before has {earlier.size} bytes, this one {cur.size}")
+        context = _context(prev, earlier)
+        out["context"] = bytes([CONTEXT]) + _rice_stream(flips[context]) + _rice_stream(flips[~context])
     return out
 
 
-def encode_delta(current, previous=None) -> bytes:
-    """The smallest encoding of ``current`` given the receiver holds ``previous`` (plain on ties)."""
-    candidates = encode_candidates(current, previous)
-    return min(candidates.values(), key=len)  # dicts keep order: plain wins ties
+def encode_delta(current, previous=None, before=None) -> bytes:
+    """The smallest encoding of ``current`` given the receiver holds ``previous`` and ``before``."""
+    return min(encode_candidates(current, previous, before).values(), key=len)  # dict order: plain wins ties
 
 
-def decode_delta(blob: bytes, previous, nbytes: int) -> torch.Tensor:
-    """The packed result (nbytes,) uint8 that ``blob`` encodes against ``previous`` (None: the sender
-    had to send plain). Raises DeltaError for anything that is not the sender's canonical choice
-    in shape: a wrong size, a delta no smaller than plain, trailing bytes, a flip out of range. Work
-    and memory are bounded by ``nbytes`` (what the caller expects), not by the blob's claims."""
+def decode_delta(blob: bytes, previous, nbytes: int, before=None) -> torch.Tensor:
+    """The packed result (nbytes,) uint8 that ``blob`` encodes against ``previous`` (and ``before``
+    for the context kind). Raises DeltaError for anything malformed: a wrong size, a delta no
+    smaller than plain, trailing bytes, a position out of range, a missing reference. Work and
+    memory are bounded by ``nbytes`` (what the caller expects), not by what the blob claims."""
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise TypeError(f"an encoded result is bytes, got {type(blob).__name__}")
     blob = bytes(blob)
@@ -200,7 +244,7 @@ def decode_delta(blob: bytes, previous, nbytes: int) -> torch.Tensor:
         if len(body) != nbytes:
             raise DeltaError(f"plain result of {len(body)} bytes, expected {nbytes}")
         return torch.frombuffer(bytearray(body), dtype=torch.uint8) if nbytes else torch.zeros(0, dtype=torch.uint8)
-    if tag not in (RICE, ZLIB):
+    if tag not in NAMES:
         raise DeltaError(f"unknown result encoding {tag}")
     if previous is None:
         raise DeltaError("a delta result, but no previous result to apply it to")
@@ -209,11 +253,8 @@ def decode_delta(blob: bytes, previous, nbytes: int) -> torch.Tensor:
         raise DeltaError(f"previous result has {prev.size} bytes, expected {nbytes}")
     if len(body) >= nbytes:
         raise DeltaError(f"{NAMES[tag]} delta of {len(body)} bytes is not smaller than the plain result")
-    if tag == RICE:
-        flips = np.zeros(8 * nbytes, dtype=np.uint8)
-        flips[_rice_positions(body, 8 * nbytes)] = 1
-        xor = np.packbits(flips, bitorder="little")
-    else:
+    nbits = 8 * nbytes
+    if tag == ZLIB:
         inflater = zlib.decompressobj()
         try:
             raw = inflater.decompress(body, nbytes)  # at most nbytes out, whatever the stream says
@@ -221,13 +262,29 @@ def decode_delta(blob: bytes, previous, nbytes: int) -> torch.Tensor:
             raise DeltaError(f"zlib delta does not inflate: {e}") from None
         if len(raw) != nbytes or not inflater.eof or inflater.unconsumed_tail or inflater.unused_data:
             raise DeltaError(f"zlib delta does not inflate to exactly {nbytes} bytes")
-        xor = np.frombuffer(raw, dtype=np.uint8)
-    return torch.from_numpy(prev ^ xor)
+        return torch.from_numpy(prev ^ np.frombuffer(raw, dtype=np.uint8))
+    if tag == RICE:
+        flips, end = _read_rice_stream(body, 0, nbits)
+    else:
+        if before is None:
+            raise DeltaError("a context delta, but not the result before the previous one")
+        earlier = _bytes(before)
+        if earlier.size != nbytes:
+            raise DeltaError(f"the result before has {earlier.size} bytes, expected {nbytes}")
+        context = _context(prev, earlier)
+        flipped_before = int(np.count_nonzero(context))
+        again, end = _read_rice_stream(body, 0, flipped_before)
+        fresh, end = _read_rice_stream(body, end, nbits - flipped_before)
+        flips = np.empty(nbits, dtype=bool)
+        flips[context], flips[~context] = again, fresh
+    if end != len(body):
+        raise DeltaError(f"{len(body) - end} bytes after the {NAMES[tag]} delta")
+    return torch.from_numpy(prev ^ np.packbits(flips, bitorder="little"))
 
 
 def encoded_kind(blob: bytes) -> str:
     return NAMES.get(blob[0], "?") if blob else "?"
 
 
-__all__ = ["PLAIN", "RICE", "ZLIB", "DeltaError", "encode_delta", "decode_delta", "encode_candidates", "encoded_kind",
-           "flip_positions", "best_rice_k", "rice_size_bits"]
+__all__ = ["PLAIN", "RICE", "ZLIB", "CONTEXT", "DeltaError", "encode_delta", "decode_delta", "encode_candidates",
+           "encoded_kind", "best_rice_k", "rice_size_bits"]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lioncub_p2p.codecs_delta import (PLAIN, RICE, ZLIB, DeltaError, best_rice_k, decode_delta, encode_candidates,
+from lioncub_p2p.codecs_delta import (CONTEXT, PLAIN, RICE, ZLIB, DeltaError, best_rice_k, decode_delta, encode_candidates,
                                       encode_delta, encoded_kind, rice_size_bits)
 
 
@@ -42,6 +42,20 @@ def _pair(rng: np.random.Generator, nbytes: int, kind: str) -> tuple[torch.Tenso
     return torch.from_numpy(current), torch.from_numpy(previous)
 
 
+def _triple(rng: np.random.Generator, nbytes: int, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(current, previous, before): previous flipped ``kind``-like against before; current flips the
+    positions that flipped at rate 0.6 and the others at 0.1 (oscillating signs), or ``kind`` again."""
+    previous, before = _pair(rng, nbytes, kind)
+    flipped = np.unpackbits((previous ^ before).numpy(), bitorder="little").astype(bool)
+    if kind in ("none", "all", "first", "last"):
+        flips = np.unpackbits(_pair(rng, nbytes, kind)[0].numpy() ^ _pair(rng, nbytes, kind)[1].numpy(),
+                              bitorder="little").astype(bool) if kind != "none" else np.zeros(8 * nbytes, dtype=bool)
+    else:
+        flips = np.where(flipped, rng.random(8 * nbytes) < 0.6, rng.random(8 * nbytes) < 0.1)
+    current = previous.numpy() ^ np.packbits(flips, bitorder="little")
+    return torch.from_numpy(current), previous, before
+
+
 KINDS = ["none", "all", "first", "last", "bursts", "far", "0.0001", "0.01", "0.1", "0.3", "0.5", "0.9"]
 
 
@@ -62,6 +76,40 @@ def test_every_encoding_decodes_to_exactly_the_result(kind):
         chosen = encode_delta(current, previous)
         assert len(chosen) == min(len(b) for b in candidates.values())
         assert decode_delta(chosen, previous, nbytes).numpy().tobytes() == expected
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_context_encodings_decode_to_exactly_the_result(kind):
+    rng = np.random.default_rng(abs(hash(kind)) % 2**32 + 1)
+    for nbytes in (1, 8, 9, 1000, 40_001):
+        current, previous, before = _triple(rng, nbytes, kind)
+        candidates = encode_candidates(current, previous, before)
+        assert set(candidates) == {"plain", "rice", "zlib", "context"}
+        blob = candidates["context"]
+        if len(blob) < len(candidates["plain"]):
+            out = decode_delta(blob, previous, nbytes, before)
+            assert out.numpy().tobytes() == current.numpy().tobytes(), nbytes
+        chosen = encode_delta(current, previous, before)
+        assert len(chosen) == min(len(b) for b in candidates.values())
+        assert decode_delta(chosen, previous, nbytes, before).numpy().tobytes() == current.numpy().tobytes()
+
+
+def test_context_classes_are_coded_at_their_own_rates():
+    """Flips at 0.6 where the previous step flipped (30% of positions) and 0.1 elsewhere: the context
+    delta is within 5% of 0.3·H(0.6) + 0.7·H(0.1) bits per position, below the rice delta's H(0.25)."""
+    rng = np.random.default_rng(5)
+    nbytes = 100_000
+    before = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    flipped = rng.random(8 * nbytes) < 0.3
+    previous = before ^ np.packbits(flipped, bitorder="little")
+    flips = np.where(flipped, rng.random(8 * nbytes) < 0.6, rng.random(8 * nbytes) < 0.1)
+    current = previous ^ np.packbits(flips, bitorder="little")
+    h = lambda p: -(p * np.log2(p) + (1 - p) * np.log2(1 - p))  # noqa: E731
+    bound = 0.3 * h(0.6) + 0.7 * h(0.1)
+    sizes = {k: 8 * len(v) / (8 * nbytes) for k, v in encode_candidates(current, previous, before).items()}
+    assert sizes["context"] < 1.05 * bound, sizes
+    assert sizes["rice"] > 0.95 * h(flips.mean()) and sizes["rice"] > 1.2 * sizes["context"], sizes
+    assert encoded_kind(encode_delta(current, previous, before)) == "context"
 
 
 def test_no_previous_result_means_plain():
@@ -152,6 +200,10 @@ ADVERSARIAL = {
     "zlib of too little": bytes([ZLIB]) + zlib.compress(b"\x00" * 999),
     "zlib with trailing bytes": bytes([ZLIB]) + zlib.compress(b"\x00" * 1000) + b"\x00",
     "zlib garbage": bytes([ZLIB]) + b"\x78\x9c" + b"\x13" * 40,
+    "context without the result before": bytes([CONTEXT]) + bytes(4),
+    "bytes after the rice delta": bytes([RICE]) + _varint(0) + bytes([0]) + _varint(0) + b"\x00",
+    "complement flag without a majority": bytes([RICE]) + _varint(4001) + bytes([0x80 | 12]) + _varint(1) + b"\x00",
+    "plain flag with a majority set": bytes([RICE]) + _varint(4001) + bytes([12]) + _varint(1) + b"\x00" * 7,
     "delta as large as plain": bytes([ZLIB]) + zlib.compress(np.random.default_rng(0).integers(0, 256, 1000,
                                                                                                  dtype=np.uint8).tobytes(), 0),
 }
@@ -161,23 +213,27 @@ REFUSALS = {"empty": "empty encoded result",
             "unknown tag": "unknown result encoding 9",
             "plain too short": "plain result of 999 bytes",
             "plain too long": "plain result of 1001 bytes",
-            "count above the bits": "8001 flips in a result of 8000 bits",
-            "huge count": "flips in a result of 8000 bits",
+            "count above the bits": "8001 positions in a stream of 8000 bits",
+            "huge count": "positions in a stream of 8000 bits",
             "varint of 11 bytes": "varint longer than 10 bytes",
             "redundant varint": "redundant zero byte",
             "k too large": "rice parameter 41 above 40",
-            "length mismatch": "its header says",
-            "no zero in the quotients": "0 quotients for 3 flips",
-            "gap past the end": "a gap runs past the result",
-            "huge quotient, shift overflow": "a gap runs past the result",
+            "length mismatch": "rice stream runs to byte 8 of 4",
+            "no zero in the quotients": "0 quotients for 3 positions",
+            "gap past the end": "a gap runs past the stream",
+            "huge quotient, shift overflow": "a gap runs past the stream",
             "padding bits set": "not canonical",
             "extra quotient byte": "not canonical",
-            "flips without quotients": "quotients without flips",
+            "flips without quotients": "quotients without positions",
             "zlib of too much": "inflate to exactly 1000",
             "zlib of too little": "inflate to exactly 1000",
             "zlib with trailing bytes": "inflate to exactly 1000",
             "zlib garbage": "inflate",
-            "delta as large as plain": "not smaller than the plain"}
+            "delta as large as plain": "not smaller than the plain",
+            "context without the result before": "not the result before the previous one",
+            "bytes after the rice delta": "1 bytes after the rice delta",
+            "complement flag without a majority": "complement flag does not match",
+            "plain flag with a majority set": "complement flag does not match"}
 
 
 @pytest.mark.parametrize("name", list(ADVERSARIAL))
@@ -192,7 +248,7 @@ def test_a_quotient_that_would_overflow_the_shift_is_refused():
     nbytes = 4 << 20
     unary = np.packbits(np.r_[np.ones(1 << 24, dtype=np.uint8), 0], bitorder="little").tobytes()
     blob = bytes([RICE]) + _varint(1) + bytes([40]) + _varint(len(unary)) + unary + b"\x00" * 5
-    with pytest.raises(DeltaError, match="a gap runs past the result"):
+    with pytest.raises(DeltaError, match="a gap runs past the stream"):
         decode_delta(blob, torch.zeros(nbytes, dtype=torch.uint8), nbytes)
 
 
@@ -227,6 +283,39 @@ def test_memory_stays_bounded_by_the_expected_size():
         finally:
             tracemalloc.stop()
         assert peak < 80 * nbytes, f"peak {peak / nbytes:.0f} x the result's size"
+
+
+def test_context_memory_stays_bounded_and_streams_must_fit_their_classes():
+    """Against a 1 MB result whose previous step flipped everything: a first stream claiming more
+    positions than its class, and a maximal quotient stream, are refused within bounded memory."""
+    nbytes = 1 << 20
+    previous, before = torch.zeros(nbytes, dtype=torch.uint8), torch.full((nbytes,), 255, dtype=torch.uint8)
+    too_many = bytes([CONTEXT]) + _varint(8 * nbytes + 1) + bytes([0]) + _varint(0)
+    zeros = bytes([CONTEXT]) + _varint(4 * nbytes) + bytes([0]) + _varint(nbytes - 16) + b"\x00" * (nbytes - 16)
+    for blob, match in ((too_many, "positions in a stream of 8388608 bits"), (zeros, "not canonical")):
+        tracemalloc.start()
+        try:
+            with pytest.raises(DeltaError, match=match):
+                decode_delta(blob, previous, nbytes, before)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 80 * nbytes, f"peak {peak / nbytes:.0f} x the result's size"
+
+
+def test_decoding_a_dense_valid_delta_stays_within_about_100_bytes_per_result_byte():
+    nbytes = 1 << 20
+    rng = np.random.default_rng(6)
+    previous, before = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    current = torch.from_numpy(np.packbits(rng.random(8 * nbytes) < 0.3, bitorder="little"))
+    for name, blob in encode_candidates(current, previous, before).items():
+        tracemalloc.start()
+        try:
+            out = decode_delta(blob, previous, nbytes, before)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert torch.equal(out, current) and peak < 128 * nbytes, (name, peak / nbytes)
 
 
 def test_previous_of_another_size_is_refused():
