@@ -80,7 +80,7 @@ def odd_swarm():
 @pytest.mark.parametrize("which", ["uneven_swarm", "odd_swarm"])
 def test_results_equal_numpy_vote(upload, result, which, request):
     swarm = request.getfixturevalue(which)
-    numel = 8 * 3001  # 3001 bytes: parts of uneven sizes, not multiples of 8 bytes overall
+    numel = 8 * 30001  # 30001 bytes: parts of uneven sizes, not multiples of 8, over a first chunk (x 4 planes)
     codes = _codes(upload, swarm.n, numel, seed=hash((upload, result)) % 1000)
     results = swarm.allreduce(codes, upload=upload, result=result, step=7, seed=11)
     expected = numpy_vote(codes, upload, result, numel, seed=11, step=7)

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,8 @@ class SwarmThatMustNotBeJoined:
     """Stands in for the DHT: the run's manifest says nothing (digits, defaults); joining fails the test."""
 
     def __init__(self, config):
+        self.config = config
+        self.listen_plan = types.SimpleNamespace(note="")
         self.manifest = Manifest()
         self.shut = False
 

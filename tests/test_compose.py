@@ -1,6 +1,7 @@
 """The Docker/compose stack: the compose file against docker-compose's own validator and against the
 commands it runs, the container healthcheck against real sockets, and (slow) the whole stack for real
-through peers/compose_check.sh.
+through peers/compose_check.sh. That one is marked ``docker`` and left out of the default run (it
+alone takes 5-7 minutes of CI's budget); run it with ``pytest -m docker`` or ``bash peers/compose_check.sh``.
 
 Docker is required, not optional: without a compose validator or a usable Docker engine these tests
 FAIL with what to install. LIONCUB_SKIP_DOCKER=1 opts out explicitly (reported as skipped)."""
@@ -189,6 +190,7 @@ CHECKS = ["tools", "base image", "image build", "compose up", "hosts", "voluntee
 
 
 @pytest.mark.slow
+@pytest.mark.docker  # 5-7 minutes (an image from Debian packages, then the stack): `pytest -m docker`
 @pytest.mark.timeout(2400)
 def test_compose_stack_for_real():
     """Build, compose up, two volunteers on other hosts, coordinator-a restarted (same id, run goes on),

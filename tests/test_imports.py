@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # of a lower layer, nothing else.
 LAYERS = {
     "ops": 0, "wire": 0, "identity": 0, "aio": 0, "failpoints": 0,
-    "codecs": 1,
+    "codecs": 1, "codecs_delta": 1,
     "optim": 2, "momentum": 2, "allreduce": 2,
-    "": 3,
+    "": 3, "cluster": 3,
     "swarm": 4, "testing": 4,
     "tasks": 5, "trainer_rounds": 5,
     "cli": 6, "sim": 6,

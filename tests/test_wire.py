@@ -92,11 +92,13 @@ def test_a_rounds_first_chunk_is_small_and_chunks_tile_the_part():
     from lioncub_p2p.allreduce.round import FIRST_CHUNK_BYTES, chunk_spans
 
     for nbytes, chunk in [(0, 256 << 10), (5, 256 << 10), (4096, 256 << 10), (1_000_003, 256 << 10),
-                          (100_000, 1024)]:
-        spans = chunk_spans(nbytes, chunk)
-        assert sum(length for _, length in spans) == nbytes
-        assert all(o1 + l1 == o2 for (o1, l1), (o2, _) in zip(spans, spans[1:]))
-        assert all(offset % 8 == 0 for offset, _ in spans)
-        if spans:
-            assert spans[0] == (0, min(nbytes, FIRST_CHUNK_BYTES, chunk))
-            assert all(length <= chunk for _, length in spans)
+                          (100_000, 1024), (100_000, 1 << 20)]:
+        for planes in (1, 2, 3, 4):  # sign votes have one plane, an l1:P code P of them
+            spans = chunk_spans(nbytes, chunk, planes=planes)
+            assert sum(length for _, length in spans) == nbytes
+            assert all(o1 + l1 == o2 for (o1, l1), (o2, _) in zip(spans, spans[1:]))
+            assert all(offset % 8 == 0 for offset, _ in spans)
+            if spans:  # what a frame carries (length bytes of every plane) stays within the caps
+                assert spans[0][1] * planes <= min(FIRST_CHUNK_BYTES, chunk)
+                assert spans[0] == (0, min(nbytes, min(FIRST_CHUNK_BYTES, chunk) // planes // 8 * 8))
+                assert all(length * planes <= chunk for _, length in spans)

@@ -43,6 +43,7 @@ def train(rank: int, world: int, steps: int, device: torch.device) -> None:
         print(f"{world} ranks ({dist.get_backend()}), {steps} steps: test accuracy {accuracy:.1f}%, "
               f"{8 * aggregator.stats.vote_bytes / sum(p.numel() for p in model.parameters()):.2f} bits per "
               f"parameter sent per step, parameters identical: {identical}")
+    dist.barrier()  # nobody tears the group down while rank 0 still evaluates (gloo aborts a rank that does)
 
 
 def spawned(rank: int, world: int, store: str, steps: int) -> None:

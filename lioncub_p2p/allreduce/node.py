@@ -422,7 +422,7 @@ class VoteNode:
         spec = state.spec
         a, b = spec.bounds[j]
         encoding, bits = upload_wire(spec.upload)
-        for offset, length in chunk_spans(b - a, self.config.chunk_bytes):
+        for offset, length in chunk_spans(b - a, self.config.chunk_bytes, planes=upload.shape[0]):
             codes = upload[:, a + offset : a + offset + length].contiguous().numpy().tobytes()
             first = offset == 0
             chunk = pb.VoteChunk(version=PROTOCOL_VERSION, round_id=spec.round_id, step=spec.step, part=j,

@@ -73,13 +73,16 @@ FIRST_CHUNK_BYTES = 4096  # a stream's first chunk is small: the reducer admits 
 MAX_FIRST_FRAME_BYTES = 16 << 10  # ...its first-frame deadline and buffers at most this before that
 
 
-def chunk_spans(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+def chunk_spans(nbytes: int, chunk_bytes: int, planes: int = 1) -> list[tuple[int, int]]:
     """(offset, length) of the chunks a voter sends for ``nbytes`` per plane: a first chunk of at most
     ``FIRST_CHUNK_BYTES`` (it must arrive within the reducer's first-frame deadline even on a slow
-    link), then ``chunk_bytes`` each."""
+    link), then ``chunk_bytes`` each. A chunk carries ``length`` bytes of each of ``planes`` planes
+    (an l1:4 code has 4), so lengths are divided by ``planes``: a frame's payload stays within them."""
+    per_plane = max(8, chunk_bytes // planes // 8 * 8)
+    first = max(8, min(FIRST_CHUNK_BYTES, chunk_bytes) // planes // 8 * 8)
     spans, offset = [], 0
     while offset < nbytes:
-        length = min(min(FIRST_CHUNK_BYTES, chunk_bytes) if offset == 0 else chunk_bytes, nbytes - offset)
+        length = min(first if offset == 0 else per_plane, nbytes - offset)
         spans.append((offset, length))
         offset += length
     return spans

@@ -72,6 +72,8 @@ STEP_WINDOW = 100  # steps a member's announced step may lead the leader's and s
 MAX_CANDIDATES = 8  # group records a newcomer asks for admission, most populated first
 MAX_RECORD_TTL = 300.0
 ROUND_KINDS = ("vote", "momentum")
+MAX_PROOFS_KEPT = 64  # liars whose evidence this peer keeps to show later leaders
+RETRY_REPORT_S = 10.0  # a leader that could not be told about a liar is told again after this
 LISTEN_ALL = ["/ip4/0.0.0.0/tcp/0"]
 # QUIC as well: the daemon accepts it, but over QUIC a stream closed right after its last write loses
 # that write (24 of 30 times on loopback) and the state, probe and fetch handlers close that way:
@@ -217,7 +219,8 @@ class Swarm:
         self.liars: dict[str, str] = {}  # peers proven to lie (checked audit evidence) -> why; refused for the run
         self.suspicions = Suspicions()  # unprovable reports (misrepresented votes, unanswered audits)
         self._round_steps: OrderedDict[bytes, int] = OrderedDict()  # round id -> step, of this peer's recent rounds
-        self._reported: set[str] = set()  # liars this peer told the leader about
+        self._proofs: OrderedDict[str, Accusation] = OrderedDict()  # liar -> the checked evidence (for new leaders)
+        self._reported: set[tuple[str, str]] = set()  # (liar, leader) this peer gave the evidence to
         self._background: set[concurrent.futures.Future] = set()
         self.evicted: dict[str, float] = {}  # dropped peer -> expiry of its record when it was dropped
         self.admitted: set[str] = set()  # peers that proved the run key to this peer, or were members of its groups
@@ -645,7 +648,8 @@ class Swarm:
     def _prepare(self, step: int) -> None:
         """Let this peer's reducer count others' votes for ``step`` while it still computes."""
         group = self.history.for_step(step)
-        if group is not None and self.peer_id in group.member_ids() and self.gather is None:
+        if (group is not None and self.peer_id in group.member_ids() and self.gather is None
+                and any(m.reduces for m in group.members)):  # else nobody counts: the round is missed, not prepared
             spec = self._spec(group, step)
 
             def prepare() -> None:
@@ -836,6 +840,9 @@ class Swarm:
     # -- caught reducers ----------------------------------------------------------------------------
 
     def _in_background(self, coro) -> None:
+        if self.loop is None:  # shut down
+            coro.close()
+            return
         future = asyncio.run_coroutine_threadsafe(coro, self.loop.loop)
         self._background.add(future)
         future.add_done_callback(self._background.discard)
@@ -893,6 +900,9 @@ class Swarm:
         led = latest is not None and liar == next((m.peer_id for m in latest.members if m.reduces), None)
         self.liars[liar] = (f"round {accusation.round_id.hex()[:12]} (step {accusation.step}) part {accusation.part}: "
                             f"{accusation.reason}; proved by {by}")
+        self._proofs[liar] = accusation
+        while len(self._proofs) > MAX_PROOFS_KEPT:  # the oldest liars' evidence goes (they stay refused here)
+            self._proofs.popitem(last=False)
         logger.warning("reducer %s proven to lie (evidence checked, from %s): %s; refused for the rest of the run",
                        liar, "this peer's audit" if by == self.peer_id else by, accusation.reason)
         if led and self._leader(latest) == self.peer_id:
@@ -912,23 +922,38 @@ class Swarm:
         return "noted"
 
     async def _report(self, accusation: Accusation) -> None:
-        """Tell the leader: a lie once per liar, every suspicion (the leader matches them by round)."""
+        """Tell the leader: a lie once per liar and leader, every suspicion (the leader matches them by round)."""
         leader = self._leader(self.history.latest, besides=accusation.accused)
-        if leader is None or leader == self.peer_id or accusation.accused in self._reported:
+        key = (accusation.accused, leader)
+        if leader is None or leader == self.peer_id or key in self._reported:
             return
         if accusation.kind == "lie":
-            self._reported.add(accusation.accused)
-        await self._send(leader, accusation)
+            self._reported.add(key)  # in flight or done; a failed send is retried after RETRY_REPORT_S
+        if not await self._send(leader, accusation) and accusation.kind == "lie":
+            asyncio.get_running_loop().call_later(RETRY_REPORT_S, self._reported.discard, key)
 
-    async def _send(self, to: str, accusation: Accusation) -> None:
+    async def _remind_leader(self) -> None:
+        """A proven liar in the group this peer follows: its leader (a new one, say) has not seen the
+        evidence. Give it, once per leader."""
+        latest = self.history.latest
+        if latest is None:
+            return
+        for liar in [pid for pid in latest.member_ids() if pid in self._proofs]:
+            if (liar, self._leader(latest, besides=liar)) not in self._reported:
+                self._in_background(self._report(self._proofs[liar]))
+
+    async def _send(self, to: str, accusation: Accusation) -> bool:
+        """Whether ``to`` heard it (took it or said why not)."""
         try:
             taken, note = await send_accusation(self.p2p, to, accusation)
-            logger.info("told %s that %s %s: %s", to, accusation.accused,
-                        "lied" if accusation.kind == "lie" else f"is suspect ({accusation.kind})",
-                        note if taken else f"refused: {note}")
         except Exception as e:
             self.log.warning(f"send:{to}", "could not tell %s about %s: %s: %s", to, accusation.accused,
                              type(e).__name__, e)
+            return False
+        logger.info("told %s that %s %s: %s", to, accusation.accused,
+                    "lied" if accusation.kind == "lie" else f"is suspect ({accusation.kind})",
+                    note if taken else f"refused: {note}")
+        return True
 
     def _is_member(self, peer_id: str) -> bool:
         return any(peer_id in g.member_ids() for g in list(self.history.by_epoch.values()))
@@ -969,6 +994,7 @@ class Swarm:
         while True:
             try:
                 await self._refresh_group()
+                await self._remind_leader()
                 self.records = await self.directory.peers()
                 if time.monotonic() - last_announce > self.config.record_ttl / 3:
                     await self._announce()

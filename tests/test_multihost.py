@@ -1,0 +1,104 @@
+"""The README's coordinator and volunteer commands, verbatim, each on its own host.
+
+One network namespace per host with added latency (20–40 ms each way), a coordinator and volunteers
+on a public segment, one volunteer behind a NAT router (masquerade, no port forwarding), and a late
+joiner. The commands are read from README.md and run as written; the test only substitutes the
+coordinator's address (COORDINATOR_IP, PEER_ID) and appends the flags that bound and observe a run
+(--steps, --step-delay, --metrics-jsonl, --final-state, --quiet). Asserted: everyone trains in one
+group, the NAT'd volunteer switches to client mode by itself, the late joiner downloads the state,
+every volunteer exits 0 at the last step with bitwise-equal parameters, and no process is left.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lioncub_p2p.sim.hosts import HostNetwork, missing_tools
+
+from procs import read_jsonl as metrics, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+STEPS = 160
+
+
+def readme_commands(program: str) -> list[str]:
+    """Lines of README.md's bash blocks that run ``program`` (comments stripped)."""
+    text = (ROOT / "README.md").read_text()
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            line = line.split("  #")[0].strip()
+            if line.startswith(program + " "):
+                lines.append(line)
+    return lines
+
+
+def spawn(net: HostNetwork, host: str, command: str, workdir: Path, log: str) -> subprocess.Popen:
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return subprocess.Popen(net.exec_prefix(host) + ["bash", "-c", command], cwd=workdir, env=env,
+                            stdout=open(workdir / log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.mark.slow
+def test_readme_commands_on_separate_hosts_with_latency_and_nat(tmp_path):
+    why = missing_tools(nat=True, delay=True)
+    assert why is None, f"this test needs namespaces, a NAT router and added latency: {why}"
+    (coordinator_cmd,) = [c for c in readme_commands("lioncub-coordinator") if "--host-maddrs" in c][:1]
+    preflight_cmd, train_cmd = (readme_commands("lioncub-train") + ["", ""])[:2]
+    assert "--preflight" in preflight_cmd and "--preflight" not in train_cmd, (preflight_cmd, train_cmd)
+    bounds = f" --steps {STEPS} --step-delay 0.05 --quiet"
+    procs: list[subprocess.Popen] = []
+    with HostNetwork() as net:
+        coord = net.add_public("coord", delay_ms=20)
+        for name, delay in (("v1", 20), ("v2", 40), ("late", 25)):
+            net.add_public(name, delay_ms=delay)
+        home = net.add_private("home", delay_ms=30)
+        try:
+            procs.append(spawn(net, "coord", coordinator_cmd, tmp_path, "coord.log"))
+            printed = wait_for(lambda: re.search(r"/ip4/" + re.escape(coord.ip) + r"/tcp/31337/p2p/(\w+)",
+                                                 (tmp_path / "coord.log").read_text()), 60, "the coordinator's address")
+            peer_id = printed.group(1)
+
+            def volunteer(host: str, command: str, extra: str) -> subprocess.Popen:
+                line = command.replace("COORDINATOR_IP", coord.ip).replace("PEER_ID", peer_id) + extra
+                proc = spawn(net, host, line, tmp_path, f"{host}.log")
+                procs.append(proc)
+                return proc
+
+            founders = [volunteer(h, train_cmd, bounds + f" --metrics-jsonl {h}.jsonl --final-state {h}.state")
+                        for h in ("v1", "v2", "home")]
+            wait_for(lambda: any(r.get("peers", 0) >= 3 for r in metrics(tmp_path / "v1.jsonl")), 120,
+                     "three volunteers voting in one round")
+            # a volunteer checking first, while the run is on: the README's preflight command
+            check = volunteer("late", preflight_cmd, "")
+            assert check.wait(120) == 0, (tmp_path / "late.log").read_text()[-2000:]
+            preflight_out = (tmp_path / "late.log").read_text()
+            late = volunteer("late", train_cmd, bounds + " --metrics-jsonl late.jsonl --final-state late.state")
+            codes = [p.wait(300) for p in founders + [late]]
+            logs = {h: (tmp_path / f"{h}.log").read_text() for h in ("v1", "v2", "home", "late")}
+            assert codes == [0, 0, 0, 0], {h: log[-1500:] for h, log in logs.items()}
+            leftover = {h: subprocess.run(["ip", "netns", "pids", net.hosts[h].namespace], capture_output=True,
+                                          text=True).stdout.split() for h in ("v1", "v2", "home", "late")}
+        finally:
+            for proc in procs:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    states = {h: (tmp_path / f"{h}.state").read_bytes() for h in ("v1", "v2", "home", "late")}
+    assert all(s == states["v1"] for s in states.values()), "volunteers ended with different parameters"
+    assert leftover == {h: [] for h in leftover}, f"processes left after the trainers exited: {leftover}"
+    assert "[ OK ]" in preflight_out and "[FAIL]" not in preflight_out, preflight_out
+    assert "client mode" in logs["home"], logs["home"][-2000:]  # chosen by itself: the command has no flag for it
+    late_rows = metrics(tmp_path / "late.jsonl")
+    assert late_rows and late_rows[0]["step"] > 0, "the late joiner did not start from the swarm's step"
+    assert max(r.get("peers", 0) for r in late_rows) >= 4, "the late joiner never voted with all four"
+    print({h: log.splitlines()[:3] for h, log in logs.items()}, shlex.quote(train_cmd))
