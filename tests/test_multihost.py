@@ -61,6 +61,11 @@ def test_readme_commands_on_separate_hosts_with_latency_and_nat(tmp_path):
         for name, delay in (("v1", 20), ("v2", 40), ("late", 25)):
             net.add_public(name, delay_ms=delay)
         home = net.add_private("home", delay_ms=30)
+        def pids(host: str) -> set[str]:
+            return set(subprocess.run(["ip", "netns", "pids", net.hosts[host].namespace], capture_output=True,
+                                      text=True).stdout.split())
+
+        network_helpers = {h: pids(h) for h in ("v1", "v2", "home", "late")}  # the latency delayers
         try:
             procs.append(spawn(net, "coord", coordinator_cmd, tmp_path, "coord.log"))
             printed = wait_for(lambda: re.search(r"/ip4/" + re.escape(coord.ip) + r"/tcp/31337/p2p/(\w+)",
@@ -85,8 +90,17 @@ def test_readme_commands_on_separate_hosts_with_latency_and_nat(tmp_path):
             codes = [p.wait(300) for p in founders + [late]]
             logs = {h: (tmp_path / f"{h}.log").read_text() for h in ("v1", "v2", "home", "late")}
             assert codes == [0, 0, 0, 0], {h: log[-1500:] for h, log in logs.items()}
-            leftover = {h: subprocess.run(["ip", "netns", "pids", net.hosts[h].namespace], capture_output=True,
-                                          text=True).stdout.split() for h in ("v1", "v2", "home", "late")}
+            def leftover() -> dict[str, list[str]]:  # what still runs on each host, with its command line
+                left = {h: sorted(pids(h) - network_helpers[h]) for h in ("v1", "v2", "home", "late")}
+                return {h: [subprocess.run(["ps", "-o", "pid=,args=", "-p", pid], capture_output=True,
+                                           text=True).stdout.strip() or pid for pid in found]
+                        for h, found in left.items() if found}
+
+            try:  # a daemon killed by its exiting parent is reaped a moment later
+                wait_for(lambda: not leftover(), 10, "no process left on the volunteers' hosts")
+            except AssertionError:
+                pass  # named below, with the command lines
+            left = leftover()
         finally:
             for proc in procs:
                 try:
@@ -95,7 +109,7 @@ def test_readme_commands_on_separate_hosts_with_latency_and_nat(tmp_path):
                     pass
     states = {h: (tmp_path / f"{h}.state").read_bytes() for h in ("v1", "v2", "home", "late")}
     assert all(s == states["v1"] for s in states.values()), "volunteers ended with different parameters"
-    assert leftover == {h: [] for h in leftover}, f"processes left after the trainers exited: {leftover}"
+    assert not left, f"processes left after the trainers exited: {left}"
     assert "[ OK ]" in preflight_out and "[FAIL]" not in preflight_out, preflight_out
     assert "client mode" in logs["home"], logs["home"][-2000:]  # chosen by itself: the command has no flag for it
     late_rows = metrics(tmp_path / "late.jsonl")

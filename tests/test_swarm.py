@@ -799,3 +799,26 @@ def test_a_lying_reducer_is_dropped_by_the_leader_on_evidence_and_nobody_honest_
         assert set(s.liars) <= {liar.peer_id}, s.liars
         assert not (s.suspects() & honest_ids), s.suspicions
     assert liar.peer_id not in leader.history.latest.member_ids()
+
+
+def test_a_client_never_founds_a_run_it_waits_for_a_group_then_says_why():
+    """A client-mode peer that finds no group must not start one (nobody could dial it to reduce:
+    every round would fail and it would train alone); it waits for a group, then stops with one line.
+    (A client joining a listening founder's group: test_swarm_processes.py.)"""
+    from hivemind import DHT
+
+    bootstrap = DHT(start=True, host_maddrs=LOOPBACK)
+    maddrs = [str(m) for m in bootstrap.get_visible_maddrs()]
+    try:
+        client = Swarm(_config("lonely-client", initial_peers=maddrs, client_mode=True, join_timeout=5.0))
+        try:
+            started = time.monotonic()
+            with pytest.raises(SwarmError, match="client mode cannot start"):
+                model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+                client.join(LionCub(model.named_parameters(), lr=1e-3, aggregator=client))
+            assert time.monotonic() - started >= 4.5  # it waited for a group first
+            assert client.history.latest is None  # and published none
+        finally:
+            client.shutdown()
+    finally:
+        bootstrap.shutdown()

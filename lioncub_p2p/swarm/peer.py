@@ -455,12 +455,19 @@ class Swarm:
         if self.history.latest is None:
             time.sleep(1.0)  # a group record stored moments ago may not have reached us yet
             self._discover()
-        while self.history.latest is None and self._unreachable and time.monotonic() < deadline:
-            time.sleep(2.0)  # the run's group exists but its author did not answer: wait for it or a new leader
+        # the run's group exists but its author did not answer: wait for it or a new leader. A client
+        # cannot found a run (nobody could dial it to reduce): it waits for a group that can.
+        while self.history.latest is None and (self._unreachable or self.config.client_mode) \
+                and time.monotonic() < deadline:
+            time.sleep(2.0)
             self._discover()
         if self.history.latest is None and self._unreachable:  # founding a group of our own would split the run
             raise SwarmError(f"the group of run {self.config.run_id} did not answer this peer's admission request "
                              f"in time: can this machine reach its peers (firewall, --initial-peers)?")
+        if self.history.latest is None and self.config.client_mode:
+            raise SwarmError(f"no group of run {self.config.run_id} found in time, and a peer in client mode cannot "
+                             f"start one (nobody can dial it to reduce): start a listening peer first, or check "
+                             f"--run-id and --initial-peers")
         self._settle_manifest(optimizer)
         founded = False
         if self.history.latest is None:
