@@ -2,15 +2,29 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Any, Coroutine, TypeVar
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+
+def _quiet_cancelled_connections(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """Python 3.11's StreamReaderProtocol asks a *cancelled* client_connected_cb task for its
+    exception (fixed in 3.12), which raises CancelledError into the loop's handler: an ERROR and a
+    traceback each time a daemon's incoming connection is cut by an orderly shutdown. Only that case is
+    logged at DEBUG; everything else goes to asyncio's default handler."""
+    if isinstance(context.get("exception"), asyncio.CancelledError):
+        logger.debug("connection handler cancelled at shutdown: %s", context.get("message"))
+        return
+    loop.default_exception_handler(context)
 
 
 class BackgroundLoop:
     def __init__(self, name: str = "lioncub-loop"):
         self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(_quiet_cancelled_connections)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 

@@ -190,6 +190,25 @@ def test_variants_change_the_run_and_count_their_bits(tmp_path, monkeypatch):
     assert Options.of(["efvote", "efdecay0.5"]) == Options(ef="efvote", ef_decay=0.5)
 
 
+def test_a_delayed_vote_is_applied_d_steps_later(tmp_path, monkeypatch):
+    """delayD (pipelined rounds): nothing is applied for D steps, then step t applies the vote of step
+    t - D. Without weight decay, 1 delayed step leaves the model as it was (an lr of 0), and 2 delayed
+    steps leave it where 1 plain step does (step 0's vote; step 1's is still in flight)."""
+    task = _tiny_task(tmp_path, monkeypatch)
+    kw = dict(workers=4, batch=8, weight_decay=0.0, seed=1)
+    plain = parse_method("sign/majority")
+    delayed = parse_method("sign/majority+delay1")
+    untouched = run_variant(plain, task, steps=1, lr=0.0, **kw).test_loss
+    one_plain = run_variant(plain, task, steps=1, lr=3e-2, **kw).test_loss
+    assert one_plain != untouched
+    assert run_variant(delayed, task, steps=1, lr=3e-2, **kw).test_loss == untouched
+    assert run_variant(delayed, task, steps=2, lr=3e-2, **kw).test_loss == one_plain
+    ten = run_variant(delayed, task, steps=10, lr=3e-2, **kw)
+    assert ten.bits_per_element_per_step == run_variant(plain, task, steps=10, lr=3e-2, **kw).bits_per_element_per_step
+    zero = run_variant(parse_method("sign/majority+delay0"), task, steps=10, lr=3e-2, **kw)
+    assert zero.losses == run_variant(plain, task, steps=10, lr=3e-2, **kw).losses
+
+
 def test_compare_end_to_end_with_a_user_task(tmp_path, monkeypatch, capsys):
     from lioncub_p2p.sim.inprocess import run as compare
 

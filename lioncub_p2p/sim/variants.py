@@ -30,6 +30,9 @@ option         what changes                                                     
 ``abstainK``   on 1/K of the elements (rotating each step) a second bit lets a peer   1/K up
                abstain where |c| < mean|c| of its tensor (an l1:2 vote there); the
                sum of ±1/0 votes decides, ties at random
+``delayD``     the vote of step t is applied at the end of step t + D (pipelined     none
+               rounds: it travels while the next D forward/backward passes run on
+               parameters without it); weight decay still every step
 =============  ==================================================================  ============
 """
 from __future__ import annotations
@@ -48,7 +51,7 @@ from .inprocess import (MOMENTUM_SYNC_BITS, Clock, CompareTask, DataExhausted, M
                         average_momenta, worker_loss)
 
 FLAGS = ("ef", "efvote", "weighted", "tieprev", "agree")
-NUMBERED = ("efdecay", "beta", "slices", "abstain", "tieema")
+NUMBERED = ("efdecay", "beta", "slices", "abstain", "tieema", "delay")
 
 
 def check_variant(name: str, spec: str = "") -> None:
@@ -77,6 +80,7 @@ class Options:
     beta1: float | None = None
     slices: int = 0
     abstain: int = 0
+    delay: int = 0
 
     @classmethod
     def of(cls, names: Sequence[str]) -> "Options":
@@ -101,6 +105,8 @@ class Options:
                 values["slices"] = int(float(name[6:]))
             elif name.startswith("abstain"):
                 values["abstain"] = int(float(name[7:]))
+            elif name.startswith("delay"):
+                values["delay"] = int(float(name[5:]))
         return cls(**values)
 
 
@@ -155,6 +161,7 @@ def run_variant(method: Method, task: CompareTask, *, workers: int, steps: int, 
     previous: list[torch.Tensor | None] = [None] * len(params)
     numel = sum(layout.numels)
     curve, evals, clock, synced, side_up, side_down = [], [], Clock(), 0, 0.0, 0.0
+    in_flight: list[tuple[list[torch.Tensor], list[float]]] = []  # votes not applied yet (delayD)
     wanted = {k for k in eval_at if 0 < k < steps}
     for step in range(steps):
         directions, losses = [], []
@@ -199,11 +206,14 @@ def run_variant(method: Method, task: CompareTask, *, workers: int, steps: int, 
         if opt.agree:
             scales = _agreement_scales(updates, directions, layout.numels)
             side_down += 16.0 * len(params) / numel  # the reducer's scale per tensor, bf16
+        in_flight.append((updates, scales))
+        updates, scales = in_flight.pop(0) if len(in_flight) > opt.delay else (None, scales)
         with torch.no_grad():
-            for p, u, s in zip(params, updates, scales):
+            for k, (p, s) in enumerate(zip(params, scales)):
                 if weight_decay:
                     p.mul_(1 - lr * weight_decay)
-                p.add_(u.view_as(p), alpha=-lr * s)
+                if updates is not None:  # the first D steps of a delayed run have no vote back yet
+                    p.add_(updates[k].view_as(p), alpha=-lr * s)
         if opt.slices:
             synced += _sync_slice(momenta, step, opt.slices)
         if method.momentum.due(step + 1):
