@@ -14,10 +14,11 @@ import torch  # noqa: E402
 if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
 
-# The suite runs on two pytest-xdist workers, a file per worker at a time (pyproject: -n 2 --dist
-# loadfile). Files are handed out in collection order, so the longest go first: a long file started
-# last would leave the other worker idle at the end. Seconds measured on a 2-core machine; files not
-# listed keep their order after these.
+# The suite runs on two pytest-xdist workers (pyproject: -n 2 --dist loadgroup). Tests that run
+# whole trainer processes (test_sim, test_multihost, test_swarm_processes) share the xdist group
+# "processes": one worker runs them one after another, so two of them never load the 2 cores at once;
+# every other test goes to whichever worker is free. Items are handed out in collection order, so the
+# longest files go first (seconds measured on a 2-core machine); unlisted files keep their order.
 LONGEST_FILES_FIRST = {
     "test_sim.py": 380, "test_swarm.py": 120, "test_attacks_round.py": 100, "test_cli.py": 100,
     "test_swarm_processes.py": 95, "test_attacks_membership.py": 90, "test_allreduce.py": 60,

@@ -24,6 +24,9 @@ from lioncub_p2p.sim.hosts import HostNetwork, missing_tools
 
 from procs import read_jsonl as metrics, wait_for
 
+# whole trainer processes on shaped links: one such test at a time (conftest.py, xdist_group)
+pytestmark = pytest.mark.xdist_group("processes")
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 STEPS = 160

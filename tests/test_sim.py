@@ -12,6 +12,9 @@ from lioncub_p2p.sim.launcher import run as sim_run
 
 from procs import read_jsonl
 
+# whole trainer processes on shaped links: one such test at a time (conftest.py, xdist_group)
+pytestmark = pytest.mark.xdist_group("processes")
+
 
 def test_link_profiles_from_flags_and_yaml_fields():
     assert [(p.up_mbit, p.down_mbit) for p in parse_links("100,50/20")] == [(100, 100), (50, 20)]
@@ -180,7 +183,8 @@ def test_flaky_schedule_stalled_and_returning_peers_train_with_the_group(tmp_pat
     assert max(b["time"] - a["time"] for a, b in zip(rows[1], rows[1][1:])) > 1.9  # ...after its 2 s stop
     first_life_end = next(i for i in range(1, len(steps[2])) if steps[2][i] != steps[2][i - 1] + 1)  # it came back
     second_life = steps[2][first_life_end:]
-    assert 8 <= steps[2][first_life_end - 1] < REJOIN_AT  # killed on schedule, before its return
+    # killed on schedule (at step 8 by the launcher's poll; its last logged step may trail by one), before its return
+    assert 7 <= steps[2][first_life_end - 1] < REJOIN_AT
     assert second_life[0] >= REJOIN_AT  # it came back with the swarm's state, not from scratch
     assert len(second_life) >= 20  # ...and trained with the group to the end
     assert second_life[-1] >= min(steps[0][-1], steps[1][-1]) - 10

@@ -14,6 +14,9 @@ from lioncub_p2p.swarm import snapshot
 
 from procs import Processes, last_step, read_jsonl, wait_for_file
 
+# whole trainer processes on shaped links: one such test at a time (conftest.py, xdist_group)
+pytestmark = pytest.mark.xdist_group("processes")
+
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
 
