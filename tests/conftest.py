@@ -15,7 +15,7 @@ if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
 
 # The suite runs on two pytest-xdist workers (pyproject: -n 2 --dist loadgroup). Tests that run
-# whole trainer processes (test_sim, test_multihost, test_swarm_processes) share the xdist group
+# whole trainer processes (test_sim, test_multihost, test_swarm_processes, the NAT trainer) share the xdist group
 # "processes": one worker runs them one after another, so two of them never load the 2 cores at once;
 # every other test goes to whichever worker is free. Items are handed out in collection order, so the
 # longest files go first (seconds measured on a 2-core machine); unlisted files keep their order.

@@ -127,7 +127,8 @@ def test_sigint_reaches_a_trainer_started_in_the_background_of_a_script(tmp_path
         ignored = int(Path(f"/proc/{sleeper}/status").read_text().split("SigIgn:")[1].split()[0], 16)
         assert ignored & (1 << (signal.SIGINT - 1)), "the premise: background jobs of a script ignore SIGINT"
         pid = int(wait_for_file(tmp_path / "t0.pid", 30))
-        _wait(lambda: "started it" in (tmp_path / "t0.log").read_text(), 120, "the trainer to found its run")
+        log = tmp_path / "t0.log"  # opened by the background job itself, maybe after t0.pid is written
+        _wait(lambda: log.exists() and "started it" in log.read_text(), 120, "the trainer to found its run")
         tree = process_tree(pid)
         os.kill(pid, signal.SIGINT)
         _wait(lambda: _stat(pid) is None or _stat(pid)[1] == "Z", 90, "the trainer to exit after SIGINT")

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.xdist_group("processes")
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-STEPS = 160
+STEPS = 200
 
 
 def readme_commands(program: str) -> list[str]:
@@ -57,7 +57,9 @@ def test_readme_commands_on_separate_hosts_with_latency_and_nat(tmp_path):
     (coordinator_cmd,) = [c for c in readme_commands("lioncub-coordinator") if "--host-maddrs" in c][:1]
     preflight_cmd, train_cmd = (readme_commands("lioncub-train") + ["", ""])[:2]
     assert "--preflight" in preflight_cmd and "--preflight" not in train_cmd, (preflight_cmd, train_cmd)
-    bounds = f" --steps {STEPS} --step-delay 0.05 --quiet"
+    # paced so that the run lasts over a minute: the late joiner (a preflight, then a start, each 10-40 s
+    # on a loaded 2-core machine) must come in mid-run, not as the founders finish
+    bounds = f" --steps {STEPS} --step-delay 0.3 --quiet"
     procs: list[subprocess.Popen] = []
     with HostNetwork() as net:
         coord = net.add_public("coord", delay_ms=20)
@@ -110,12 +112,13 @@ def test_readme_commands_on_separate_hosts_with_latency_and_nat(tmp_path):
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-    states = {h: (tmp_path / f"{h}.state").read_bytes() for h in ("v1", "v2", "home", "late")}
-    assert all(s == states["v1"] for s in states.values()), "volunteers ended with different parameters"
     assert not left, f"processes left after the trainers exited: {left}"
     assert "[ OK ]" in preflight_out and "[FAIL]" not in preflight_out, preflight_out
     assert "client mode" in logs["home"], logs["home"][-2000:]  # chosen by itself: the command has no flag for it
     late_rows = metrics(tmp_path / "late.jsonl")
     assert late_rows and late_rows[0]["step"] > 0, "the late joiner did not start from the swarm's step"
+    assert late_rows[0]["step"] <= STEPS - 30, f"the late joiner came in at step {late_rows[0]['step']} of {STEPS}"
+    states = {h: (tmp_path / f"{h}.state").read_bytes() for h in ("v1", "v2", "home", "late")}
+    assert all(s == states["v1"] for s in states.values()), "volunteers ended with different parameters"
     assert max(r.get("peers", 0) for r in late_rows) >= 4, "the late joiner never voted with all four"
     print({h: log.splitlines()[:3] for h, log in logs.items()}, shlex.quote(train_cmd))

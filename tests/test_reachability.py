@@ -159,6 +159,7 @@ def test_a_host_behind_nat_is_found_undialable_and_a_public_host_dialable():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("processes")  # trainer processes: one such test at a time (conftest.py)
 def test_a_trainer_behind_nat_chooses_client_mode_by_itself_and_trains_with_a_public_founder(tmp_path):
     """Two hosts: a founder on the public segment, a volunteer behind a masquerading NAT router. Both
     run lioncub-train with no --client-mode flag; the volunteer finds out by itself (a dial-back from
