@@ -33,7 +33,8 @@ from lioncub_p2p.codecs import reduce_votes, result_codec, upload_codec
 from lioncub_p2p.codecs_delta import decode_delta, encode_candidates, encoded_kind
 from lioncub_p2p.momentum import MomentumSchedule, average_in_process
 from lioncub_p2p.optim import LionCub
-from lioncub_p2p.sim.tasks import digits_task, stdlib_bytes_task
+from lioncub_p2p.tasks.byte_gpt import stdlib_bytes_task
+from lioncub_p2p.tasks.digits import digits_task
 
 WINDOWS = [(1, 10), (10, 50), (50, 100), (100, 200), (200, 300), (300, 10**9)]
 TASKS = {  # name: (task factory, lr, batch per worker): the settings lioncub-compare and the examples use

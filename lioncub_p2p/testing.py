@@ -40,6 +40,8 @@ from .wire import PROTOCOL_VERSION, pb, read_frame, write_frame
 
 Behavior = Callable[[VoteNode, RoundSpec, torch.Tensor], Awaitable[object]]
 FAST_CONFIG = AllReduceConfig(upload_timeout=3.0, result_timeout=6.0, join_timeout=2.0, recovery_timeout=2.0)
+# whole Swarms training on loopback (tests, the soak): a missed round costs a few seconds, not a minute
+SWARM_ROUNDS = AllReduceConfig(upload_timeout=2.0, result_timeout=4.0, join_timeout=2.0, recovery_timeout=1.0)
 
 
 LISTEN = {"tcp": ["/ip4/127.0.0.1/tcp/0"], "quic": ["/ip4/127.0.0.1/udp/0/quic-v1"]}

@@ -26,10 +26,11 @@ from hivemind.utils import get_dht_time
 from torch import nn
 
 from lioncub_p2p import LionCub, MomentumSchedule
-from lioncub_p2p.allreduce import AllReduceConfig, PeerSpec
+from lioncub_p2p.allreduce import PeerSpec
+from lioncub_p2p.testing import SWARM_ROUNDS
 from lioncub_p2p.allreduce.admission import run_key
 from lioncub_p2p.identity import Identity
-from lioncub_p2p.sim.tasks import digits_task
+from lioncub_p2p.tasks.digits import digits_task
 from lioncub_p2p.swarm import Swarm, SwarmConfig, snapshot
 from lioncub_p2p.swarm.membership import GroupRecord, PeerRecord
 from lioncub_p2p.swarm.peer import _descendants
@@ -38,7 +39,7 @@ from lioncub_p2p.swarm.records import canonical, seal, signed_bytes
 pytestmark = pytest.mark.slow  # each trains a swarm of 4 threads with their own daemons for ~a minute
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
-FAST = AllReduceConfig(upload_timeout=2, result_timeout=4, join_timeout=2, recovery_timeout=1)
+FAST = SWARM_ROUNDS
 ATTACK_AT, JOIN_AT, KILL_AT, OPEN_END = 10, 20, 30, 10**9
 DROP_BOUND_S = 30.0  # DROP_AFTER_S (5 s) + two missed rounds + lead steps, with room for a loaded 2-core machine
 WORDS = ["password", "letmein", "hunter2", "dragon", "monkey", "qwerty", "s3cret", "trustno1"]

@@ -18,7 +18,7 @@ import functools
 import pytest
 
 from lioncub_p2p.sim.inprocess import BYZANTINE, Method, Outcome, run_method
-from lioncub_p2p.sim.tasks import Task, digits_task
+from lioncub_p2p.tasks.digits import Task, digits_task
 
 STEPS, HIDDEN, LR = 150, 32, 1e-3
 MAX_LOST = 0.4  # of the all-honest run's loss reduction

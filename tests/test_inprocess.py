@@ -2,7 +2,7 @@ import json
 
 from lioncub_p2p.momentum import MomentumSchedule
 from lioncub_p2p.sim.inprocess import DEFAULT_METHODS, Method, main, run_method
-from lioncub_p2p.sim.tasks import digits_task
+from lioncub_p2p.tasks.digits import digits_task
 
 
 def test_majority_with_momentum_averaging_tracks_global_lion():

@@ -8,7 +8,7 @@ from hivemind import DHT
 from torch import nn
 
 from lioncub_p2p import LionCub
-from lioncub_p2p.allreduce import AllReduceConfig
+from lioncub_p2p.testing import SWARM_ROUNDS
 from lioncub_p2p.identity import Identity
 from lioncub_p2p.swarm import Manifest, ManifestError, SettingsMismatch, Swarm, SwarmConfig, publish_manifest
 from lioncub_p2p.swarm.manifest import DEFAULTS, ManifestMismatch, resolve
@@ -16,7 +16,7 @@ from lioncub_p2p.swarm.membership import Directory, PeerRecord
 from lioncub_p2p.wire import PROTOCOL_VERSION
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
-FAST = AllReduceConfig(upload_timeout=2, result_timeout=4, join_timeout=2, recovery_timeout=1)
+FAST = SWARM_ROUNDS
 
 
 # -- files ---------------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ from torch import nn
 
 from lioncub_p2p import LionCub, MomentumSchedule
 from lioncub_p2p.aio import BackgroundLoop
-from lioncub_p2p.allreduce import AllReduceConfig, PeerSpec
-from lioncub_p2p.sim.tasks import digits_task
+from lioncub_p2p.allreduce import PeerSpec
+from lioncub_p2p.testing import SWARM_ROUNDS
+from lioncub_p2p.tasks.digits import digits_task
 from lioncub_p2p.swarm import Swarm, SwarmConfig, checkpoint, snapshot
 from lioncub_p2p.swarm import state_transfer
 from lioncub_p2p.identity import Identity
@@ -280,7 +281,7 @@ def test_download_starts_over_when_the_next_donor_moved_on(monkeypatch):
 
 # -- a swarm in threads: repair and restart ---------------------------------------------------------------
 
-FAST = AllReduceConfig(upload_timeout=2, result_timeout=4, join_timeout=2, recovery_timeout=1)
+FAST = SWARM_ROUNDS
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from local_swarm import run_local_swarm  # noqa: E402
 
 from lioncub_p2p import LionCub  # noqa: E402
-from lioncub_p2p.sim.tasks import digits_task  # noqa: E402
+from lioncub_p2p.tasks.digits import digits_task  # noqa: E402
 from lioncub_p2p.swarm import snapshot  # noqa: E402
 
 

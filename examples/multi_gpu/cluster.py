@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from lioncub_p2p import LionCub, MomentumSchedule
 from lioncub_p2p.cluster import ClusterAggregator
-from lioncub_p2p.sim.tasks import digits_task
+from lioncub_p2p.tasks.digits import digits_task
 from lioncub_p2p.swarm import snapshot
 
 

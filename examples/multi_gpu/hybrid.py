@@ -36,7 +36,7 @@ from local_swarm import LOCAL, LOOPBACK  # noqa: E402
 
 from lioncub_p2p import LionCub, MomentumSchedule  # noqa: E402
 from lioncub_p2p.cluster import HybridAggregator  # noqa: E402
-from lioncub_p2p.sim.tasks import digits_task  # noqa: E402
+from lioncub_p2p.tasks.digits import digits_task  # noqa: E402
 from lioncub_p2p.swarm import Swarm, SwarmConfig, snapshot  # noqa: E402
 
 RUN = "multi-gpu-example"

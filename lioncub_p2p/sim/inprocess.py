@@ -137,7 +137,7 @@ class CompareTask:
 
 
 class LegacyTask(CompareTask):
-    """The simulators' sharded tasks (``sim.tasks``: ``Task``, ``ByteLMTask``): worker i draws from
+    """The simulators' sharded tasks (``lioncub_p2p.tasks``: ``Task``, ``ByteLMTask``): worker i draws from
     shard i; ``evaluate`` gives (test loss, accuracy or bits per byte)."""
 
     def __init__(self, task: Any):

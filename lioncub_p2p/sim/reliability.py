@@ -49,7 +49,7 @@ from ..wire import PROTOCOL_VERSION, pb, write_frame
 from .inprocess import Method, run_method
 from .process_faults import run_process_faults
 from .soak import run_soak
-from .tasks import digits_task
+from ..tasks.digits import digits_task
 
 logger = logging.getLogger("lioncub.reliability")
 CFG = AllReduceConfig(chunk_bytes=4096, upload_timeout=3.0, result_timeout=6.0, join_timeout=2.0, recovery_timeout=2.0)

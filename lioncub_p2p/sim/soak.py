@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..allreduce import AllReduceConfig
 from ..momentum import MomentumSchedule
 from ..optim import LionCub
 from ..swarm import Swarm, SwarmConfig, snapshot
-from .tasks import digits_task
+from ..tasks.digits import digits_task
+from ..testing import SWARM_ROUNDS
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +82,7 @@ def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: i
              timeout: float = 600.0) -> SoakReport:
     rng = random.Random(seed)
     task = digits_task(0, hidden=hidden)
-    allreduce = AllReduceConfig(upload_timeout=2.0, result_timeout=4.0, join_timeout=2.0, recovery_timeout=1.0)
-    base = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], allreduce=allreduce, momentum=MomentumSchedule(every=10), record_ttl=6.0)
+    base = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], allreduce=SWARM_ROUNDS, momentum=MomentumSchedule(every=10), record_ttl=6.0)
     report, started = SoakReport(), time.monotonic()
     first = _Peer(0, SwarmConfig("soak", **base), task, rounds)
     maddrs = [str(m) for m in first.swarm.dht.get_visible_maddrs()]
