@@ -59,10 +59,10 @@ def test_short_comparison_writes_report_and_plot(tmp_path):
     """Runs everywhere: shaped in namespaces as root, else on loopback with the report saying so."""
     profile = tmp_path / "peers.yaml"
     profile.write_text("peers:\n  - {up: 50, down: 50}\n  - {up: 20, down: 20, delay: 20}\n  - {mbit: 10, delay: 40}\n")
-    results = sim_run(["--profile", str(profile), "--methods", "lioncub", "dlion", "hivemind-fp16", "--hidden", "256",
+    results = sim_run(["--profile", str(profile), "--methods", "lioncub", "hivemind-fp16", "--hidden", "256",
                        "--seconds", "8", "--eval-every", "2", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "report.json").read_text())
-    assert len(report["results"]) == 3
+    assert len(report["results"]) == 2  # (D-Lion's all-gather vs numpy: tests/test_transfer.py)
     by = {r.method: r for r in results}
     assert all(r.rounds >= 3 and r.peers_finished == 3 for r in results)
     # bits on the wire (interface or proxy counters): the vote moves far fewer than fp16
@@ -172,8 +172,8 @@ def test_flaky_schedule_stalled_and_returning_peers_train_with_the_group(tmp_pat
     profile = tmp_path / "peers.yaml"
     profile.write_text("peers:\n  - {mbit: 50}\n  - {mbit: 20, stall_at: 5, stall_s: 2}\n"
                        f"  - {{mbit: 20, leave_at: 8, rejoin_at: {REJOIN_AT}}}\n")
-    # 80 s: a trainer takes 20-35 s to start on a loaded 2-core machine, and the returning one starts late
-    (result,) = sim_run(["--profile", str(profile), "--methods", "lioncub", "--hidden", "64", "--seconds", "80",
+    # 60 s: a trainer takes 20-35 s to start on a loaded 2-core machine, and the returning one starts late
+    (result,) = sim_run(["--profile", str(profile), "--methods", "lioncub", "--hidden", "64", "--seconds", "60",
                          "--eval-every", "0", "--out", str(tmp_path)])
     assert result.exit_codes == [0, 0, 0]  # all stopped cleanly (none SIGKILLed by the launcher at the end)
     assert result.peers_finished >= 2  # the returning peer's clock started later: it is stopped when they finish
