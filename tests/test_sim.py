@@ -253,3 +253,15 @@ def test_byte_counters_are_read_once_more_when_every_peer_exits_between_two_poll
     nothing.observe([0], [0], any_exited=True)
     nothing.close([5])
     assert nothing.per_step() is None
+
+
+def test_params_are_compared_at_the_step_most_peers_ended_at():
+    """A peer the clock stopped one step after the others holds one more update: the others are
+    compared (before: only that one peer was 'at the last step', and the report said nothing)."""
+    from lioncub_p2p.sim.launcher import _finite_mean, _last_step_count
+
+    assert _last_step_count([76, 75, 75, 75]) == (75, 3)
+    assert _last_step_count([35, 36, 36, 36]) == (36, 3)
+    assert _last_step_count([57, 56, 57, 56]) == (57, 2)  # a tie: the later step
+    assert _last_step_count([None, 4, None]) == (4, 1) and _last_step_count([None]) == (None, 0)
+    assert _finite_mean([94.0, float("nan"), 96.0]) == 95.0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -400,7 +401,7 @@ def summarize(name: str, method: Method, out: Path, n: int, counters, hidden: in
         bits_per_param=8 * (med(up) + med(down)) / numel,
         final_train_loss=statistics.mean([r["loss"] for r in first[-10:]]) if first else float("nan"),
         final_eval_loss=statistics.mean([e["eval_loss"] for e in evals]) if evals else float("nan"),
-        final_eval_accuracy=statistics.mean([e["eval_accuracy"] for e in evals]) if evals else float("nan"),
+        final_eval_accuracy=_finite_mean([e["eval_accuracy"] for e in evals]),
         divergence_events=sum(bool(r.get("repaired")) for r in rows), peers_finished=len(evals),
         votes_counted={str(k): votes.count(k) for k in sorted(set(votes), reverse=True)},
         bytes_source=source, curves=curves)
@@ -435,7 +436,7 @@ def swarm_curve(per_peer: list[list[dict]], t0: float) -> dict[str, list]:
 
 def final_agreement(out: Path, n: int) -> tuple[list[int | None], bool | None]:
     """Each peer's final step (None without a final state) and whether every peer that ended at the
-    last step holds bitwise the same parameters (None if fewer than two did)."""
+    step most peers ended at holds bitwise the same parameters (None if fewer than two did)."""
     finals: list[tuple[int, bytes] | None] = []
     for i in range(n):
         try:
@@ -449,9 +450,20 @@ def final_agreement(out: Path, n: int) -> tuple[list[int | None], bool | None]:
 
 
 def _last_step_count(final_steps: list[int | None]) -> tuple[int | None, int]:
-    """The last final step any peer reached, and how many peers ended there."""
-    last = max((s for s in final_steps if s is not None), default=None)
-    return last, sum(1 for s in final_steps if s is not None and s == last)
+    """The final step most peers ended at (the later one on a tie), and how many did. The launcher
+    stops peers on a clock, so one may stop a step after the others: its parameters hold one more
+    update, and comparing the others is what says whether the swarm stayed together."""
+    ended = [s for s in final_steps if s is not None]
+    if not ended:
+        return None, 0
+    step = max(set(ended), key=lambda s: (ended.count(s), s))
+    return step, ended.count(step)
+
+
+def _finite_mean(values: list[float]) -> float:
+    """Mean of the finite values (a peer stopped before its final evaluation logs no accuracy)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.mean(finite) if finite else float("nan")
 
 
 def _mean_step(first: list[dict], per_peer: list[list[dict]]) -> float:
@@ -537,7 +549,7 @@ def _votes(r: MethodResult) -> str:
 
 
 def _agreement(r: MethodResult) -> str:
-    """Whether the peers that ended at the last step hold the same parameters, and how many did."""
+    """Whether the peers that ended at the step most ended at hold the same parameters, and how many did."""
     if r.identical_final_params is None:
         return "-"
     last, at_last = _last_step_count(r.final_steps)
