@@ -458,10 +458,18 @@ def test_an_outsider_holding_hundreds_of_idle_streams_cannot_stop_rounds():
                 results = swarm.allreduce(codes, step=step)
                 bound = fresh.result_timeout + fresh.recovery_timeout  # a round's deadline
                 assert time.monotonic() - started < bound, [r.timings for r in swarm.reports]
-                want = numpy_vote(codes, "sign", "majority", numel, 0, step)
-                for i in range(4):
-                    np.testing.assert_array_equal(as_values(results[i], numel), want)
-                    assert all(p.status == "ok" for p in swarm.reports[i].parts), [(p.status, p.note) for p in swarm.reports[i].parts]
+                # exact: each part is the numpy vote of the members its reducer counted, the same on
+                # every peer, never short of a quorum. (Counted are all 4 unless a member's vote came
+                # after the deadline: once in a CI run with the other xdist worker loading both cores.)
+                got = [as_values(results[i], numel) for i in range(4)]
+                for j, part in enumerate(swarm.reports[0].parts):
+                    counted = part.counted
+                    assert part.status == "ok" and len(counted) >= 3, (j, part.status, part.note, counted)
+                    assert all(swarm.reports[i].parts[j].counted == counted for i in range(4))
+                    want = numpy_vote([codes[c] for c in counted], "sign", "majority", numel, 0, step)
+                    span = slice(8 * part.start, 8 * part.stop)
+                    for i in range(4):
+                        np.testing.assert_array_equal(got[i][span], want[span])
         finally:
             swarm._loop.loop.call_soon_threadsafe(stop.set)
             dialed = [f.result(60) for f in futures]
