@@ -24,12 +24,7 @@ class Processes:
         return proc
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Signal the whole process group: the peer, its DHT process and its libp2p daemons."""
-        proc = self.procs[name]
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        kill_group(self.procs[name], sig)
 
     def log(self, name: str) -> str:
         return (self.workdir / f"{name}.log").read_text()
@@ -54,6 +49,14 @@ class Processes:
             except subprocess.TimeoutExpired:
                 pass
             self.kill(name, signal.SIGKILL)  # the group may hold orphaned DHT or daemon processes
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal a process started with start_new_session: the peer, its DHT process and libp2p daemons."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def wait_for(condition, timeout: float, what: str, poll: float = 0.2):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 
 from lioncub_p2p.sim.hosts import HostNetwork, missing_tools
 
-from procs import read_jsonl as metrics, wait_for
+from procs import kill_group, read_jsonl as metrics, wait_for
 
 # whole trainer processes on shaped links: one such test at a time (conftest.py, xdist_group)
 pytestmark = pytest.mark.xdist_group("processes")
@@ -108,10 +107,7 @@ def test_readme_commands_on_separate_hosts_with_latency_and_nat(tmp_path):
             left = leftover()
         finally:
             for proc in procs:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                kill_group(proc)
     assert not left, f"processes left after the trainers exited: {left}"
     assert "[ OK ]" in preflight_out and "[FAIL]" not in preflight_out, preflight_out
     assert "client mode" in logs["home"], logs["home"][-2000:]  # chosen by itself: the command has no flag for it

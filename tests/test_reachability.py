@@ -4,7 +4,6 @@ import json
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,8 @@ from hivemind.p2p import P2P
 from lioncub_p2p.sim.hosts import HostNetwork, missing_tools
 from lioncub_p2p.swarm import reachability
 from lioncub_p2p.swarm.reachability import Reachability
+
+from procs import kill_group
 
 
 def test_dialback_on_loopback_reaches_the_listening_port_and_reports_the_observed_ip():
@@ -199,10 +200,7 @@ def test_a_trainer_behind_nat_chooses_client_mode_by_itself_and_trains_with_a_pu
             codes = [founder.wait(240), volunteer.wait(240)]
         finally:
             for proc in procs:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                kill_group(proc)
     logs = {h: (tmp_path / f"{h}.log").read_text() for h in ("f", "h")}
     assert codes == [0, 0], {h: log[-2000:] for h, log in logs.items()}
     lines = [line for line in logs["h"].splitlines() if "client mode" in line and "peers cannot dial" in line]
