@@ -34,7 +34,9 @@ def train_with_hivemind_averager(args, settings, task: TrainingTask,
     from hivemind.compression import Float16Compression, NoCompression
 
     model = task.model
-    dht = DHT(start=True, initial_peers=initial_peers, host_maddrs=args.host_maddrs,
+    # hivemind's averager ends its streams right after the last write, which loses that write over QUIC
+    tcp_only = [m for m in args.host_maddrs if "/quic" not in m] or args.host_maddrs
+    dht = DHT(start=True, initial_peers=initial_peers, host_maddrs=tcp_only,
               announce_maddrs=args.announce_maddrs or None, client_mode=args.client_mode,
               no_listen=args.client_mode, nat_port_map=False, auto_nat=False)
     averager = None

@@ -248,9 +248,10 @@ class Simulation:
                 for p in running():
                     if p.poll() is None:
                         _signal_group(p, signal.SIGINT)
-                ended_at, kill_at = float("inf"), time.monotonic() + 10
+                # a stop signal lets the current step end, and a step's round may wait out both timeouts
+                ended_at, kill_at = float("inf"), time.monotonic() + sum(self.timeouts) + 10
             if ended_at == float("inf") and time.monotonic() > kill_at:
-                for p in running():  # stuck in a lockstep round with a peer that already left
+                for p in running():  # stuck past what the timeouts allow: a bug, shown as exit code -9
                     _kill_group(p)
             steps = [_last_step(out / f"peer{i}.jsonl") for i in range(len(peers))]
             step = max(steps, default=-1)

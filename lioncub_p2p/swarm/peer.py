@@ -74,11 +74,10 @@ MAX_RECORD_TTL = 300.0
 ROUND_KINDS = ("vote", "momentum")
 MAX_PROOFS_KEPT = 64  # liars whose evidence this peer keeps to show later leaders
 RETRY_REPORT_S = 10.0  # a leader that could not be told about a liar is told again after this
-LISTEN_ALL = ["/ip4/0.0.0.0/tcp/0"]
-# QUIC as well: the daemon accepts it, but over QUIC a stream closed right after its last write loses
-# that write (24 of 30 times on loopback) and the state, probe and fetch handlers close that way:
-# opt-in until they wait for the other side to close first (as admit.py does)
-LISTEN_ALL_QUIC = LISTEN_ALL + ["/ip4/0.0.0.0/udp/0/quic-v1"]
+# TCP and QUIC on every interface, ports chosen by the OS. Over QUIC a stream closed right after its
+# last write loses that write, so every handler here that ends a stream with a reply waits (bounded)
+# for the reader to close first (wire.close_after_reply; tests/test_transfer.py)
+LISTEN_ALL = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
 
 
 class SwarmError(RuntimeError):
@@ -104,7 +103,7 @@ class SwarmConfig:
 
     run_id: str
     initial_peers: list[str] = field(default_factory=list)
-    host_maddrs: list[str] = field(default_factory=lambda: list(LISTEN_ALL))  # all interfaces (TCP)
+    host_maddrs: list[str] = field(default_factory=lambda: list(LISTEN_ALL))  # all interfaces, TCP and QUIC
     announce_maddrs: list[str] = field(default_factory=list)
     identity_path: str | None = None  # None: a fresh key in a private temporary directory
     # "auto": ask the initial peers whether they can dial this machine (reachability.py): client mode if
