@@ -171,6 +171,18 @@ class VoteNode:
     def _is_member(self, peer_id: str) -> bool:
         return any(peer_id in state.spec._index for state in self._rounds.values())  # type: ignore[attr-defined]
 
+    def stop_waiting_for(self, peer_ids: set[str], reason: str) -> None:
+        """Leave these peers' unfinished votes out of every part this peer still reduces (they said
+        they left the run): the part closes with the votes in, not at the upload deadline."""
+        for state in self._rounds.values():
+            red = state.reduction
+            if red is None or red.finalized:
+                continue
+            for peer_id in peer_ids:
+                voter = state.spec._index.get(peer_id)  # type: ignore[attr-defined]
+                if voter is not None and voter != state.me:
+                    red.drop(voter, reason)
+
     async def settle_audits(self, timeout: float | None = None) -> None:
         """Wait for the audits in flight (tests, and a peer that wants its verdicts before leaving)."""
         if self._audits:

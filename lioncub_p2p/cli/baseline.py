@@ -69,7 +69,7 @@ def train_with_hivemind_averager(args, settings, task: TrainingTask,
                     for tensor, p in zip(tensors, model.parameters()):
                         tensor.copy_(p.grad)
                 try:
-                    ok = averager.step(timeout=args.result_timeout) is not None
+                    ok = _average(averager, args.result_timeout, stop)
                 except Interrupted:
                     raise
                 except Exception as e:
@@ -105,3 +105,15 @@ def train_with_hivemind_averager(args, settings, task: TrainingTask,
         if averager is not None:
             averager.shutdown()
         dht.shutdown()
+
+
+def _average(averager, timeout: float, stop: StopSignals) -> bool:
+    """One averaging round. A stop signal ends the wait: hivemind's matchmaking alone may take the
+    whole timeout when the other peers have already left."""
+    control = averager.step(timeout=timeout, wait=False)
+    while not control.done():
+        if stop.requested:
+            control.cancel()
+            return False
+        time.sleep(0.05)
+    return control.result() is not None

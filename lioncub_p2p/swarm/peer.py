@@ -1002,6 +1002,9 @@ class Swarm:
                 await self._refresh_group()
                 await self._remind_leader()
                 self.records = await self.directory.peers()
+                leaving = {pid for pid, r in self.records.items() if r.leaving}  # signed by the peer itself
+                if leaving:
+                    self.node.stop_waiting_for(leaving, "it left the run")
                 if time.monotonic() - last_announce > self.config.record_ttl / 3:
                     await self._announce()
                     last_announce = time.monotonic()
