@@ -42,11 +42,40 @@ class Aggregator(Protocol):
     state (parameters, momenta, step) instead, e.g. after repairing a divergence.
 
     An aggregator may also define ``after_step(optimizer)``, called once the update is applied (the
-    place for momentum averaging, snapshots for other peers, checkpoints)."""
+    place for momentum averaging, snapshots for other peers, checkpoints).
+
+    An aggregator with ``delay = 1`` overlaps its rounds with compute: the optimizer calls
+    ``submit(upload, step=t)``, which starts round t and returns at once, then waits for round t − 1
+    and applies its update; see ``LionCub``."""
 
     upload: UploadCodec
 
     def aggregate(self, upload: torch.Tensor, *, step: int) -> torch.Tensor | None: ...
+
+
+class PendingUpdate(Protocol):
+    """A round in flight (``Aggregator.submit``).
+
+    ``wait()``: the update to apply (as ``aggregate`` returns it; None when the aggregator replaced the
+    optimizer's state meanwhile). ``peek(timeout)``: the same update without acting on the round (no
+    repair, no bookkeeping), for a snapshot taken between steps from another thread."""
+
+    def wait(self) -> torch.Tensor | None: ...
+
+    def peek(self, timeout: float) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """An update already known (restored from a snapshot with the round that produced it)."""
+
+    update: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        return self.update
+
+    def peek(self, timeout: float) -> torch.Tensor:
+        return self.update
 
 
 @dataclass(frozen=True)
@@ -73,6 +102,17 @@ class LionCub(torch.optim.Optimizer):
         seed: keys the shared pseudo-random bits that replace sign(0); identical on every peer.
         lr_schedule: multiplier of every group's lr as a function of the optimizer's step, which in a
             swarm is the swarm's global step: a peer that joins late follows the same schedule.
+
+    Overlapped rounds (an aggregator with ``delay = 1``, e.g. ``SwarmConfig(delay=1)``): step t
+    computes c_t from the gradient at θ, starts the vote on it, then waits for the vote of step t − 1
+    (which travelled while this step's forward/backward ran) and applies that update:
+
+        θ ← θ·(1 − lr·λ) − lr·u_{t−1}      (nothing at the first step)
+
+    so the gradient of step t is taken at parameters one update behind. Every peer still applies the
+    same updates in the same order, and between steps ``step_count`` counts the votes started; the
+    one in flight is part of the state (``in_flight_update``, snapshots and checkpoints carry it).
+    ``flush()`` applies it without starting another (e.g. before evaluating the final model).
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
@@ -93,6 +133,8 @@ class LionCub(torch.optim.Optimizer):
         self._slots: list[Slot] | None = None
         self._kernels: ops.LionKernels | None = None
         self._group_index = np.zeros(0, dtype=np.int64)  # param_groups index of every slot
+        self._in_flight: PendingUpdate | None = None  # the vote of the last step (overlapped rounds)
+        self._generation = 0  # bumped whenever the state is replaced (a download), also mid-step
 
     # -- layout ---------------------------------------------------------------------------------
 
@@ -159,13 +201,48 @@ class LionCub(torch.optim.Optimizer):
         if self.aggregator is None:
             self._lion_step()
             return loss
-        update = self.aggregator.aggregate(self.compute_upload(), step=self.step_count)
-        if update is not None:
-            self.apply_aggregate(update)
+        if getattr(self.aggregator, "delay", 0):
+            self._overlapped_step()
+        else:
+            update = self.aggregator.aggregate(self.compute_upload(), step=self.step_count)
+            if update is not None:
+                self.apply_aggregate(update)
         after_step = getattr(self.aggregator, "after_step", None)
         if after_step is not None:
             after_step(self)
         return loss
+
+    def _overlapped_step(self) -> None:
+        generation = self._generation
+        pending = self.aggregator.submit(self.compute_upload(), step=self.step_count)
+        if self._generation != generation:  # submitting replaced the state (rejoined): the donor's round is ours
+            return
+        previous, self._in_flight = self._in_flight, pending
+        if previous is not None:
+            update = previous.wait()
+            if self._generation != generation:  # repaired from a peer while waiting: its state, its round
+                return
+            if update is not None:
+                self._apply(update)
+        self._advance()
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Apply the update of the round in flight, if any, and start none (overlapped rounds)."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is not None:
+            update = pending.wait()
+            if update is not None:
+                self._apply(update)
+
+    def in_flight_update(self, timeout: float = 120.0) -> torch.Tensor | None:
+        """The update of the round in flight (waiting up to ``timeout`` for it), or None if there is none."""
+        return None if self._in_flight is None else self._in_flight.peek(timeout)
+
+    def restore_in_flight(self, update: torch.Tensor | None) -> None:
+        """After loading a state: the in-flight round's update that came with it (None: no round in flight)."""
+        self._in_flight = None if update is None else Resolved(update)
+        self._generation += 1
 
     def lr(self, group: dict) -> float:
         """The group's step size at the current step (``lr_schedule`` applied)."""
@@ -218,16 +295,23 @@ class LionCub(torch.optim.Optimizer):
     @torch.no_grad()
     def apply_aggregate(self, update: torch.Tensor) -> None:
         """Apply the group's update for the flat buffer (see ``Aggregator``) and count the step."""
+        self._apply(update)
+        self._advance()
+
+    def check_update(self, update: torch.Tensor) -> None:
+        """Raise ValueError unless ``update`` has the form ``Aggregator`` describes for this buffer."""
         packed = update.dtype == torch.uint8
         expected = self.buffer_bytes if packed else self.buffer_bytes * 8
         if update.dim() != 1 or update.numel() != expected:
             raise ValueError(f"update has shape {tuple(update.shape)}; expected ({expected},) "
                              f"{'packed bytes' if packed else 'float values'} for this optimizer's parameters")
-        if not packed:
+
+    def _apply(self, update: torch.Tensor) -> None:
+        self.check_update(update)
+        if update.dtype != torch.uint8:
             update = update.to(torch.float32)
         groups = self.param_groups
         self._fused().apply(update, [self.lr(g) for g in groups], [g["weight_decay"] for g in groups])
-        self._advance()
 
     def _advance(self) -> None:
         for group in self.param_groups:
@@ -237,6 +321,8 @@ class LionCub(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self._slots = None
         self._kernels = None
+        self._in_flight = None
+        self._generation += 1
 
 
 @torch.no_grad()

@@ -20,22 +20,27 @@ def _batches(steps, seed=1):
     return [(torch.randn(16, 10, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(steps)]
 
 
-def _reference_lion(model, batches, lr, betas, wd):
-    """Lion written out from the paper's pseudo-code with numpy float32 state."""
+def _reference_lion(model, batches, lr, betas, wd, delay=0):
+    """Lion written out from the paper's pseudo-code with numpy float32 state; with ``delay`` = 1 the
+    direction of step t is applied at step t + 1 (nothing at step 0)."""
     params = [p.detach().numpy().astype(np.float32).copy() for p in model.parameters()]
     moms = [np.zeros_like(p) for p in params]
     ref = copy.deepcopy(model)
+    waiting = []  # directions not applied yet
     for x, y in batches:
         for p, v in zip(ref.parameters(), params):
             p.data = torch.from_numpy(v.copy())
         ref.zero_grad()
         nn.functional.cross_entropy(ref(x), y).backward()
+        waiting.append([])
         for i, p in enumerate(ref.parameters()):
             g = p.grad.numpy()
-            c = betas[0] * moms[i] + (1 - betas[0]) * g
-            params[i] = params[i] * (1 - lr * wd) - lr * np.sign(c)
+            waiting[-1].append(np.sign(betas[0] * moms[i] + (1 - betas[0]) * g))
             moms[i] = betas[1] * moms[i] + (1 - betas[1]) * g
-    return params
+        if len(waiting) > delay:
+            for i, u in enumerate(waiting.pop(0)):
+                params[i] = params[i] * (1 - lr * wd) - lr * u
+    return (params, waiting) if delay else params
 
 
 def _train(model, opt, batches):
@@ -62,6 +67,65 @@ class SoloAggregator:
 
     def aggregate(self, upload, *, step):
         return reduce_votes([upload], self.upload, MajorityResult(), numel=upload.shape[1] * 8, step=step)
+
+
+class OverlappedSoloAggregator(SoloAggregator):
+    """The same group of one with rounds in flight: ``submit`` records the vote, ``wait`` returns it."""
+
+    delay = 1
+
+    def __init__(self):
+        self.submitted = []
+
+    def submit(self, upload, *, step):
+        from lioncub_p2p.optim import Resolved
+
+        self.submitted.append(step)
+        return Resolved(self.aggregate(upload, step=step))
+
+
+def test_overlapped_rounds_apply_each_vote_one_step_later():
+    """delay = 1 against the numpy reference that applies step t's direction at step t + 1 (so each
+    gradient is taken one update behind: not plain Lion's trajectory); flush() applies the last one."""
+    model, batches = _model(), _batches(12)
+    expected, (last,) = _reference_lion(model, batches, 1e-2, (0.9, 0.99), 0.1, delay=1)
+    undelayed = _reference_lion(model, batches, 1e-2, (0.9, 0.99), 0.1)
+    aggregator = OverlappedSoloAggregator()
+    opt = LionCub(model.parameters(), lr=1e-2, weight_decay=0.1, aggregator=aggregator)
+    _train(model, opt, batches)
+    assert aggregator.submitted == list(range(12)) and opt.step_count == 12
+    for p, e in zip(model.parameters(), expected):
+        assert np.abs(p.detach().numpy() - e).max() <= 1e-6
+    assert max(np.abs(p.detach().numpy() - e).max() for p, e in zip(model.parameters(), undelayed)) > 1e-3
+    in_flight = opt.in_flight_update()
+    assert in_flight is not None
+    opt.flush()  # the 12th direction, applied without starting a 13th vote
+    assert opt.in_flight_update() is None and opt.step_count == 12 and aggregator.submitted == list(range(12))
+    for p, e, u in zip(model.parameters(), expected, last):
+        assert np.abs(p.detach().numpy() - (e * (1 - 1e-2 * 0.1) - 1e-2 * u)).max() <= 1e-6
+
+
+def test_a_snapshot_taken_with_a_round_in_flight_carries_its_update():
+    """A peer restored from a snapshot taken between overlapped steps continues bit for bit like the
+    original: the update in flight travels with the parameters (and is covered by the digest)."""
+    from lioncub_p2p.swarm import snapshot
+
+    model, batches = _model(), _batches(10)
+    opt = LionCub(model.named_parameters(), lr=1e-2, weight_decay=0.1, aggregator=OverlappedSoloAggregator())
+    _train(model, opt, batches[:5])
+    blob, digest = snapshot.encode(opt)
+    twin_model = _model(seed=7)
+    twin = LionCub(twin_model.named_parameters(), lr=1e-2, weight_decay=0.1, aggregator=OverlappedSoloAggregator())
+    assert snapshot.load(twin, blob, expect_digest=digest) == 5
+    assert torch.equal(twin.in_flight_update(), opt.in_flight_update())
+    _train(model, opt, batches[5:])
+    _train(twin_model, twin, batches[5:])
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
+    assert snapshot.step_and_params_digest(blob) == (5, digest)
+    tampered = bytearray(blob)
+    tampered[-1] ^= 1  # the last byte of the in-flight update
+    with pytest.raises(snapshot.SnapshotError, match="digest"):
+        snapshot.load(twin, tampered, expect_digest=digest)
 
 
 def test_packed_path_of_one_peer_is_lion():

@@ -291,23 +291,30 @@ def _config(run_id: str, **kwargs) -> SwarmConfig:
     return SwarmConfig(run_id, **{"host_maddrs": LOOPBACK, "allreduce": FAST, **kwargs})
 
 
-def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None):
+def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, late=None):
     """Run one Swarm per config in its own thread until the global step reaches ``steps``.
 
     ``perturb=(peer, step, index)`` adds 1e-3 to the first parameter of that peer before that step
-    (all of it, or only flat element ``index``); ``instrument(i, swarm)`` runs before training."""
+    (all of it, or only flat element ``index``); ``instrument(i, swarm)`` runs before training;
+    ``late=(peer, step)``: that peer joins once peer 0 reached that step (the others start without it).
+    Per peer: (step, parameter digest, repairs since the perturbation, snapshot digest)."""
     task = digits_task(0, hidden=hidden)
     first = Swarm(configs[0])
     maddrs = first.visible_maddrs()
     swarms = [first] + [Swarm(c.__class__(**{**c.__dict__, "initial_peers": maddrs})) for c in configs[1:]]
-    out, errors = {"repair_steps": {}}, []
+    out, errors, progress = {"repair_steps": {}}, [], {}
 
     def run(i, swarm):
         try:
             model = task.make_model(seed=i)
             opt = LionCub(model.named_parameters(), lr=1e-3, weight_decay=0.1, aggregator=swarm)
+            if late and late[0] == i:
+                deadline = time.monotonic() + 60
+                while progress.get(0, 0) < late[1] and time.monotonic() < deadline and not errors:
+                    time.sleep(0.05)
             out.setdefault("start", {})[i] = swarm.join(opt)
-            swarm.wait_for_peers(len(swarms), timeout=60)  # start together: repairs then count only faults
+            expected = len(swarms) - (late is not None and late[0] != i)
+            swarm.wait_for_peers(expected, timeout=60)  # start together: repairs then count only faults
             x, y = task.shard(i, len(swarms))
             gen = torch.Generator().manual_seed(i)
             repairs_before, repair_steps = 0, out["repair_steps"].setdefault(i, [])
@@ -329,8 +336,10 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None):
                 opt.zero_grad()
                 if swarm.stats.repaired:
                     repair_steps.append(before)
+                progress[i] = opt.step_count
                 time.sleep(0.02)
-            out[i] = (opt.step_count, snapshot.params_digest(opt), swarm.repairs - repairs_before)
+            out[i] = (opt.step_count, snapshot.params_digest(opt), swarm.repairs - repairs_before,
+                      snapshot.encode(opt)[1])
         except Exception as e:  # surfaced by the assertions below
             errors.append(e)
 
@@ -359,6 +368,21 @@ def test_diverged_peer_repairs_itself_within_a_round():
     assert len({out[i][1] for i in range(3)}) == 1  # identical parameters at the end
     assert out[2][2] >= 1 and out[0][2] == out[1][2] == 0  # only the diverged peer repaired (after step 15)
     assert out["repair_steps"][2][0] == 15  # in the very round after the perturbation
+
+
+@pytest.mark.slow
+def test_overlapped_rounds_keep_peers_bitwise_equal_through_a_repair_and_a_late_join():
+    """delay = 1: each vote travels during the next step. A peer perturbed before step 15 is found out
+    by the vote of step 15 while step 16 runs, and repaired from a peer (the state it downloads holds
+    that peer's vote in flight); a peer that joins at step ~12 downloads a state with a vote in flight.
+    All end with equal parameters and equal votes in flight, the late one included."""
+    configs = [_config("overlap", momentum=MomentumSchedule(every=5), delay=1) for _ in range(4)]
+    out = _train_swarm(configs, 40, perturb=(2, 15), late=(3, 12))
+    assert {out[i][0] for i in range(4)} == {40}
+    assert len({out[i][1] for i in range(4)}) == 1 and len({out[i][3] for i in range(4)}) == 1
+    assert out[3][0] > 0 and out["start"][3] >= 12  # the late peer started from the swarm's state
+    assert out[2][2] >= 1 and out[0][2] == out[1][2] == 0  # only the diverged peer repaired...
+    assert out["repair_steps"][2][0] == 16  # ...in the step that received the vote of step 15
 
 
 @pytest.mark.slow

@@ -92,8 +92,13 @@ def check_checkpoint_fits(directory: str, optimizer: LionCub, hint: str) -> int 
         raise UsageError(f"{path} is a checkpoint of another model ({theirs[0]} tensors, {theirs[1]:,} parameters; "
                          f"this one: {ours[0]} tensors, {ours[1]:,}); use the {hint} it was made with, or another "
                          f"--checkpoint-dir")
-    if len(blob) != offset + layout.nbytes():
-        raise UsageError(f"{path} is truncated ({len(blob) - offset} of {layout.nbytes()} bytes); move it away or "
+    try:
+        expected = snapshot.body_bytes(header, layout)
+    except snapshot.SnapshotError as e:
+        raise UsageError(f"{path} is not a readable checkpoint ({e}); move it away or choose another "
+                         f"--checkpoint-dir") from None
+    if len(blob) != offset + expected:
+        raise UsageError(f"{path} is truncated ({len(blob) - offset} of {expected} bytes); move it away or "
                          f"choose another --checkpoint-dir")
     return header["step"]
 

@@ -9,7 +9,8 @@ line naming the field when an opinion it holds differs (``resolve``). Fields:
   text for the trainer CLI, e.g. "digits" with {"hidden": 256}); ``layout_hash``, ``param_count``:
   the exact tensor layout (``snapshot.Layout.digest``) and its parameter count;
 * what the swarm itself runs with and all peers must share: ``upload``, ``result``, ``transport``,
-  ``momentum`` (a ``MomentumSchedule`` as a map), ``momentum_rule``, ``full_digest_every``, ``seed``;
+  ``momentum`` (a ``MomentumSchedule`` as a map), ``momentum_rule``, ``full_digest_every``, ``seed``,
+  ``delay`` (1: overlapped rounds, each vote applied one step later);
 * what the trainer should use: ``lr``, ``weight_decay``, ``betas``, ``lr_schedule`` (a description),
   ``batch_size``; and ``secret_required`` (whether the run is private).
 
@@ -39,7 +40,7 @@ from .records import RateLimitedLog, dht_key, read_records, seal, store_record
 
 MANIFEST_TTL = 600.0
 MAX_MANIFESTS = 256
-SWARM_FIELDS = ("upload", "result", "transport", "momentum", "momentum_rule", "full_digest_every", "seed")
+SWARM_FIELDS = ("upload", "result", "transport", "momentum", "momentum_rule", "full_digest_every", "seed", "delay")
 # fields older versions wrote that mean nothing now: read and dropped (audit_every: voters audit every round since
 # protocol 2), so their run files still load
 LEGACY_FIELDS = ("audit_every",)
@@ -137,6 +138,7 @@ class Manifest:
     momentum_rule: str | None = None
     full_digest_every: int | None = None
     seed: int | None = None
+    delay: int | None = None
     lr: float | None = None
     weight_decay: float | None = None
     betas: tuple[float, float] | None = None
@@ -256,6 +258,8 @@ def _check(name: str, value: Any) -> Any:
         return _integer(value, name, 1, 1 << 20)
     if name == "seed":
         return _integer(value, name, 0, (1 << 63) - 1)
+    if name == "delay":
+        return _integer(value, name, 0, 1)
     if name == "lr":
         return _positive(value, name, high=1e3)
     if name == "weight_decay":
@@ -279,7 +283,7 @@ def _check(name: str, value: Any) -> Any:
 
 
 DEFAULTS = Manifest(upload="sign", result="majority", transport="butterfly", momentum={"every": 20},
-                    momentum_rule="trimmed_mean", full_digest_every=10, seed=0)
+                    momentum_rule="trimmed_mean", full_digest_every=10, seed=0, delay=0)
 
 
 def resolve(opinions: Manifest, run: Manifest | None, run_id: str) -> Manifest:

@@ -119,6 +119,9 @@ class SwarmConfig:
     momentum_rule: str | None = None  # "trimmed_mean" (default) or "average"
     full_digest_every: int | None = None  # the state tag hashes every parameter byte on these steps (default 10)
     seed: int | None = None  # keys the shared random bits of rounds (default 0)
+    # 1: overlapped rounds, the vote of step t travels during step t + 1's forward/backward and is applied
+    # then (LionCub's docstring); 0 (default): each step waits for its own vote
+    delay: int | None = None
     manifest: Manifest | None = None  # opinions on the trainer's settings (task, lr, batch size, ...)
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
     lead_steps: int = 3  # a new group takes effect this many steps after the leader decides it
@@ -427,7 +430,7 @@ class Swarm:
         m = self.manifest
         self.config = replace(self.config, upload=m.upload, result=m.result, transport=m.transport,
                               momentum=m.momentum_schedule(), momentum_rule=m.momentum_rule,
-                              full_digest_every=m.full_digest_every, seed=m.seed)
+                              full_digest_every=m.full_digest_every, seed=m.seed, delay=m.delay or 0)
         self.upload = upload_codec(m.upload)
         self.result = result_codec(m.result)
 
@@ -688,18 +691,30 @@ class Swarm:
         finally:
             self._step_lock.release()
 
+    @property
+    def delay(self) -> int:
+        """1 with overlapped rounds (``LionCub`` then calls ``submit``), else 0."""
+        return self.config.delay or 0
+
     def aggregate(self, upload: torch.Tensor, *, step: int) -> torch.Tensor | None:
+        return self.submit(upload, step=step).wait()
+
+    def submit(self, upload: torch.Tensor, *, step: int) -> "RoundInFlight | Settled":
+        """Start the vote of ``step``; the returned handle's ``wait()`` gives its update (see ``aggregate``)."""
         if self.optimizer is None:
             raise SwarmError("call swarm.join(optimizer) before training")
         self._enter_step()
         self._idle = False
         self.stats = StepStats(step=step)
         try:
-            return self._aggregate(upload, step)
+            return self._start_round(upload, step)
         except Exception as e:  # never into the training loop: a missed round (the digest repairs a split)
-            self.log.warning(f"round:{type(e).__name__}", "step %d: the round failed here (%s: %s); applying no update",
-                             step, type(e).__name__, e)
-            return self._missed(step)
+            return Settled(self._failed(step, e))
+
+    def _failed(self, step: int, e: Exception) -> torch.Tensor:
+        self.log.warning(f"round:{type(e).__name__}", "step %d: the round failed here (%s: %s); applying no update",
+                         step, type(e).__name__, e)
+        return self._missed(step)
 
     def _missed(self, step: int) -> torch.Tensor:
         self.missed_rounds += 1
@@ -710,8 +725,7 @@ class Swarm:
             logger.debug("not preparing step %d: %s", step + 1, e)
         return torch.zeros(self.optimizer.buffer_bytes * 8)
 
-    def _aggregate(self, upload: torch.Tensor, step: int) -> torch.Tensor | None:
-        started = time.perf_counter()
+    def _start_round(self, upload: torch.Tensor, step: int) -> "RoundInFlight | Settled":
         group = self.history.for_step(step)
         if group is None or self.peer_id not in group.member_ids():
             logger.warning("step %d: this peer is not in the group (dropped after a stall?): rejoining", step)
@@ -719,19 +733,28 @@ class Swarm:
                 self._rejoin()
             except Exception as e:  # keep the training loop alive; the next step tries again
                 logger.warning("rejoining failed: %s", e)
-            return None
+            return Settled(None)
         spec = self._spec(group, step)
         tag = snapshot.state_tag(self.optimizer, full=step % self.config.full_digest_every == 0)
+        node = self.gather or self.node
+        self._round = ("vote", step)
+        started = time.perf_counter()
+        future = asyncio.run_coroutine_threadsafe(node.run_round(spec, upload, tag), self.loop.loop)
+        if self.delay:  # the next vote may start before this one ends: let its part count votes already
+            self._prepare(step + 1)
+        return RoundInFlight(self, spec, group, tag, started, future)
+
+    def _finish_round(self, r: "RoundInFlight") -> torch.Tensor | None:
+        """The training thread's side of a round that ended: observe it, repair a divergence it shows."""
+        step, group, tag = r.spec.step, r.group, r.tag
         cfg = self.config.allreduce
-        timeout = cfg.result_timeout + cfg.recovery_timeout + 30
         try:
-            node = self.gather or self.node
-            self._round = ("vote", step)
-            update, report = self.loop.run(node.run_round(spec, upload, tag), timeout=timeout)
+            update, report = r.future.result(timeout=cfg.result_timeout + cfg.recovery_timeout + 30)
         except Exception as e:  # never into the training loop: apply nothing; the digest repairs us next step
+            r.future.cancel()
             logger.warning("step %d: the vote round failed (%s: %s); applying no update", step, type(e).__name__, e)
             return self._missed(step)
-        self._observe(spec, report, started)
+        self._observe(r.spec, report, r.started)
         if report.group_epoch > self.history.latest.epoch:  # a group change we have not seen: fetch it now
             try:
                 self.loop.run(self._refresh_group(), timeout=10)
@@ -742,8 +765,8 @@ class Swarm:
         if votes * 2 > all_votes and consensus != tag:
             logger.warning("step %d: parameters differ from %d of %d votes: repairing from a peer", step, votes,
                            all_votes)
-            try:
-                self._download(min_step=step + 1, group=group)
+            try:  # from a peer past the step in progress (overlapped: the next one, whose vote is out)
+                self._download(min_step=self.optimizer.step_count + 1, group=group)
             except Exception as e:  # apply nothing: still diverged, so the next round tries again
                 logger.warning("step %d: repair failed (%s); retrying next step", step, e)
                 return self._missed(step)
@@ -1186,3 +1209,45 @@ class Swarm:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+@dataclass
+class RoundInFlight:
+    """A vote round started by ``Swarm.submit`` (``optim.PendingUpdate``)."""
+
+    swarm: Swarm
+    spec: RoundSpec
+    group: GroupRecord
+    tag: bytes
+    started: float
+    future: concurrent.futures.Future
+
+    def wait(self) -> torch.Tensor | None:
+        """On the training thread: the update to apply (zeros for a missed round; None after a repair)."""
+        try:
+            return self.swarm._finish_round(self)
+        except Exception as e:  # never into the training loop
+            return self.swarm._failed(self.spec.step, e)
+
+    def peek(self, timeout: float) -> torch.Tensor:
+        """From any thread: the update ``wait`` applies unless this peer must repair (then it is replaced)."""
+        try:
+            update, _ = self.future.result(timeout=timeout)
+            return update
+        except concurrent.futures.TimeoutError:
+            raise
+        except Exception:  # a failed round applies no update
+            return torch.zeros(self.spec.nbytes * 8)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A round decided without running (a missed round, or a rejoin that replaced the state: None)."""
+
+    update: torch.Tensor | None
+
+    def wait(self) -> torch.Tensor | None:
+        return self.update
+
+    def peek(self, timeout: float) -> torch.Tensor:
+        return self.update if self.update is not None else torch.zeros(0)

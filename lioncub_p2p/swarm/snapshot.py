@@ -1,10 +1,12 @@
 """A peer's training state as bytes: parameters, momenta and step. No pickle, ever.
 
-Layout: ``MAGIC | u32 header length | JSON header | parameter bytes | momentum bytes``. The header
-lists each tensor's name, dtype and shape; the receiver accepts a snapshot only if that list equals
-its own model's exactly, so a peer cannot make it allocate or reshape anything unexpected. The
-parameter section is identical on every peer at the same step (its digest proves it); momenta are
-each peer's own.
+Layout: ``MAGIC | u32 header length | JSON header | parameter bytes | momentum bytes | in-flight
+update bytes``. The header lists each tensor's name, dtype and shape; the receiver accepts a
+snapshot only if that list equals its own model's exactly, so a peer cannot make it allocate or
+reshape anything unexpected. With overlapped rounds the update of the vote in flight is part of
+the state (header ``pending``: its dtype, ``uint8`` packed or ``float32`` values, sized by the vote
+buffer). Parameters and that update are identical on every peer at the same step (the digest covers
+both); momenta are each peer's own.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ MAGIC = b"LCUBSNAP"
 FORMAT = 1
 MAX_HEADER_BYTES = 1 << 20
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PENDING_DTYPES = {"uint8": torch.uint8, "float32": torch.float32}
 
 
 class SnapshotError(ValueError):
@@ -91,9 +94,13 @@ def state_tag(optimizer: LionCub, *, full: bool = False, samples: int = 1 << 16)
 
 
 def encode(optimizer: LionCub) -> tuple[bytes, bytes]:
-    """(snapshot bytes, digest of the parameter section)."""
-    header = json.dumps({"format": FORMAT, "step": optimizer.step_count, "tensors": Layout.of(optimizer).entries},
-                        separators=(",", ":")).encode()
+    """(snapshot bytes, digest of the parameters and the in-flight update). With a round in flight
+    this waits for its update."""
+    pending = optimizer.in_flight_update()
+    meta = {"format": FORMAT, "step": optimizer.step_count, "tensors": Layout.of(optimizer).entries}
+    if pending is not None:
+        meta["pending"] = str(pending.dtype).removeprefix("torch.")
+    header = json.dumps(meta, separators=(",", ":")).encode()
     tensors = _tensors(optimizer)
     nparams = len(optimizer.slots)
     digest = hashlib.blake2b(digest_size=16)
@@ -103,7 +110,26 @@ def encode(optimizer: LionCub) -> tuple[bytes, bytes]:
         if i < nparams:
             digest.update(raw)
         body.append(raw)
+    if pending is not None:
+        body.append(_raw(pending))
+        digest.update(body[-1])
     return MAGIC + struct.pack("<I", len(header)) + header + b"".join(body), digest.digest()
+
+
+def body_bytes(header: dict, layout: Layout) -> int:
+    """Bytes after the header of a snapshot whose header is ``header`` (raises SnapshotError)."""
+    return layout.nbytes() + _pending_bytes(header, layout)[1]
+
+
+def _pending_bytes(header: dict, layout: Layout) -> tuple[torch.dtype | None, int]:
+    """(dtype, bytes) of the in-flight update a snapshot header announces; (None, 0) for none."""
+    name = header.get("pending")
+    if name is None:
+        return None, 0
+    if name not in PENDING_DTYPES:
+        raise SnapshotError(f"unsupported in-flight update dtype {name!r}")
+    packed = sum(-(-torch.Size(shape).numel() // 8) for n, _, shape in layout.entries if n.startswith("param:"))
+    return PENDING_DTYPES[name], packed if name == "uint8" else packed * 8 * 4
 
 
 def read_header(blob: bytes | bytearray) -> tuple[dict, int]:
@@ -127,17 +153,21 @@ def step_and_params_digest(blob: bytes | bytearray) -> tuple[int, bytes]:
     peer of a healthy swarm has the same digest (the one ``encode`` returns)."""
     header, offset = read_header(blob)
     try:
-        size = Layout([tuple(e) for e in header["tensors"]]).nbytes("param")
+        layout = Layout([tuple(e) for e in header["tensors"]])
+        size, total = layout.nbytes("param"), layout.nbytes()
+        _, pending = _pending_bytes(header, layout)
     except (KeyError, TypeError, ValueError) as e:
         raise SnapshotError(f"unreadable tensor list: {e}") from e
-    if len(blob) < offset + size:
-        raise SnapshotError(f"snapshot truncated: {len(blob) - offset} of {size} parameter bytes")
-    return header["step"], hashlib.blake2b(bytes(blob[offset : offset + size]), digest_size=16).digest()
+    if len(blob) < offset + total + pending:
+        raise SnapshotError(f"snapshot truncated: {len(blob) - offset} of {total + pending} bytes")
+    digest = hashlib.blake2b(bytes(blob[offset : offset + size]), digest_size=16)
+    digest.update(bytes(blob[offset + total : offset + total + pending]))
+    return header["step"], digest.digest()
 
 
 def max_size(optimizer: LionCub) -> int:
     """An upper bound on this model's snapshot size, to bound a download before it starts."""
-    return len(MAGIC) + 4 + MAX_HEADER_BYTES + Layout.of(optimizer).nbytes()
+    return len(MAGIC) + 4 + MAX_HEADER_BYTES + Layout.of(optimizer).nbytes() + optimizer.buffer_bytes * 8 * 4
 
 
 def load(optimizer: LionCub, blob: bytes | bytearray, *, expect_digest: bytes | None = None) -> int:
@@ -149,13 +179,18 @@ def load(optimizer: LionCub, blob: bytes | bytearray, *, expect_digest: bytes | 
     entries = [(n, d, list(s)) for n, d, s in header["tensors"]] if isinstance(header["tensors"], list) else None
     if entries != layout.entries:
         raise SnapshotError("snapshot tensors do not match this model (names, dtypes or shapes differ)")
-    if len(blob) != offset + layout.nbytes():
-        raise SnapshotError(f"snapshot body has {len(blob) - offset} bytes, expected {layout.nbytes()}")
+    pending_dtype, pending_bytes = _pending_bytes(header, layout)
+    total = layout.nbytes()
+    if len(blob) != offset + total + pending_bytes:
+        raise SnapshotError(f"snapshot body has {len(blob) - offset} bytes, expected {total + pending_bytes}")
     if expect_digest is not None:
-        digest = hashlib.blake2b(bytes(blob[offset : offset + layout.nbytes("param")]), digest_size=16).digest()
-        if digest != expect_digest:
+        digest = hashlib.blake2b(bytes(blob[offset : offset + layout.nbytes("param")]), digest_size=16)
+        digest.update(bytes(blob[offset + total :]))
+        if digest.digest() != expect_digest:
             raise SnapshotError("parameter digest mismatch")
     view = memoryview(blob)
+    pending = None if pending_dtype is None else \
+        torch.frombuffer(bytearray(view[offset + total :]), dtype=pending_dtype).clone()
     with torch.no_grad():
         for t, (name, dtype, shape) in zip(_tensors(optimizer), layout.entries):
             size = t.numel() * t.element_size()
@@ -165,4 +200,5 @@ def load(optimizer: LionCub, blob: bytes | bytearray, *, expect_digest: bytes | 
             offset += size
     for group in optimizer.param_groups:
         group["step"] = header["step"]
+    optimizer.restore_in_flight(pending)
     return header["step"]
