@@ -120,6 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     proto.add_argument("--result", default=None, help=f"result encoding: {' | '.join(VOTE_RESULTS)} [majority]")
     proto.add_argument("--momentum-every", type=int, default=None,
                        help="momentum averaging period in steps (0: never) [20]")
+    proto.add_argument("--delay", type=int, default=None, choices=(0, 1),
+                       help="1: overlapped rounds, each vote travels during the next step's compute and is "
+                            "applied one step late [0]")
     proto.add_argument("--upload-timeout", type=float, default=10.0, help="seconds a reducer waits for votes")
     proto.add_argument("--result-timeout", type=float, default=20.0,
                        help="seconds a voter waits for results (more than --upload-timeout)")
@@ -183,7 +186,7 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
                          run_secret=args.run_secret, allow_peers=args.allow_peers,
                          upload=args.upload, result=args.result, transport=METHODS.get(args.method),
                          momentum=MomentumSchedule(every=args.momentum_every) if args.momentum_every is not None else None,
-                         manifest=wanted, allreduce=allreduce_config(args.upload_timeout, args.result_timeout),
+                         delay=args.delay, manifest=wanted, allreduce=allreduce_config(args.upload_timeout, args.result_timeout),
                          checkpoint_dir=args.checkpoint_dir,
                          checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0)
 

@@ -53,6 +53,12 @@ METHODS = {
     "dlion": Method("D-Lion all-gather of 1-bit votes", ("--method", "dlion", "--momentum-every", "0")),
     "lioncub-nosync": Method("Lion Cub 1-bit majority, no momentum sync",
                              ("--method", "lioncub", "--upload", "sign", "--result", "majority", "--momentum-every", "0")),
+    "lioncub-overlap": Method("Lion Cub 1-bit majority, momentum avg/25, overlapped (delay 1)",
+                              ("--method", "lioncub", "--upload", "sign", "--result", "majority", "--momentum-every", "25",
+                               "--delay", "1")),
+    "lioncub-nosync-overlap": Method("Lion Cub 1-bit majority, no momentum sync, overlapped (delay 1)",
+                                     ("--method", "lioncub", "--upload", "sign", "--result", "majority",
+                                      "--momentum-every", "0", "--delay", "1")),
 }
 DEFAULT_METHODS = ["lioncub", "lioncub-l1", "hivemind-fp32", "hivemind-fp16", "dlion"]
 

@@ -164,7 +164,7 @@ class StepStats:
     bytes_down: int = 0
     seconds: float = 0.0  # the whole aggregate call
     round_s: float = 0.0  # the vote round alone (votes, reduction, results)
-    wait_s: float = 0.0  # of which idle: own uploads done, no result byte yet (waiting for others)
+    wait_s: float = 0.0  # of which idle: own uploads done, no result byte yet (overlapped: blocked on the last vote)
     bits_per_param: float = 0.0
     repaired: bool = False
     momentum_synced: bool = False
@@ -748,6 +748,7 @@ class Swarm:
         """The training thread's side of a round that ended: observe it, repair a divergence it shows."""
         step, group, tag = r.spec.step, r.group, r.tag
         cfg = self.config.allreduce
+        blocked = time.perf_counter()
         try:
             update, report = r.future.result(timeout=cfg.result_timeout + cfg.recovery_timeout + 30)
         except Exception as e:  # never into the training loop: apply nothing; the digest repairs us next step
@@ -755,6 +756,8 @@ class Swarm:
             logger.warning("step %d: the vote round failed (%s: %s); applying no update", step, type(e).__name__, e)
             return self._missed(step)
         self._observe(r.spec, report, r.started)
+        if self.delay:  # what the step waited for: the part of the round that compute did not hide
+            self.stats.wait_s = time.perf_counter() - blocked
         if report.group_epoch > self.history.latest.epoch:  # a group change we have not seen: fetch it now
             try:
                 self.loop.run(self._refresh_group(), timeout=10)
