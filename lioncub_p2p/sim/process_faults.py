@@ -53,19 +53,20 @@ SCENARIOS = [
 ]
 
 
-def run_scenario(scenario: Scenario, workdir: Path, *, steps: int, hidden: int, shaping: str = "auto") -> dict:
+def run_scenario(scenario: Scenario, workdir: Path, *, steps: int, hidden: int, shaping: str = "auto",
+                 method: str = "lioncub") -> dict:
     profiles = [LinkProfile.from_dict(p) for p in scenario.peers]
     sim = Simulation(profiles, shaping=shaping, workdir=workdir, hidden=hidden, batch=32, steps=steps, seconds=600,
                      lr=3e-4, eval_every=0, timeouts=(UPLOAD_TIMEOUT, RESULT_TIMEOUT))
     try:
-        result = sim.run("lioncub")
+        result = sim.run(method)
     finally:
         sim.close()
     expected = [i for i in range(len(profiles)) if i not in scenario.victims()]
     survivors = [i for i in expected if result.exit_codes[i] == 0 and result.final_steps[i] == steps]
     step_times = []
     for i in survivors:
-        rows = [json.loads(line) for line in (workdir / "lioncub" / f"peer{i}.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (workdir / method / f"peer{i}.jsonl").read_text().splitlines()]
         step_times += [r["step_s"] for r in rows[1:]]  # the first step also opens every connection
     return dict(fault=scenario.label, shaping=sim.shaping, peers=len(profiles), survivors=len(survivors),
                 expected=len(expected), victims_died=all(result.exit_codes[i] not in (0, None)
