@@ -279,7 +279,7 @@ class LionCub(torch.optim.Optimizer):
             upload = torch.empty((1, self.buffer_bytes), dtype=torch.uint8, device=device)
             kernels = self._fused()
             kernels.direction_pack([p.grad for p in kernels.params], [group["betas"] for group in self.param_groups],
-                                   ops.zero_sign_keys((self.seed, self.step_count), len(slots)), upload[0])
+                                   ops.step_zero_keys(self.seed, self.step_count, len(slots)), upload[0])
             return upload
         upload = torch.zeros((codec.planes, self.buffer_bytes), dtype=torch.uint8, device=device)
         for index, slot in enumerate(slots):
@@ -334,7 +334,8 @@ def reference_upload(optimizer: LionCub) -> torch.Tensor:
     for index, slot in enumerate(optimizer.slots):
         p, (beta1, beta2) = slot.param, slot.group["betas"]
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        key = ops.zero_sign_key(derive_key(optimizer.seed, optimizer.step_count, index))
+        step = optimizer.step_count  # pairs of steps share a stream, the odd one inverted (ops.step_zero_keys)
+        key = ops.zero_sign_key(derive_key(optimizer.seed, step // 2, index)) | ((step & 1) << 32)
         bits = torch_impl.lion_direction_pack(grad, optimizer._momentum(p), beta1, beta2, key)
         upload[0, slot.offset : slot.offset + slot.nbytes] = bits.to(upload.device)
     return upload

@@ -16,7 +16,8 @@ def mix32(key: int, words: np.ndarray) -> np.ndarray:
 
 def stream_bits(key: int, positions: np.ndarray) -> np.ndarray:
     positions = np.asarray(positions, dtype=np.int64)
-    return ((mix32(key, positions >> 5) >> (positions & 31).astype(np.uint32)) & 1).astype(bool)
+    bits = (mix32(key & 0xFFFFFFFF, positions >> 5) >> (positions & 31).astype(np.uint32)) & 1
+    return (bits ^ ((key >> 32) & 1)).astype(bool)  # bit 32 of the key inverts the stream
 
 
 def unpack(packed: np.ndarray, numel: int) -> np.ndarray:

@@ -128,6 +128,30 @@ def test_a_snapshot_taken_with_a_round_in_flight_carries_its_update():
         snapshot.load(twin, tampered, expect_digest=digest)
 
 
+def test_a_parameter_whose_direction_is_zero_on_every_peer_moves_no_further_than_weight_decay():
+    """g = 0 and m = 0 everywhere (a parameter outside the loss): 1-bit votes cannot abstain, so each
+    step's vote is the shared stream's bit, unanimous. Steps 2k and 2k + 1 use inverted bits: the
+    parameter is at θ0·(1 − lr·λ)^t after every even step t, and never more than lr away from it (with
+    unpaired bits it random-walks: ~lr·√t). Checked against that formula in numpy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 3))
+    unused = nn.Parameter(torch.randn(1000))
+    params = [*model.parameters(), unused]
+    lr, wd = 1e-3, 0.1
+    opt = LionCub(params, lr=lr, weight_decay=wd, aggregator=SoloAggregator())
+    start = unused.detach().numpy().copy()
+    x, y = torch.randn(16, 10), torch.randint(0, 3, (16,))
+    for t in range(1, 61):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        upload = opt.compute_upload()  # three replicas of one state vote alike: the vote is unanimous
+        update = reduce_votes([upload] * 3, SignUpload(), MajorityResult(), numel=upload.shape[1] * 8, step=t - 1)
+        opt.apply_aggregate(update)
+        decayed = start * np.float32(1 - lr * wd) ** t
+        gap = np.abs(unused.detach().numpy() - decayed).max()
+        assert gap <= (0 if t % 2 == 0 else lr) + 1e-5, (t, gap)  # 1e-5: float32 rounding of |θ| ≤ 4
+
+
 def test_packed_path_of_one_peer_is_lion():
     """Through the fused kernels and codecs, one peer trains exactly like Lion (c is never 0 here)."""
     model, batches = _model(), _batches(20)

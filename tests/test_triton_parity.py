@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lioncub_p2p.ops import torch_impl, triton_impl, zero_sign_key, zero_sign_keys, tie_key
+from lioncub_p2p.ops import step_zero_keys, tie_key, torch_impl, triton_impl, zero_sign_key, zero_sign_keys
 from lioncub_p2p.ops.multi_tensor import _TritonBatch
 
 from reference import pack
@@ -65,8 +65,9 @@ def test_fused_lion_and_apply_same_bytes(dtype):
     g, m = torch.randn(2051, generator=gen).to(dtype), torch.randn(2051, generator=gen).to(dtype)
     g[:100], m[:100] = 0, 0
     m_ref, m_dev = m.clone(), m.clone().to(DEVICE)
-    packed = triton_impl.lion_direction_pack(g.to(DEVICE), m_dev, 0.9, 0.99, zero_sign_key(8)).cpu()
-    assert torch.equal(packed, torch_impl.lion_direction_pack(g, m_ref, 0.9, 0.99, zero_sign_key(8)))
+    key = zero_sign_key(8) | 1 << 32  # an odd step's key: its zero signs inverted
+    packed = triton_impl.lion_direction_pack(g.to(DEVICE), m_dev, 0.9, 0.99, key).cpu()
+    assert torch.equal(packed, torch_impl.lion_direction_pack(g, m_ref, 0.9, 0.99, key))
     assert torch.equal(m_dev.cpu(), m_ref)
     for update in (packed, torch.rand(2051, generator=gen) * 2 - 1):
         p_ref = torch.randn(2051, generator=gen).to(dtype)
@@ -96,7 +97,7 @@ def test_many_tensor_kernels_same_bytes(dtype):
     grads[3][:100], moms[3][:100] = 0, 0
     nbytes = [(p.numel() + 7) // 8 for p in params]
     offsets = np.concatenate([[0], np.cumsum(nbytes)[:-1]]).astype(np.int64)
-    keys = zero_sign_keys((3, 4), len(shapes))
+    keys = step_zero_keys(3, 5, len(shapes))  # an odd step: bit 32 of every key set
     betas = np.array([0.9, 0.8, 0.9, 0.95, 0.9, 0.9, 0.5]), np.full(len(shapes), 0.99)
     expected = torch.empty(sum(nbytes), dtype=torch.uint8)
     expected_moms = [m.clone() for m in moms]

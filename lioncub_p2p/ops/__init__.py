@@ -23,7 +23,7 @@ from .randbits import derive_key, derive_keys_numpy, random_bits_packed
 __all__ = [
     "pack_signs", "unpack_signs", "vote_counts", "majority_vote", "lion_direction_pack", "apply_update",
     "count_planes", "planes_to_counts", "planes_needed", "packed_size", "zero_sign_key", "tie_key",
-    "FLOAT_DTYPES", "MAX_VOTERS", "random_tie_bits", "zero_sign_keys", "LionKernels",
+    "FLOAT_DTYPES", "MAX_VOTERS", "random_tie_bits", "zero_sign_keys", "step_zero_keys", "LionKernels",
 ]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -48,6 +48,15 @@ def zero_sign_keys(parts: tuple[int, ...], count: int) -> np.ndarray:
     if impl is not None:
         return impl.derive_keys(tuple(parts), count, outer=(1,))
     return derive_keys_numpy(tuple(parts), count, outer=(1,)).astype(np.int64)
+
+
+def step_zero_keys(seed: int, step: int, count: int) -> np.ndarray:
+    """The zero-sign keys of ``count`` tensors at an optimizer step: steps 2k and 2k + 1 share one
+    stream per tensor and the odd step's bits are inverted (bit 32 of its keys). A position whose
+    direction is exactly 0 on every peer (an unused embedding row, a dead unit) then gets a unanimous
+    +1 and then −1: it is back at its weight-decayed value every second step, where unpaired bits
+    would random-walk it by ~lr·√steps."""
+    return zero_sign_keys((seed, step // 2), count) | np.int64((step & 1) << 32)
 
 
 def tie_key(seed: int, step: int) -> int:

@@ -245,7 +245,7 @@ _JIT = dict(cache=True, nogil=True)
 
 @njit(**_JIT)
 def _stream_bit(key, position):
-    return (mix32(key, position >> 5) >> (position & 31)) & 1
+    return ((mix32(key, position >> 5) >> (position & 31)) & 1) ^ ((key >> 32) & 1)
 
 
 # Packing: one stream word (32 bits) per 4 output bytes, computed whether or not a zero needs it: a
@@ -257,9 +257,10 @@ def _lion_pack_one(g, g_step, m, n, b1, a1, b2, a2, key, out):
     """Lion's direction of n elements at addresses g (stride g_step bytes) and m, packed to out;
     m updated in place."""
     full = n >> 3
+    flip = ((key >> 32) & 1) * 0xFFFFFFFF
     for b in range(full):
         if b & 3 == 0:
-            stream = mix32(key, b >> 2)
+            stream = mix32(key, b >> 2) ^ flip
         r = lion8(g + 8 * g_step * b, m + 32 * b, b1, a1, b2, a2)
         store_u8(out + b, (r & 0xFF) | ((r >> 8) & (stream >> ((b & 3) << 3))))
     if n > full * 8:
@@ -291,9 +292,10 @@ def lion_pack_many(g_addrs, m_addrs, numels, offsets, coefs, keys, out, no_grad)
 @njit(**_JIT)
 def pack_signs_one(x, n, key, out):
     full = n >> 3
+    flip = ((key >> 32) & 1) * 0xFFFFFFFF
     for b in range(full):
         if b & 3 == 0:
-            stream = mix32(key, b >> 2)
+            stream = mix32(key, b >> 2) ^ flip
         r = sign8(x + 32 * b)
         store_u8(out + b, (r & 0xFF) | ((r >> 8) & (stream >> ((b & 3) << 3))))
     if n > full * 8:

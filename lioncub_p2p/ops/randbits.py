@@ -3,10 +3,11 @@
 Tie-breaks and zero signs must be identical on all peers, unbiased over positions, and cheap.
 The bit for position ``p`` under a 32-bit ``key`` is
 
-    bit(key, p) = (mix32(key, p // 32) >> (p % 32)) & 1
+    bit(key, p) = ((mix32(key mod 2**32, p // 32) >> (p % 32)) & 1) ^ ((key >> 32) & 1)
 
 so one hash yields 32 bits, and the packed words of the bit stream (viewed as little-endian
-int32) are exactly ``mix32(key, arange(nwords))``. The Triton kernels evaluate the same formula
+int32) are exactly ``mix32(key, arange(nwords))``, complemented when bit 32 of the key is set (the
+zero signs of an odd step invert the even step's: ``ops.step_zero_keys``). The Triton kernels evaluate the same formula
 per element with uint32 arithmetic; the torch path below evaluates it per word with int64
 arithmetic masked to 32 bits. Both must stay in sync: tests compare them.
 """
@@ -89,6 +90,8 @@ def random_words(key: int, first_word: int, nwords: int, device: torch.device | 
 
     Computed in int64 and masked, since torch has no uint32 arithmetic on every device."""
     h = _hash_words(key, torch.arange(first_word, first_word + nwords, dtype=torch.int64, device=device))
+    if (key >> 32) & 1:
+        h ^= MASK32
     return (h - ((h >> 31) << 32)).to(torch.int32)  # reinterpret as signed int32
 
 
@@ -101,7 +104,7 @@ def random_bits_packed(key: int, nbytes: int, device: torch.device | str = "cpu"
 def random_bits_at(key: int, positions: torch.Tensor) -> torch.Tensor:
     """The stream's bits at arbitrary int64 positions, as a bool tensor."""
     h = _hash_words(key, positions >> 5)
-    return ((h >> (positions & 31)) & 1).bool()
+    return (((h >> (positions & 31)) & 1) ^ ((key >> 32) & 1)).bool()
 
 
 def _hash_words(key: int, words: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,8 @@ _INT_VIEW = {
 
 @triton.jit
 def _random_bit(key, pos):
-    """Bit ``pos`` of the stream in randbits.py: (mix32(key, pos // 32) >> (pos % 32)) & 1."""
+    """Bit ``pos`` of the stream in randbits.py: (mix32(key, pos // 32) >> (pos % 32)) & 1 for a
+    32-bit ``key`` (the low half of randbits' key; its bit 32, "inverted", is applied by the caller)."""
     h = (pos >> 5).to(tl.uint32) * 0x9E3779B1
     h = h ^ key.to(tl.uint32)
     h = h ^ (h >> 16)
@@ -76,7 +77,7 @@ def _pack_byte(bits, lane):
 
 @triton.jit
 def _pack_kernel(x_ptr, out_ptr, numel, nbytes, key, POS_LIMIT: tl.constexpr, MAG_MASK: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 FLIP: tl.constexpr, BLOCK: tl.constexpr):
     byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     lane = tl.arange(0, 8)
     pos = byte[:, None] * 8 + lane[None, :]
@@ -84,7 +85,7 @@ def _pack_kernel(x_ptr, out_ptr, numel, nbytes, key, POS_LIMIT: tl.constexpr, MA
     v = tl.load(x_ptr + pos, mask=inside, other=0)
     positive = (v > 0) & (v <= POS_LIMIT)  # sign bit clear, nonzero, not NaN
     zero = (v & MAG_MASK) == 0
-    bits = (positive | (zero & _random_bit(key, pos))) & inside
+    bits = (positive | (zero & (_random_bit(key, pos) != FLIP))) & inside
     tl.store(out_ptr + byte, _pack_byte(bits, lane), mask=byte < nbytes)
 
 
@@ -99,7 +100,8 @@ def _unpack_kernel(packed_ptr, out_ptr, numel, OUT_BF16: tl.constexpr, BLOCK: tl
 
 @triton.jit
 def _lion_pack_kernel(g_ptr, m_ptr, out_ptr, numel, nbytes, key, beta1, one_minus_beta1, beta2,
-                      one_minus_beta2, G_BF16: tl.constexpr, M_BF16: tl.constexpr, BLOCK: tl.constexpr):
+                      one_minus_beta2, G_BF16: tl.constexpr, M_BF16: tl.constexpr, FLIP: tl.constexpr,
+                      BLOCK: tl.constexpr):
     byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     lane = tl.arange(0, 8)
     pos = byte[:, None] * 8 + lane[None, :]
@@ -107,7 +109,7 @@ def _lion_pack_kernel(g_ptr, m_ptr, out_ptr, numel, nbytes, key, beta1, one_minu
     g = _load_f32(g_ptr, pos, inside, G_BF16)
     m = _load_f32(m_ptr, pos, inside, M_BF16)
     c = tl.fma(g, one_minus_beta1, m * beta1)  # the rounding of torch's mul then add_(alpha=)
-    bits = ((c > 0) | ((c == 0) & _random_bit(key, pos))) & inside
+    bits = ((c > 0) | ((c == 0) & (_random_bit(key, pos) != FLIP))) & inside
     tl.store(out_ptr + byte, _pack_byte(bits, lane), mask=byte < nbytes)
     _store_f32(m_ptr, pos, tl.fma(g, one_minus_beta2, m * beta2), inside, M_BF16)
 
@@ -180,7 +182,9 @@ def _lion_pack_many_kernel(chunk_tensor_ptr, chunk_start_ptr, m_addr_ptr, numel_
     beta1, one_minus_beta1 = tl.load(coef_ptr + 4 * t), tl.load(coef_ptr + 4 * t + 1)
     beta2, one_minus_beta2 = tl.load(coef_ptr + 4 * t + 2), tl.load(coef_ptr + 4 * t + 3)
     c = tl.fma(g, one_minus_beta1, m * beta1)
-    bits = ((c > 0) | ((c == 0) & _random_bit(tl.load(key_ptr + t), pos))) & inside
+    key = tl.load(key_ptr + t)  # int64: the stream's key below bit 32, "inverted" at bit 32
+    random = _random_bit(key & 0xFFFFFFFF, pos) != (((key >> 32) & 1) != 0)
+    bits = ((c > 0) | ((c == 0) & random)) & inside
     out = out_ptr + tl.load(offset_ptr + t)
     tl.store(out + byte, _pack_byte(bits, lane), mask=byte < (numel + 7) // 8)
     _store_f32(m_ptr, pos, tl.fma(g, one_minus_beta2, m * beta2), inside, IS_BF16)
@@ -253,7 +257,8 @@ def pack_signs(x: torch.Tensor, key: int) -> torch.Tensor:
     flat = x.reshape(-1).view(view_dtype)
     nbytes = (flat.numel() + 7) // 8
     out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-    _pack_kernel[_grid(nbytes, PACK_BLOCK)](flat, out, flat.numel(), nbytes, key, pos_limit, mag_mask, PACK_BLOCK)
+    _pack_kernel[_grid(nbytes, PACK_BLOCK)](flat, out, flat.numel(), nbytes, key & 0xFFFFFFFF, pos_limit, mag_mask,
+                                            bool((key >> 32) & 1), PACK_BLOCK)
     return out
 
 
@@ -285,8 +290,8 @@ def lion_direction_pack(grad: torch.Tensor, exp_avg: torch.Tensor, beta1: float,
     numel = g.numel()
     nbytes = (numel + 7) // 8
     out = torch.empty(nbytes, dtype=torch.uint8, device=grad.device)
-    _lion_pack_kernel[_grid(nbytes, PACK_BLOCK)](g, m, out, numel, nbytes, key, beta1, 1 - beta1, beta2, 1 - beta2,
-                                                 g_bf16, m_bf16, PACK_BLOCK)
+    _lion_pack_kernel[_grid(nbytes, PACK_BLOCK)](g, m, out, numel, nbytes, key & 0xFFFFFFFF, beta1, 1 - beta1, beta2,
+                                                 1 - beta2, g_bf16, m_bf16, bool((key >> 32) & 1), PACK_BLOCK)
     return out
 
 
