@@ -21,6 +21,7 @@ layout never depends on which gradients a peer happened to compute.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol
 
@@ -41,8 +42,9 @@ class Aggregator(Protocol):
     (nbytes*8,) values in [−1, 1] for ternary and mean results; or None when it replaced this peer's
     state (parameters, momenta, step) instead, e.g. after repairing a divergence.
 
-    An aggregator may also define ``after_step(optimizer)``, called once the update is applied (the
-    place for momentum averaging, snapshots for other peers, checkpoints).
+    An aggregator may also define ``before_step()``, called before the step touches any state (a
+    swarm holds off snapshots from there), and ``after_step(optimizer)``, called once the update is
+    applied (the place for momentum averaging, snapshots for other peers, checkpoints).
 
     An aggregator with ``delay = 1`` overlaps its rounds with compute: the optimizer calls
     ``submit(upload, step=t)``, which starts round t and returns at once, then waits for round t − 1
@@ -58,11 +60,14 @@ class PendingUpdate(Protocol):
 
     ``wait()``: the update to apply (as ``aggregate`` returns it; None when the aggregator replaced the
     optimizer's state meanwhile). ``peek(timeout)``: the same update without acting on the round (no
-    repair, no bookkeeping), for a snapshot taken between steps from another thread."""
+    repair, no bookkeeping; None if there is nothing to apply), for a snapshot taken between steps from
+    another thread. ``done()``: whether ``peek`` would return at once."""
 
     def wait(self) -> torch.Tensor | None: ...
 
-    def peek(self, timeout: float) -> torch.Tensor: ...
+    def peek(self, timeout: float) -> torch.Tensor | None: ...
+
+    def done(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,9 @@ class Resolved:
 
     def peek(self, timeout: float) -> torch.Tensor:
         return self.update
+
+    def done(self) -> bool:
+        return True
 
 
 @dataclass(frozen=True)
@@ -201,9 +209,15 @@ class LionCub(torch.optim.Optimizer):
         if self.aggregator is None:
             self._lion_step()
             return loss
+        before_step = getattr(self.aggregator, "before_step", None)
+        if before_step is not None:
+            before_step()
         if getattr(self.aggregator, "delay", 0):
             self._overlapped_step()
         else:
+            if self._in_flight is not None:  # restored from an overlapped run's state: apply it first
+                self._apply(self._in_flight.wait())
+                self._in_flight = None
             update = self.aggregator.aggregate(self.compute_upload(), step=self.step_count)
             if update is not None:
                 self.apply_aggregate(update)
@@ -228,16 +242,24 @@ class LionCub(torch.optim.Optimizer):
 
     @torch.no_grad()
     def flush(self) -> None:
-        """Apply the update of the round in flight, if any, and start none (overlapped rounds)."""
-        pending, self._in_flight = self._in_flight, None
-        if pending is not None:
-            update = pending.wait()
-            if update is not None:
-                self._apply(update)
+        """Apply the update of the round in flight, if any, and start none (overlapped rounds): e.g.
+        when a run is over, before evaluating or saving the model for use."""
+        exclusive = getattr(self.aggregator, "exclusive", None)
+        with exclusive() if exclusive is not None else contextlib.nullcontext():
+            if self._in_flight is not None:
+                update = self._in_flight.wait()
+                if update is not None:
+                    self._apply(update)
+                self._in_flight = None
 
     def in_flight_update(self, timeout: float = 120.0) -> torch.Tensor | None:
         """The update of the round in flight (waiting up to ``timeout`` for it), or None if there is none."""
         return None if self._in_flight is None else self._in_flight.peek(timeout)
+
+    @property
+    def in_flight(self) -> PendingUpdate | None:
+        """The round in flight (overlapped rounds), if any."""
+        return self._in_flight
 
     def restore_in_flight(self, update: torch.Tensor | None) -> None:
         """After loading a state: the in-flight round's update that came with it (None: no round in flight)."""

@@ -1,4 +1,5 @@
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -126,6 +127,14 @@ def test_a_snapshot_taken_with_a_round_in_flight_carries_its_update():
     tampered[-1] ^= 1  # the last byte of the in-flight update
     with pytest.raises(snapshot.SnapshotError, match="digest"):
         snapshot.load(twin, tampered, expect_digest=digest)
+    header, offset = snapshot.read_header(blob)
+    for pending in ([], {}, "int64", 7):  # hostile headers: one clear error each, the twin untouched
+        forged = json.dumps({**header, "pending": pending}).encode()
+        bad = snapshot.MAGIC + len(forged).to_bytes(4, "little") + forged + blob[offset:]
+        with pytest.raises(snapshot.SnapshotError, match="in-flight update"):
+            snapshot.load(twin, bad)
+    assert torch.equal(twin.in_flight_update(), opt.in_flight_update())  # the refused loads changed nothing
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
 
 
 def test_a_parameter_whose_direction_is_zero_on_every_peer_moves_no_further_than_weight_decay():

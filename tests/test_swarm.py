@@ -313,6 +313,7 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
                 while progress.get(0, 0) < late[1] and time.monotonic() < deadline and not errors:
                     time.sleep(0.05)
             out.setdefault("start", {})[i] = swarm.join(opt)
+            out.setdefault("joined_in_flight", {})[i] = opt.in_flight is not None
             expected = len(swarms) - (late is not None and late[0] != i)
             swarm.wait_for_peers(expected, timeout=60)  # start together: repairs then count only faults
             x, y = task.shard(i, len(swarms))
@@ -340,6 +341,7 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
                 time.sleep(0.02)
             out[i] = (opt.step_count, snapshot.params_digest(opt), swarm.repairs - repairs_before,
                       snapshot.encode(opt)[1])
+            out.setdefault("repairs", {})[i] = swarm.repairs
         except Exception as e:  # surfaced by the assertions below
             errors.append(e)
 
@@ -380,7 +382,8 @@ def test_overlapped_rounds_keep_peers_bitwise_equal_through_a_repair_and_a_late_
     out = _train_swarm(configs, 40, perturb=(2, 15), late=(3, 12))
     assert {out[i][0] for i in range(4)} == {40}
     assert len({out[i][1] for i in range(4)}) == 1 and len({out[i][3] for i in range(4)}) == 1
-    assert out[3][0] > 0 and out["start"][3] >= 12  # the late peer started from the swarm's state
+    assert out["start"][3] >= 12 and out["joined_in_flight"][3]  # the late peer got the state with a vote in flight
+    assert out["repairs"][3] == 0  # ...and applied it: it never diverged
     assert out[2][2] >= 1 and out[0][2] == out[1][2] == 0  # only the diverged peer repaired...
     assert out["repair_steps"][2][0] == 16  # ...in the step that received the vote of step 15
 

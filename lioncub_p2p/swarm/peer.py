@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import os
@@ -36,6 +37,7 @@ import signal
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -669,6 +671,27 @@ class Swarm:
 
             self.loop.call_soon(prepare)
 
+    def before_step(self) -> None:
+        """Called by LionCub before the step touches any state: snapshots wait from here on."""
+        self._enter_step()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """A section that changes the state between steps (``LionCub.flush``): no snapshot meanwhile."""
+        if self._in_step:  # inside a step already (the training thread holds the lock)
+            yield
+            return
+        self._step_lock.acquire()
+        try:
+            yield
+        finally:
+            self._step_lock.release()
+
+    def _round_bound(self) -> float:
+        """The longest a vote round may take before its voters give up on it."""
+        cfg = self.config.allreduce
+        return cfg.result_timeout + cfg.recovery_timeout + 30
+
     def _enter_step(self) -> None:
         if not self._in_step:  # still held if an earlier step stopped between aggregate and after_step
             self._step_lock.acquire()
@@ -680,11 +703,19 @@ class Swarm:
             self._step_lock.release()
 
     def _snapshot_between_steps(self, min_step: int) -> tuple[int, bytes, bytes] | None:
-        """For the state server, from its worker thread: this peer's state if it is between steps."""
-        if self.optimizer is None or not self._synced or not self._step_lock.acquire(timeout=0.2):
+        """For the state server, from its worker thread: this peer's state if it is between steps.
+        With a round in flight, its update is part of the state: wait for it without holding up the
+        training thread, then take the state only if that round is still the last one."""
+        if self.optimizer is None or not self._synced:
+            return None
+        in_flight = self.optimizer.in_flight
+        if in_flight is not None:
+            in_flight.peek(self._round_bound())
+        if not self._step_lock.acquire(timeout=0.2):
             return None
         try:
-            if self.optimizer.step_count < min_step:
+            if self.optimizer.step_count < min_step or (self.optimizer.in_flight is not None
+                                                        and not self.optimizer.in_flight.done()):
                 return None
             blob, digest = snapshot.encode(self.optimizer)
             return self.optimizer.step_count, blob, digest
@@ -750,7 +781,7 @@ class Swarm:
         cfg = self.config.allreduce
         blocked = time.perf_counter()
         try:
-            update, report = r.future.result(timeout=cfg.result_timeout + cfg.recovery_timeout + 30)
+            update, report = r.future.result(timeout=self._round_bound())
         except Exception as e:  # never into the training loop: apply nothing; the digest repairs us next step
             r.future.cancel()
             logger.warning("step %d: the vote round failed (%s: %s); applying no update", step, type(e).__name__, e)
@@ -1164,6 +1195,12 @@ class Swarm:
         once), stop serving, stop the DHT process and its libp2p daemon. Safe to call twice."""
         if self._closed:
             return
+        in_flight = self.optimizer.in_flight if getattr(self, "optimizer", None) is not None else None
+        if in_flight is not None and not in_flight.done():  # finish the vote the others count on, then leave
+            try:
+                in_flight.peek(self._round_bound())
+            except Exception as e:
+                logger.debug("leaving with a round in flight: %s", e)
         self._closed = True
         loop = getattr(self, "loop", None)
         if self._refresher is not None:
@@ -1235,12 +1272,15 @@ class RoundInFlight:
     def peek(self, timeout: float) -> torch.Tensor:
         """From any thread: the update ``wait`` applies unless this peer must repair (then it is replaced)."""
         try:
-            update, _ = self.future.result(timeout=timeout)
+            update, _ = self.future.result(timeout=max(timeout, self.swarm._round_bound()))
             return update
         except concurrent.futures.TimeoutError:
             raise
         except Exception:  # a failed round applies no update
             return torch.zeros(self.spec.nbytes * 8)
+
+    def done(self) -> bool:
+        return self.future.done()
 
 
 @dataclass(frozen=True)
@@ -1252,5 +1292,8 @@ class Settled:
     def wait(self) -> torch.Tensor | None:
         return self.update
 
-    def peek(self, timeout: float) -> torch.Tensor:
-        return self.update if self.update is not None else torch.zeros(0)
+    def peek(self, timeout: float) -> torch.Tensor | None:
+        return self.update  # None: the state was replaced, nothing to apply
+
+    def done(self) -> bool:
+        return True

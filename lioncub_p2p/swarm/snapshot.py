@@ -97,6 +97,8 @@ def encode(optimizer: LionCub) -> tuple[bytes, bytes]:
     """(snapshot bytes, digest of the parameters and the in-flight update). With a round in flight
     this waits for its update."""
     pending = optimizer.in_flight_update()
+    if pending is not None:
+        optimizer.check_update(pending)
     meta = {"format": FORMAT, "step": optimizer.step_count, "tensors": Layout.of(optimizer).entries}
     if pending is not None:
         meta["pending"] = str(pending.dtype).removeprefix("torch.")
@@ -126,7 +128,7 @@ def _pending_bytes(header: dict, layout: Layout) -> tuple[torch.dtype | None, in
     name = header.get("pending")
     if name is None:
         return None, 0
-    if name not in PENDING_DTYPES:
+    if not isinstance(name, str) or name not in PENDING_DTYPES:
         raise SnapshotError(f"unsupported in-flight update dtype {name!r}")
     packed = sum(-(-torch.Size(shape).numel() // 8) for n, _, shape in layout.entries if n.startswith("param:"))
     return PENDING_DTYPES[name], packed if name == "uint8" else packed * 8 * 4
