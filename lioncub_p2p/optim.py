@@ -107,7 +107,8 @@ class LionCub(torch.optim.Optimizer):
         weight_decay: decoupled decay λ; Lion wants 3–10× more than AdamW.
         aggregator: where directions are voted on; ``None`` trains alone as plain Lion.
         upload: "sign" (1 bit), "l1" / "l1:BITS" or a codec; ignored when the aggregator names one.
-        seed: keys the shared pseudo-random bits that replace sign(0); identical on every peer.
+        seed: keys the shared pseudo-random bits that replace sign(0); identical on every peer, and
+            inverted every second step, so a direction that is 0 on every peer nets no movement.
         lr_schedule: multiplier of every group's lr as a function of the optimizer's step, which in a
             swarm is the swarm's global step: a peer that joins late follows the same schedule.
 
