@@ -72,14 +72,15 @@ class PendingUpdate(Protocol):
 
 @dataclass(frozen=True)
 class Resolved:
-    """An update already known (restored from a snapshot with the round that produced it)."""
+    """An update already known: restored from a snapshot with the round that produced it, or a round
+    decided without running (zeros for a missed one; None when it replaced the state instead)."""
 
-    update: torch.Tensor
+    update: torch.Tensor | None
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> torch.Tensor | None:
         return self.update
 
-    def peek(self, timeout: float) -> torch.Tensor:
+    def peek(self, timeout: float) -> torch.Tensor | None:
         return self.update
 
     def done(self) -> bool:
@@ -216,9 +217,7 @@ class LionCub(torch.optim.Optimizer):
         if getattr(self.aggregator, "delay", 0):
             self._overlapped_step()
         else:
-            if self._in_flight is not None:  # restored from an overlapped run's state: apply it first
-                self._apply(self._in_flight.wait())
-                self._in_flight = None
+            self.flush()  # a vote in flight restored from an overlapped run's state: applied first
             update = self.aggregator.aggregate(self.compute_upload(), step=self.step_count)
             if update is not None:
                 self.apply_aggregate(update)

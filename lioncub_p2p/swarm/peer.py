@@ -54,7 +54,7 @@ from ..allreduce.commit import MAX_HEADER_BYTES, MAX_LEAF_BYTES, leaf_bytes
 from ..codecs import AverageResult, Bf16Upload, result_codec, upload_codec
 from ..identity import Identity, Verifier
 from ..momentum import MomentumSchedule
-from ..optim import LionCub
+from ..optim import LionCub, Resolved
 from ..wire import PROTOCOL_VERSION
 from . import checkpoint, manifest as manifests, reachability, snapshot
 from .accuse import Accusation, AccuseServer, Refused, Suspicions, prove, send_accusation
@@ -730,7 +730,7 @@ class Swarm:
     def aggregate(self, upload: torch.Tensor, *, step: int) -> torch.Tensor | None:
         return self.submit(upload, step=step).wait()
 
-    def submit(self, upload: torch.Tensor, *, step: int) -> "RoundInFlight | Settled":
+    def submit(self, upload: torch.Tensor, *, step: int) -> "RoundInFlight | Resolved":
         """Start the vote of ``step``; the returned handle's ``wait()`` gives its update (see ``aggregate``)."""
         if self.optimizer is None:
             raise SwarmError("call swarm.join(optimizer) before training")
@@ -740,7 +740,7 @@ class Swarm:
         try:
             return self._start_round(upload, step)
         except Exception as e:  # never into the training loop: a missed round (the digest repairs a split)
-            return Settled(self._failed(step, e))
+            return Resolved(self._failed(step, e))
 
     def _failed(self, step: int, e: Exception) -> torch.Tensor:
         self.log.warning(f"round:{type(e).__name__}", "step %d: the round failed here (%s: %s); applying no update",
@@ -756,7 +756,7 @@ class Swarm:
             logger.debug("not preparing step %d: %s", step + 1, e)
         return torch.zeros(self.optimizer.buffer_bytes * 8)
 
-    def _start_round(self, upload: torch.Tensor, step: int) -> "RoundInFlight | Settled":
+    def _start_round(self, upload: torch.Tensor, step: int) -> "RoundInFlight | Resolved":
         group = self.history.for_step(step)
         if group is None or self.peer_id not in group.member_ids():
             logger.warning("step %d: this peer is not in the group (dropped after a stall?): rejoining", step)
@@ -764,7 +764,7 @@ class Swarm:
                 self._rejoin()
             except Exception as e:  # keep the training loop alive; the next step tries again
                 logger.warning("rejoining failed: %s", e)
-            return Settled(None)
+            return Resolved(None)
         spec = self._spec(group, step)
         tag = snapshot.state_tag(self.optimizer, full=step % self.config.full_digest_every == 0)
         node = self.gather or self.node
@@ -1281,19 +1281,3 @@ class RoundInFlight:
 
     def done(self) -> bool:
         return self.future.done()
-
-
-@dataclass(frozen=True)
-class Settled:
-    """A round decided without running (a missed round, or a rejoin that replaced the state: None)."""
-
-    update: torch.Tensor | None
-
-    def wait(self) -> torch.Tensor | None:
-        return self.update
-
-    def peek(self, timeout: float) -> torch.Tensor | None:
-        return self.update  # None: the state was replaced, nothing to apply
-
-    def done(self) -> bool:
-        return True

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops import packed_size
 from ..optim import LionCub
 
 MAGIC = b"LCUBSNAP"
@@ -130,7 +131,7 @@ def _pending_bytes(header: dict, layout: Layout) -> tuple[torch.dtype | None, in
         return None, 0
     if not isinstance(name, str) or name not in PENDING_DTYPES:
         raise SnapshotError(f"unsupported in-flight update dtype {name!r}")
-    packed = sum(-(-torch.Size(shape).numel() // 8) for n, _, shape in layout.entries if n.startswith("param:"))
+    packed = sum(packed_size(torch.Size(shape).numel()) for n, _, shape in layout.entries if n.startswith("param:"))
     return PENDING_DTYPES[name], packed if name == "uint8" else packed * 8 * 4
 
 
@@ -162,9 +163,14 @@ def step_and_params_digest(blob: bytes | bytearray) -> tuple[int, bytes]:
         raise SnapshotError(f"unreadable tensor list: {e}") from e
     if len(blob) < offset + total + pending:
         raise SnapshotError(f"snapshot truncated: {len(blob) - offset} of {total + pending} bytes")
-    digest = hashlib.blake2b(bytes(blob[offset : offset + size]), digest_size=16)
-    digest.update(bytes(blob[offset + total : offset + total + pending]))
-    return header["step"], digest.digest()
+    return header["step"], _digest(blob, offset, size, total, pending)
+
+
+def _digest(blob: bytes | bytearray, offset: int, param_bytes: int, body_bytes: int, pending_bytes: int) -> bytes:
+    """What ``encode`` returns as the digest: of the parameter section and the in-flight update."""
+    digest = hashlib.blake2b(bytes(blob[offset : offset + param_bytes]), digest_size=16)
+    digest.update(bytes(blob[offset + body_bytes : offset + body_bytes + pending_bytes]))
+    return digest.digest()
 
 
 def max_size(optimizer: LionCub) -> int:
@@ -185,11 +191,8 @@ def load(optimizer: LionCub, blob: bytes | bytearray, *, expect_digest: bytes | 
     total = layout.nbytes()
     if len(blob) != offset + total + pending_bytes:
         raise SnapshotError(f"snapshot body has {len(blob) - offset} bytes, expected {total + pending_bytes}")
-    if expect_digest is not None:
-        digest = hashlib.blake2b(bytes(blob[offset : offset + layout.nbytes("param")]), digest_size=16)
-        digest.update(bytes(blob[offset + total :]))
-        if digest.digest() != expect_digest:
-            raise SnapshotError("parameter digest mismatch")
+    if expect_digest is not None and _digest(blob, offset, layout.nbytes("param"), total, pending_bytes) != expect_digest:
+        raise SnapshotError("parameter digest mismatch")
     view = memoryview(blob)
     pending = None if pending_dtype is None else \
         torch.frombuffer(bytearray(view[offset + total :]), dtype=pending_dtype).clone()
