@@ -59,6 +59,14 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         pass
 
 
+def wait_or_none(proc: subprocess.Popen, timeout: float) -> int | None:
+    """The exit code, or None when it did not exit in time (so that the caller can show its log)."""
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def wait_for(condition, timeout: float, what: str, poll: float = 0.2):
     """Poll ``condition`` until it returns something truthy (returned), or fail naming ``what``."""
     deadline = time.monotonic() + timeout

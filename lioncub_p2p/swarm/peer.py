@@ -781,7 +781,7 @@ class Swarm:
         cfg = self.config.allreduce
         blocked = time.perf_counter()
         try:
-            update, report = r.future.result(timeout=self._round_bound())
+            update, report = r.future.result(timeout=r.time_left())
         except Exception as e:  # never into the training loop: apply nothing; the digest repairs us next step
             r.future.cancel()
             logger.warning("step %d: the vote round failed (%s: %s); applying no update", step, type(e).__name__, e)
@@ -1269,10 +1269,15 @@ class RoundInFlight:
         except Exception as e:  # never into the training loop
             return self.swarm._failed(self.spec.step, e)
 
+    def time_left(self) -> float:
+        """Until the round's bound, counted from its start (an overlapped round started a step ago)."""
+        return max(self.started + self.swarm._round_bound() - time.perf_counter(), 0.0)
+
     def peek(self, timeout: float) -> torch.Tensor:
-        """From any thread: the update ``wait`` applies unless this peer must repair (then it is replaced)."""
+        """From any thread: the update ``wait`` applies unless this peer must repair (then it is replaced).
+        Waits at most ``timeout`` and never past the round's bound, after which ``wait`` gives up on it."""
         try:
-            update, _ = self.future.result(timeout=max(timeout, self.swarm._round_bound()))
+            update, _ = self.future.result(timeout=min(timeout, self.time_left()))
             return update
         except concurrent.futures.TimeoutError:
             raise
