@@ -22,6 +22,7 @@ from lioncub_p2p.swarm import state_transfer
 from lioncub_p2p.identity import Identity
 from lioncub_p2p.swarm import AdmissionRefused, SwarmError
 from lioncub_p2p.swarm.membership import GroupHistory, GroupRecord, PeerRecord
+from lioncub_p2p.swarm.peer import DROP_AFTER_S
 from lioncub_p2p.swarm.records import RecordError, seal
 from lioncub_p2p.wire import PROTOCOL_VERSION
 
@@ -291,12 +292,14 @@ def _config(run_id: str, **kwargs) -> SwarmConfig:
     return SwarmConfig(run_id, **{"host_maddrs": LOOPBACK, "allreduce": FAST, **kwargs})
 
 
-def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, late=None):
+def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, late=None, stall=None):
     """Run one Swarm per config in its own thread until the global step reaches ``steps``.
 
     ``perturb=(peer, step, index)`` adds 1e-3 to the first parameter of that peer before that step
     (all of it, or only flat element ``index``); ``instrument(i, swarm)`` runs before training;
-    ``late=(peer, step)``: that peer joins once peer 0 reached that step (the others start without it).
+    ``late=(peer, step)``: that peer joins once peer 0 reached that step (the others start without it);
+    ``stall=(peer, step, seconds)``: that peer sleeps before that step. Each peer stops at ``steps`` (its
+    ``final_step``, as lioncub-train sets it) and stays up until every peer has stopped.
     Per peer: (step, parameter digest, repairs since the perturbation, snapshot digest)."""
     task = digits_task(0, hidden=hidden)
     first = Swarm(configs[0])
@@ -313,6 +316,7 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
                 while progress.get(0, 0) < late[1] and time.monotonic() < deadline and not errors:
                     time.sleep(0.05)
             out.setdefault("start", {})[i] = swarm.join(opt)
+            swarm.final_step = steps
             out.setdefault("joined_in_flight", {})[i] = opt.in_flight is not None
             expected = len(swarms) - (late is not None and late[0] != i)
             swarm.wait_for_peers(expected, timeout=60)  # start together: repairs then count only faults
@@ -320,6 +324,8 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
             gen = torch.Generator().manual_seed(i)
             repairs_before, repair_steps = 0, out["repair_steps"].setdefault(i, [])
             while opt.step_count < steps:
+                if stall and stall[:2] == (i, opt.step_count):
+                    time.sleep(stall[2])
                 if perturb and opt.step_count == perturb[1]:
                     repairs_before = swarm.repairs  # counted from the perturbed step on (a start-up race may repair)
                     repair_steps.clear()
@@ -386,6 +392,18 @@ def test_overlapped_rounds_keep_peers_bitwise_equal_through_a_repair_and_a_late_
     assert out["repairs"][3] == 0  # ...and applied it: it never diverged
     assert out[2][2] >= 1 and out[0][2] == out[1][2] == 0  # only the diverged peer repaired...
     assert out["repair_steps"][2][0] == 16  # ...in the step that received the vote of step 15
+
+
+@pytest.mark.slow
+def test_a_peer_dropped_near_the_end_still_ends_with_the_final_state():
+    """Peer 2 stalls 10 steps before the end, long enough to be dropped; the others finish. It comes
+    back to a group it is no longer in and rejoins: the leader starts that group at the last step (not
+    past it, where nobody would ever serve a state), and peer 2 downloads the final state from a peer
+    that finished. All end bitwise equal."""
+    configs = [_config("late-end") for _ in range(3)]
+    out = _train_swarm(configs, 30, stall=(2, 20, 3 * DROP_AFTER_S))
+    assert {out[i][0] for i in range(3)} == {30}
+    assert len({out[i][1] for i in range(3)}) == 1
 
 
 @pytest.mark.slow
@@ -848,3 +866,52 @@ def test_a_client_never_founds_a_run_it_waits_for_a_group_then_says_why():
             client.shutdown()
     finally:
         bootstrap.shutdown()
+
+
+def test_a_client_whose_last_reducer_left_stops_with_one_line_instead_of_missing_rounds_for_ever(monkeypatch):
+    """A client-mode peer cannot count votes or lead a group: once every peer that can has left, each
+    of its rounds fails. Within STRANDED_AFTER_S it says so (``swarm.stranded``, which lioncub-train
+    prints as one line, exit 1), and not while the founder is still there."""
+    from lioncub_p2p.swarm import peer as peer_module
+
+    monkeypatch.setattr(peer_module, "STRANDED_AFTER_S", 2.0)
+    founder = Swarm(_config("stranded", record_ttl=3.0))
+    client = Swarm(_config("stranded", initial_peers=founder.visible_maddrs(), client_mode=True))
+    try:
+        task = digits_task(0, hidden=16)
+        models = [task.make_model(seed=0) for _ in range(2)]
+        opts = [LionCub(m.named_parameters(), lr=1e-3, aggregator=s) for m, s in zip(models, (founder, client))]
+        x, y = task.shard(0, 1)
+        errors = []
+
+        def train(i: int, steps: int) -> None:
+            try:
+                for _ in range(steps):
+                    nn.functional.cross_entropy(models[i](x[:32]), y[:32]).backward()
+                    opts[i].step()
+                    opts[i].zero_grad()
+            except Exception as e:
+                errors.append(e)
+
+        joined = [threading.Thread(target=lambda i=i, s=s: (s.join(opts[i]), s.wait_for_peers(2, timeout=60)))
+                  for i, s in enumerate((founder, client))]
+        for t in joined:
+            t.start()
+            time.sleep(0.3)
+        for t in joined:
+            t.join(90)
+        together = [threading.Thread(target=train, args=(i, 5)) for i in range(2)]
+        for t in together:
+            t.start()
+        for t in together:
+            t.join(60)
+        assert not errors and client.stranded is None and opts[1].step_count == 5
+        founder.shutdown()
+        deadline = time.monotonic() + 60
+        while client.stranded is None and time.monotonic() < deadline:
+            train(1, 1)
+        assert not errors, errors
+        assert client.stranded is not None and "client mode" in client.stranded, client.stranded
+    finally:
+        client.shutdown()
+        founder.shutdown()

@@ -113,7 +113,8 @@ def test_trainers_kill_join_client_mode(tmp_path):
         first, last = [r["loss"] for r in t0[:8]], [r["loss"] for r in t0[-8:]]
         assert sum(last) / len(last) < 0.7 * sum(first) / len(first), "loss did not fall"
         late = read_jsonl(tmp_path / "late.jsonl")
-        assert 30 <= late[0]["step"] <= STEPS - 25 and late[-1]["step"] == STEPS - 1  # joined mid-run, kept up
+        # joined mid-run (a process start under load takes seconds: up to ~40 steps), kept up to the end
+        assert 30 <= late[0]["step"] <= STEPS - 10 and late[-1]["step"] == STEPS - 1
         assert len(late) >= STEPS - late[0]["step"] - 2  # voted in (nearly) every round after joining
         client = read_jsonl(tmp_path / "client.jsonl")
         assert client[-1]["step"] == STEPS - 1 and len(client) >= STEPS - 10  # took part throughout

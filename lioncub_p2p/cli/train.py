@@ -109,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     what.add_argument("--seed", type=int, default=0, help="initializes the model (a joiner downloads the run's state)")
     what.add_argument("--steps", type=int, default=1000, help="stop at this global step")
     what.add_argument("--max-seconds", type=float, default=0.0, help="also stop after this many seconds (0: no limit)")
+    what.add_argument("--linger", type=float, default=60.0,
+                      help="after the last step, stay up to this many seconds for peers that are behind, so that "
+                           "one dropped near the end can download the final state [60]")
     what.add_argument("--wait-peers", type=int, default=0,
                       help="start training once this many peers are in the group (0: at once)")
 
@@ -216,6 +219,7 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
         metrics = open(args.metrics_jsonl, "a") if args.metrics_jsonl else None
         board = _tensorboard(args.tensorboard)
         start_step = swarm.join(optimizer)
+        swarm.final_step = args.steps
         if args.wait_peers:
             swarm.wait_for_peers(args.wait_peers)
             start_step = optimizer.step_count
@@ -252,7 +256,8 @@ def check_settings(args: argparse.Namespace) -> list[str]:
     """Everything that can be checked before starting a daemon; returns the initial peers to dial."""
     check_run_id(args.run_id)
     check_codecs(args.upload or "sign", args.result or "majority")
-    for flag in ("--steps", "--checkpoint-every", "--momentum-every", "--eval-every", "--wait-peers", "--group-size"):
+    for flag in ("--steps", "--checkpoint-every", "--momentum-every", "--eval-every", "--wait-peers", "--group-size",
+                 "--linger"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value < 0:
             raise UsageError(f"{flag} must be 0 or more, got {value}")
@@ -301,7 +306,7 @@ def train(args, settings: Settings, task: TrainingTask, batches_for: Callable[[t
     bar = None if args.quiet else tqdm(total=args.steps, initial=optimizer.step_count, unit="step", dynamic_ncols=True)
     started = time.monotonic()
     try:
-        while optimizer.step_count < args.steps and not stop.requested \
+        while optimizer.step_count < args.steps and not stop.requested and swarm.stranded is None \
                 and not (args.max_seconds and time.monotonic() - started > args.max_seconds):
             with stop.deferred():  # a first stop signal lets this step finish
                 t0 = time.perf_counter()
@@ -322,8 +327,12 @@ def train(args, settings: Settings, task: TrainingTask, batches_for: Callable[[t
     finally:
         if bar is not None:
             bar.close()
+    if swarm.stranded is not None:  # one line, exit 1; the final state is still written
+        raise SwarmError(f"stopped at step {optimizer.step_count}: {swarm.stranded}")
     if not stop.requested:
         finish(args, task, optimizer.step_count)
+        if optimizer.step_count >= args.steps:  # the run's end (not --max-seconds): others may still need it
+            swarm.linger(args.linger)
 
 
 def _report(args, task: TrainingTask, swarm: Swarm, optimizer: LionCub, before: int, loss: float, t0: float,

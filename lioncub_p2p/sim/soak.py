@@ -55,6 +55,7 @@ class _Peer:
             model = self.task.make_model(seed=0)
             opt = LionCub(model.parameters(), lr=1e-3, weight_decay=0.1, aggregator=self.swarm)
             self.swarm.join(opt)
+            self.swarm.final_step = self.steps  # as lioncub-train: no group starts past the last step
             x, y = self.task.shard(self.index % 4, 4)
             gen = torch.Generator().manual_seed(self.index)
             while opt.step_count < self.steps and not self.stop.is_set():

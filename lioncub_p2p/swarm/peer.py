@@ -69,6 +69,7 @@ logger = logging.getLogger(__name__)
 
 
 SYNC_GRACE_ROUNDS = 30  # rounds a joining member may miss before it is dropped
+STRANDED_AFTER_S = 30.0  # with no live peer that can count votes for this long, a peer that cannot lead stops
 DROP_AFTER_S = 5.0  # ...and seconds any member may miss rounds: fast rounds must not drop a peer that is starting up
 STEP_WINDOW = 100  # steps a member's announced step may lead the leader's and still count (forged far-future steps)
 MAX_CANDIDATES = 8  # group records a newcomer asks for admission, most populated first
@@ -233,6 +234,9 @@ class Swarm:
         self.stats = StepStats()
         self.repairs = 0
         self.missed_rounds = 0
+        self.final_step: int | None = None  # where this peer stops (the trainer's --steps): no group starts later
+        self.stranded: str | None = None  # why training cannot go on (every other peer left), once it cannot
+        self._alone_since: float | None = None
         self.last_report: RoundReport | None = None
         self.__synced = False
         self._refresher: concurrent.futures.Future | None = None
@@ -551,6 +555,31 @@ class Swarm:
                                  f"{len(synced & set(latest.member_ids() if latest else []))} synced)")
             time.sleep(self.config.refresh_period)
 
+    def linger(self, seconds: float) -> None:
+        """After this peer's last step: stay up to ``seconds`` while a live member is behind, leading
+        and serving this final state. A member dropped near the end (a stall, a lost link) rejoins at
+        the last step (``final_step`` caps the group's start) and downloads it, instead of waiting for a
+        group that nobody steps any more. Returns at once when nobody is behind."""
+        if self.optimizer is None or self._closed:
+            return
+        step, deadline = self.optimizer.step_count, time.monotonic() + seconds
+        self._idle = True
+        try:  # say at once that this peer is at its last step: those finishing with it need not wait for it
+            self.loop.run(self._announce(), timeout=10)
+        except Exception as e:
+            logger.debug("announcing the last step failed: %s", e)
+        waited = False
+        while time.monotonic() < deadline:
+            behind = sorted(pid for pid, r in self.records.items()  # records refresh on the loop thread
+                            if pid != self.peer_id and not r.leaving and r.step < step)
+            if not behind:
+                break
+            if not waited:
+                logger.info("finished at step %d; staying up to %.0f s for %d peer(s) behind", step, seconds,
+                            len(behind))
+                waited = True
+            time.sleep(self.config.refresh_period)
+
     def _found(self) -> bool:
         """Publish the run's manifest and a group of this peer alone; True if this peer keeps it.
 
@@ -764,7 +793,10 @@ class Swarm:
                 self._rejoin()
             except Exception as e:  # keep the training loop alive; the next step tries again
                 logger.warning("rejoining failed: %s", e)
+                self._check_stranded(step)
             return Resolved(None)
+        if self.config.client_mode:  # it cannot lead: once no peer that can is left, it must stop
+            self._check_stranded(step)
         spec = self._spec(group, step)
         tag = snapshot.state_tag(self.optimizer, full=step % self.config.full_digest_every == 0)
         node = self.gather or self.node
@@ -774,6 +806,20 @@ class Swarm:
         if self.delay:  # the next vote may start before this one ends: let its part count votes already
             self._prepare(step + 1)
         return RoundInFlight(self, spec, group, tag, started, future)
+
+    def _check_stranded(self, step: int) -> None:
+        """Set ``stranded`` once no other live peer that can count votes and lead has been seen for
+        ``STRANDED_AFTER_S`` (records expire within seconds of a peer's death; the delay rides out
+        a DHT that answers nothing for a while)."""
+        others = [r for pid, r in self.records.items() if pid != self.peer_id and not r.leaving and not r.client_mode]
+        if others:
+            self._alone_since = None
+            return
+        if self._alone_since is None:
+            self._alone_since = time.monotonic()
+        elif time.monotonic() - self._alone_since > STRANDED_AFTER_S:
+            self.stranded = (f"no peer of run {self.config.run_id} that can count votes is left (this peer is "
+                             f"at step {step}{' and in client mode' * self.config.client_mode}): nothing to train with")
 
     def _finish_round(self, r: "RoundInFlight") -> torch.Tensor | None:
         """The training thread's side of a round that ended: observe it, repair a divergence it shows."""
@@ -1180,7 +1226,10 @@ class Swarm:
         steps = [r.step for pid, r in self.records.items() if pid in known and step <= r.step <= step + STEP_WINDOW]
         ahead = max([step] + steps)  # the fastest member (a step beyond the window is a lie, not progress)
         lead = 0 if self._idle and ahead == step else self.config.lead_steps  # nobody steps yet: at once
-        record = GroupRecord(latest.epoch + 1, ahead + lead, desired, previous=latest, author=self.peer_id)
+        from_step = ahead + lead
+        if self.final_step is not None:  # a group from past this peer's last step would never take effect
+            from_step = max(latest.from_step, min(from_step, self.final_step))
+        record = GroupRecord(latest.epoch + 1, from_step, desired, previous=latest, author=self.peer_id)
         if await self.directory.publish_group(record, ttl=60.0):
             self._published = time.monotonic()
             self._trust(record)
