@@ -46,7 +46,7 @@ from hivemind.utils import get_dht_time
 
 from .. import failpoints
 from ..aio import BackgroundLoop
-from ..allreduce import AllReduceConfig, Caught, PeerSpec, RoundReport, RoundSpec, VoteNode
+from ..allreduce import AllReduceConfig, PeerSpec, RoundReport, RoundSpec, VoteNode
 from ..allreduce.admission import Admission
 from ..allreduce.allgather import GatherNode
 from ..allreduce.audit import MAX_EVIDENCE_BYTES
@@ -57,13 +57,14 @@ from ..momentum import MomentumSchedule
 from ..optim import LionCub, Resolved
 from ..wire import PROTOCOL_VERSION
 from . import checkpoint, manifest as manifests, reachability, snapshot
-from .accuse import Accusation, AccuseServer, Refused, Suspicions, prove, send_accusation
+from .accuse import Accusation, AccuseServer, Refused, Suspicions, send_accusation
 from .admit import AdmitServer, ask_admission
 from .manifest import DEFAULTS, Manifest, ManifestError, ManifestMismatch
 from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, announced_step, next_group
 from .probe import serve_probe
 from .records import RateLimitedLog, RunRecordValidator
 from .state_transfer import StateServer, download_state
+from .verdicts import Verdicts
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,6 @@ STEP_WINDOW = 100  # steps a member's announced step may lead the leader's and s
 MAX_CANDIDATES = 8  # group records a newcomer asks for admission, most populated first
 MAX_RECORD_TTL = 300.0
 ROUND_KINDS = ("vote", "momentum")
-MAX_PROOFS_KEPT = 64  # liars whose evidence this peer keeps to show later leaders
-RETRY_REPORT_S = 10.0  # a leader that could not be told about a liar is told again after this
 # TCP and QUIC on every interface, ports chosen by the OS. Over QUIC a stream closed right after its
 # last write loses that write, so every handler here that ends a stream with a reply waits (bounded)
 # for the reader to close first (wire.close_after_reply; tests/test_transfer.py)
@@ -221,11 +220,7 @@ class Swarm:
         self.records: dict[str, PeerRecord] = {}
         self.failures: Counter[str] = Counter()  # rounds in a row a member was not counted...
         self.failing_since: dict[str, float] = {}  # ...since when
-        self.liars: dict[str, str] = {}  # peers proven to lie (checked audit evidence) -> why; refused for the run
-        self.suspicions = Suspicions()  # unprovable reports (misrepresented votes, unanswered audits)
         self._round_steps: OrderedDict[bytes, int] = OrderedDict()  # round id -> step, of this peer's recent rounds
-        self._proofs: OrderedDict[str, Accusation] = OrderedDict()  # liar -> the checked evidence (for new leaders)
-        self._reported: set[tuple[str, str]] = set()  # (liar, leader) this peer gave the evidence to
         self._background: set[concurrent.futures.Future] = set()
         self.evicted: dict[str, float] = {}  # dropped peer -> expiry of its record when it was dropped
         self.admitted: set[str] = set()  # peers that proved the run key to this peer, or were members of its groups
@@ -292,6 +287,8 @@ class Swarm:
     def _start(self, config: SwarmConfig) -> None:
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=30)
         self.peer_id = self.p2p.peer_id.to_base58()
+        self.verdicts = Verdicts(self.peer_id, _Rounds(self), lambda to, a: send_accusation(self.p2p, to, a),
+                                 self._in_background, self.log)
         if self.peer_id != self.identity.peer_id:
             raise SwarmError("the DHT runs with another key than the identity file")
         self.admission = Admission(config.run_id, config.run_secret.encode() if config.run_secret else None,
@@ -310,7 +307,8 @@ class Swarm:
         self.state_server = StateServer(self.p2p, config.run_id, max_uploads=config.max_state_uploads,
                                         provider=self._snapshot_between_steps, admission=self.admission)
         self.admit_server = AdmitServer(self.p2p, self.admission, self.admitted.add)
-        self.accuse_server = AccuseServer(self.p2p, self._accusation_header, self._on_accusation, self._is_member)
+        self.accuse_server = AccuseServer(self.p2p, self._accusation_header, self.verdicts.on_accusation,
+                                          self._is_member)
         self._synced = False  # the state server serves only once this peer holds the swarm's state
         self.loop.run(self._start_services(), timeout=30)
         self._round = ("vote", 0)  # the kind and step of the round in progress, for failpoints
@@ -824,7 +822,6 @@ class Swarm:
     def _finish_round(self, r: "RoundInFlight") -> torch.Tensor | None:
         """The training thread's side of a round that ended: observe it, repair a divergence it shows."""
         step, group, tag = r.spec.step, r.group, r.tag
-        cfg = self.config.allreduce
         blocked = time.perf_counter()
         try:
             update, report = r.future.result(timeout=r.time_left())
@@ -864,15 +861,22 @@ class Swarm:
         self._prepare(self.optimizer.step_count)
 
     def suspects(self) -> set[str]:
-        """Peers the leader drops and does not add: proven liars (for the rest of the run), and reducers
-        that two members reported for the same round (a misrepresented vote, an unanswered audit) in
-        the last few minutes (``accuse.Suspicions``)."""
-        return set(self.liars) | self.suspicions.suspects()
+        """Peers the leader drops and does not add (``Verdicts.suspects``)."""
+        return self.verdicts.suspects()
+
+    @property
+    def liars(self) -> dict[str, str]:
+        """Peers proven to lie -> why (``Verdicts``)."""
+        return self.verdicts.liars
+
+    @property
+    def suspicions(self) -> Suspicions:
+        return self.verdicts.suspicions
 
     def _observe(self, spec: RoundSpec, report: RoundReport, started: float) -> None:
         self.last_report = report
         if report.caught:  # checked and acted on in the background (evidence checks recount, reports dial)
-            self._in_background(self._act_on_catches(list(report.caught)))
+            self._in_background(self.verdicts.act_on(list(report.caught)))
         received = [p for p in report.parts if p.status in ("ok", "recovered")]
         counted = set().union(*(set(p.counted) for p in received)) if received else set()
         for i, member in enumerate(spec.group):
@@ -956,34 +960,6 @@ class Swarm:
         self._background.add(future)
         future.add_done_callback(self._background.discard)
 
-    async def _act_on_catches(self, caught: list[Caught]) -> None:
-        """What this peer's audits caught: a lie it can prove convicts the reducer here and goes to the
-        leader with its evidence; anything else is one member's suspicion, noted and reported."""
-        for c in caught:
-            try:
-                if c.kind == "lie":
-                    proof = await asyncio.to_thread(prove, c.evidence) if c.evidence else None
-                    if proof is None or proof.reducer != c.peer_id or self._round_of(proof.round_id, proof.step,
-                                                                                   proof.part, c.peer_id) is None:
-                        self.log.warning(f"unproven:{c.peer_id}", "reducer %s reported lying without evidence that "
-                                         "checks out here: not acted on (%s)", c.peer_id, c.reason)
-                        continue
-                    accusation = Accusation("lie", c.peer_id, proof.round_id, proof.part, proof.step,
-                                            f"{proof.reason}", c.evidence)
-                    self._convict(accusation, self.peer_id)
-                else:
-                    step = self._round_steps.get(c.round_id)
-                    if step is None or self._round_of(c.round_id, step, c.part, c.peer_id) is None:
-                        continue  # a round this peer no longer knows: too old to report
-                    accusation = Accusation(c.kind, c.peer_id, c.round_id, c.part, step, c.reason)
-                    self._suspect(accusation, self.peer_id)
-                await self._report(accusation)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # a report that fails is logged; training goes on
-                self.log.warning(f"report:{type(e).__name__}", "acting on a caught reducer failed: %s: %s",
-                                 type(e).__name__, e)
-
     def _round_of(self, round_id: bytes, step: int, part: int, reducer: str) -> tuple[GroupRecord, str] | None:
         """The group and kind of one of this peer's recent rounds, if ``reducer`` reduced ``part`` in it."""
         for group in list(self.history.by_epoch.values()):
@@ -992,77 +968,6 @@ class Swarm:
                     ok = 0 <= part < len(group.members) and group.members[part].peer_id == reducer
                     return (group, kind) if ok else None
         return None
-
-    def _leader(self, group: GroupRecord | None, *, besides: str = "") -> str | None:
-        """Who leads ``group`` in this peer's eyes: its first reducing member not proven to lie."""
-        if group is None:
-            return None
-        return next((m.peer_id for m in group.members if m.reduces and m.peer_id not in self.liars
-                     and m.peer_id != besides), None)
-
-    def _convict(self, accusation: Accusation, by: str) -> str:
-        """A proven lie (the evidence was checked): refuse the liar for the rest of the run."""
-        liar = accusation.accused
-        if liar in self.liars:
-            return "already known"
-        latest = self.history.latest
-        led = latest is not None and liar == next((m.peer_id for m in latest.members if m.reduces), None)
-        self.liars[liar] = (f"round {accusation.round_id.hex()[:12]} (step {accusation.step}) part {accusation.part}: "
-                            f"{accusation.reason}; proved by {by}")
-        self._proofs[liar] = accusation
-        while len(self._proofs) > MAX_PROOFS_KEPT:  # the oldest liars' evidence goes (they stay refused here)
-            self._proofs.popitem(last=False)
-        logger.warning("reducer %s proven to lie (evidence checked, from %s): %s; refused for the rest of the run",
-                       liar, "this peer's audit" if by == self.peer_id else by, accusation.reason)
-        if led and self._leader(latest) == self.peer_id:
-            # the liar led the group: every member must hear it, or some keep following its group records
-            members = [m.peer_id for m in latest.members if m.peer_id not in (liar, self.peer_id, by)]
-            for member in members:
-                self._in_background(self._send(member, accusation))
-        return "convicted"
-
-    def _suspect(self, accusation: Accusation, by: str) -> str:
-        """One member's unprovable report: two for the same round make the reducer a suspect for a while."""
-        if self.suspicions.add(accusation.accused, accusation.round_id, by, f"{accusation.kind}: {accusation.reason}"):
-            logger.warning("reducer %s suspected by two members for the same round, dropped while it is: %s",
-                           accusation.accused, "; ".join(self.suspicions.reasons(accusation.accused)))
-            return "suspected"
-        logger.info("reducer %s reported by %s (%s): %s", accusation.accused, by, accusation.kind, accusation.reason)
-        return "noted"
-
-    async def _report(self, accusation: Accusation) -> None:
-        """Tell the leader: a lie once per liar and leader, every suspicion (the leader matches them by round)."""
-        leader = self._leader(self.history.latest, besides=accusation.accused)
-        key = (accusation.accused, leader)
-        if leader is None or leader == self.peer_id or key in self._reported:
-            return
-        if accusation.kind == "lie":
-            self._reported.add(key)  # in flight or done; a failed send is retried after RETRY_REPORT_S
-        if not await self._send(leader, accusation) and accusation.kind == "lie":
-            asyncio.get_running_loop().call_later(RETRY_REPORT_S, self._reported.discard, key)
-
-    async def _remind_leader(self) -> None:
-        """A proven liar in the group this peer follows: its leader (a new one, say) has not seen the
-        evidence. Give it, once per leader."""
-        latest = self.history.latest
-        if latest is None:
-            return
-        for liar in [pid for pid in latest.member_ids() if pid in self._proofs]:
-            if (liar, self._leader(latest, besides=liar)) not in self._reported:
-                self._in_background(self._report(self._proofs[liar]))
-
-    async def _send(self, to: str, accusation: Accusation) -> bool:
-        """Whether ``to`` heard it (took it or said why not)."""
-        try:
-            taken, note = await send_accusation(self.p2p, to, accusation)
-        except Exception as e:
-            self.log.warning(f"send:{to}", "could not tell %s about %s: %s: %s", to, accusation.accused,
-                             type(e).__name__, e)
-            return False
-        logger.info("told %s that %s %s: %s", to, accusation.accused,
-                    "lied" if accusation.kind == "lie" else f"is suspect ({accusation.kind})",
-                    note if taken else f"refused: {note}")
-        return True
 
     def _is_member(self, peer_id: str) -> bool:
         return any(peer_id in g.member_ids() for g in list(self.history.by_epoch.values()))
@@ -1086,16 +991,6 @@ class Swarm:
         leaf = min(leaf_bytes(stop - start, planes) * planes, MAX_LEAF_BYTES)
         return min(MAX_EVIDENCE_BYTES, spec.result_size(accusation.part, n) + MAX_HEADER_BYTES + 8192 + n * (leaf + 1024))
 
-    async def _on_accusation(self, accuser: str, accusation: Accusation) -> str:
-        """A member's report: a lie only with evidence that proves exactly it; else a suspicion."""
-        if accusation.kind != "lie":
-            return self._suspect(accusation, accuser)
-        proof = await asyncio.to_thread(prove, accusation.evidence)
-        if proof is None or (proof.reducer, proof.round_id, proof.part, proof.step) != \
-                (accusation.accused, accusation.round_id, accusation.part, accusation.step):
-            raise Refused("the evidence does not prove that reducer lied in that round and part")
-        return self._convict(replace(accusation, reason=proof.reason), accuser)
-
     # -- membership upkeep (background) -------------------------------------------------------------
 
     async def _refresh_forever(self) -> None:
@@ -1103,7 +998,7 @@ class Swarm:
         while True:
             try:
                 await self._refresh_group()
-                await self._remind_leader()
+                await self.verdicts.remind_leader()
                 self.records = await self.directory.peers()
                 leaving = {pid for pid, r in self.records.items() if r.leaving}  # signed by the peer itself
                 if leaving:
@@ -1298,6 +1193,22 @@ class Swarm:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+class _Rounds:
+    """A swarm's recent rounds, as its ``Verdicts`` sees them (``verdicts.RoundLookup``)."""
+
+    def __init__(self, swarm: Swarm):
+        self.swarm = swarm
+
+    def round_of(self, round_id: bytes, step: int, part: int, reducer: str) -> tuple[GroupRecord, str] | None:
+        return self.swarm._round_of(round_id, step, part, reducer)
+
+    def step_of(self, round_id: bytes) -> int | None:
+        return self.swarm._round_steps.get(round_id)
+
+    def latest(self) -> GroupRecord | None:
+        return self.swarm.history.latest
 
 
 @dataclass

@@ -1,0 +1,82 @@
+"""Verdicts on reducers without a network: a fake view of the swarm's rounds and a recording sender."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from lioncub_p2p.allreduce import Caught, PeerSpec
+from lioncub_p2p.swarm.accuse import Accusation, Refused
+from lioncub_p2p.swarm.membership import GroupRecord
+from lioncub_p2p.swarm.records import RateLimitedLog
+from lioncub_p2p.swarm.verdicts import Verdicts
+
+ME, LEADER, REDUCER, OTHER = "me", "leader", "reducer", "other"
+GROUP = GroupRecord(1, 0, (PeerSpec(LEADER), PeerSpec(REDUCER), PeerSpec(ME), PeerSpec(OTHER)), author=LEADER)
+ROUND = b"r" * 16
+
+
+class Rounds:
+    """One known round: step 7, part 1 reduced by REDUCER."""
+
+    def round_of(self, round_id, step, part, reducer):
+        ok = (round_id, step) == (ROUND, 7) and GROUP.members[part].peer_id == reducer
+        return (GROUP, "vote") if ok else None
+
+    def step_of(self, round_id):
+        return 7 if round_id == ROUND else None
+
+    def latest(self):
+        return GROUP
+
+
+def _verdicts() -> tuple[Verdicts, list[tuple[str, Accusation]]]:
+    sent: list[tuple[str, Accusation]] = []
+
+    async def send(to: str, accusation: Accusation) -> tuple[bool, str]:
+        sent.append((to, accusation))
+        return True, "taken"
+
+    return Verdicts(ME, Rounds(), send, lambda coro: coro.close(), RateLimitedLog(logging.getLogger("t"))), sent
+
+
+def _accusation(kind="unanswered", round_id=ROUND) -> Accusation:
+    return Accusation(kind, REDUCER, round_id, 1, 7, "no answer to the audit")
+
+
+def test_one_report_is_a_note_two_members_for_one_round_make_a_suspect():
+    verdicts, _ = _verdicts()
+    assert verdicts.suspect(_accusation(), ME) == "noted" and verdicts.suspects() == set()
+    assert verdicts.suspect(_accusation(), ME) == "noted"  # the same member again counts once
+    assert verdicts.suspect(_accusation(round_id=b"s" * 16), OTHER) == "noted"  # another round
+    assert verdicts.suspect(_accusation(), OTHER) == "suspected"
+    assert verdicts.suspects() == {REDUCER} and not verdicts.liars
+
+
+def test_a_lie_without_evidence_that_proves_it_is_refused_and_convicts_nobody():
+    verdicts, sent = _verdicts()
+    with pytest.raises(Refused, match="does not prove"):
+        asyncio.run(verdicts.on_accusation(OTHER, _accusation("lie")))
+    assert not verdicts.liars and not sent
+
+
+def test_caught_suspicions_go_to_the_leader_and_unknown_rounds_go_nowhere():
+    verdicts, sent = _verdicts()
+    caught = [Caught(REDUCER, ROUND, 1, "unanswered", "no answer"), Caught(REDUCER, b"x" * 16, 1, "unanswered", "old")]
+    asyncio.run(verdicts.act_on(caught))
+    assert [(to, a.round_id, a.step) for to, a in sent] == [(LEADER, ROUND, 7)]  # the old round is not reported
+    assert verdicts.suspicions.reasons(REDUCER) == [] and verdicts.suspects() == set()  # one member: a note
+
+
+def test_a_caught_lie_without_evidence_is_not_acted_on():
+    verdicts, sent = _verdicts()
+    asyncio.run(verdicts.act_on([Caught(REDUCER, ROUND, 1, "lie", "wrong count")]))
+    assert not verdicts.liars and not sent
+
+
+def test_the_leader_is_the_first_reducing_member_not_proven_to_lie():
+    verdicts, _ = _verdicts()
+    assert verdicts.leader(GROUP) == LEADER and verdicts.leader(GROUP, besides=LEADER) == REDUCER
+    verdicts.liars[LEADER] = "proved"
+    assert verdicts.leader(GROUP) == REDUCER and verdicts.leader(None) is None
