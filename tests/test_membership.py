@@ -262,3 +262,33 @@ def test_monitors_read_peer_records_in_bounded_time_and_junk_never_reaches_hivem
     finally:
         rogue.shutdown()
         honest.shutdown()
+
+
+def test_group_history_can_be_read_on_one_thread_while_another_adds_groups():
+    """The loop thread adds groups while the training thread looks up the group of its step: a reader
+    must never see the dict change under it (the old in-place dict: KeyError from ``latest`` between
+    its two reads, or "dictionary changed size during iteration")."""
+    import threading
+
+    history, errors, done = GroupHistory(keep=4), [], threading.Event()
+
+    def read() -> None:
+        try:
+            while not done.is_set():
+                history.for_step(10**9)
+                _ = history.latest
+        except Exception as e:  # what the old in-place dict did
+            errors.append(e)
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for t in readers:
+        t.start()
+    try:
+        for epoch in range(30_000):
+            history.add(GroupRecord(epoch, epoch, (PeerSpec("a"),)))
+    finally:
+        done.set()
+        for t in readers:
+            t.join(10)
+    assert not errors, errors[:1]
+    assert sorted(history.by_epoch) == list(range(29_996, 30_000)) and history.latest.epoch == 29_999

@@ -267,25 +267,32 @@ def next_group(candidates: list[GroupRecord], history: "GroupHistory", *, step: 
 
 
 class GroupHistory:
-    """The groups this peer has accepted, by epoch: which group votes at a given step."""
+    """The groups this peer has accepted, by epoch: which group votes at a given step.
+
+    Written on the swarm's event loop, read on the training thread too: a change builds a new dict
+    and publishes it whole (one reference swap), so a reader that takes ``by_epoch`` once iterates a
+    dict nobody changes."""
 
     def __init__(self, keep: int = 16):
         self.keep = keep
         self.by_epoch: dict[int, GroupRecord] = {}
 
     def add(self, record: GroupRecord | None) -> None:
+        groups = dict(self.by_epoch)
         while record is not None:
-            self.by_epoch.setdefault(record.epoch, record)
+            groups.setdefault(record.epoch, record)
             record = record.previous
-        for epoch in sorted(self.by_epoch)[: -self.keep]:
-            del self.by_epoch[epoch]
+        for epoch in sorted(groups)[: -self.keep]:
+            del groups[epoch]
+        self.by_epoch = groups
 
     def clear(self) -> None:
-        self.by_epoch.clear()
+        self.by_epoch = {}
 
     @property
     def latest(self) -> GroupRecord | None:
-        return self.by_epoch[max(self.by_epoch)] if self.by_epoch else None
+        groups = self.by_epoch
+        return groups[max(groups)] if groups else None
 
     def for_step(self, step: int) -> GroupRecord | None:
         """The newest group whose ``from_step`` has come by ``step``."""

@@ -638,8 +638,12 @@ class Swarm:
         if candidates:
             group = self._admitted_group(candidates)
             if group is not None:
-                self.history.clear()
-                self._trust(group)
+                self.loop.run(self._adopt(group), timeout=10)  # on the loop, the history's only writer once running
+
+    async def _adopt(self, group: GroupRecord) -> None:
+        """Follow ``group`` instead of the lineage this peer lost."""
+        self.history.clear()
+        self._trust(group)
 
     def _download(self, min_step: int, group: GroupRecord) -> None:
         members = [m for m in group.members if m.peer_id != self.peer_id and not m.client_mode
