@@ -23,6 +23,17 @@ carries on. After the update: momenta are averaged on the schedule (bf16, trimme
 a failed sync is logged and skipped), snapshots are made for peers that asked, checkpoints written.
 Anything that goes wrong in a round is a missed round (a zero update, repaired by the digest if it
 split anyone), never an exception out of ``optimizer.step()``.
+
+Threads. The *training thread* (join, ``submit``/``wait``, ``after_step``, ``linger``, ``shutdown``)
+owns the optimizer's state and the per-step fields (``stats``, ``repairs``, ``missed_rounds``,
+``last_report``, ``stranded``); it holds ``_step_lock`` from ``before_step`` to the end of
+``after_step``. The *event loop* (``self.loop``: membership upkeep, leading, every stream handler,
+``Verdicts``) owns ``history`` (published whole, ``GroupHistory``), ``evicted``, ``admitted`` and the
+records it refreshes; the training thread reads them, and replaces ``records`` only with a fresh read
+made on the loop. The state server's *worker thread* only reads, under ``_step_lock``
+(``_snapshot_between_steps``). ``failures``/``failing_since`` are shared: counted by the training
+thread from its round reports, read and reset for a returning peer by the leader on the loop, one
+key at a time (atomic under the GIL; a lost count delays a drop by a round at most).
 """
 from __future__ import annotations
 
