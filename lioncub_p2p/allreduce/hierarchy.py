@@ -1,0 +1,84 @@
+"""Two-level votes for large swarms: groups vote inside themselves, the group results are combined.
+
+A flat butterfly over n peers opens n - 1 streams per peer per round and shrinks each part to
+numel / n; past a few dozen peers, per-message latency, not bytes, sets the round time. With groups of
+at most ``max_size`` peers, each group runs today's round, then the groups' results for each part are
+combined so that every peer of the run applies the same update. Two ways to combine:
+
+- **exact counts** (``combine_counts``): each group contributes its per-position vote count,
+  ``planes_needed(g)`` bit planes for a group of g (3 bits for 4–7 peers, 6 for 32–63), and the sum
+  over groups, thresholded at half of all voters, *is* the flat majority, bit for bit, ties included
+  (the same (seed, step) tie stream as ``ops.majority_vote``);
+- **majority of majorities** (``majority_of_majorities``): 1 bit per group, the majority of the
+  groups' majorities; it differs from the flat majority where the groups' margins differ.
+  ``benchmarks/two_level.py`` measures how often on real gradients (``docs/benchmarks.md``).
+
+``assign_groups`` is a pure function of the members and the group record's epoch, so every peer
+computes the same groups without matchmaking, and a new epoch (after churn) rebalances them.
+
+Not built yet: the second-level exchange on the wire (who combines which part, and its failure
+rules); these are the pieces it will use, tested against numpy.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from .. import ops
+
+
+def assign_groups(peer_ids: Sequence[str], epoch: int, max_size: int = 32) -> list[list[str]]:
+    """Split the members into ceil(n / max_size) groups whose sizes differ by at most one, in an order
+    drawn from (epoch, peer id): the same on every peer, whatever order it lists the members in."""
+    if max_size < 1:
+        raise ValueError(f"max_size must be at least 1, got {max_size}")
+    if len(set(peer_ids)) != len(peer_ids):
+        raise ValueError("peer ids must be distinct")
+    order = sorted(peer_ids, key=lambda pid: hashlib.blake2b(f"{epoch}|{pid}".encode(), digest_size=16).digest())
+    count = max(1, -(-len(order) // max_size))
+    return [order[i::count] for i in range(count)] if order else []
+
+
+def group_counts(stack: torch.Tensor) -> torch.Tensor:
+    """What one group sends up under exact counts: the bit planes of its per-position vote count."""
+    return ops.count_planes(stack)
+
+
+def combine_counts(planes: Sequence[torch.Tensor], voters: Sequence[int], *, seed: int = 0, step: int = 0,
+                   offset: int = 0) -> torch.Tensor:
+    """The flat majority (packed) from each group's count planes and number of voters.
+
+    ``offset``: the first byte of this part in the whole buffer, for the tie stream."""
+    if not planes or len(planes) != len(voters):
+        raise ValueError("one count (bit planes) per group, and as many voter numbers")
+    nbytes = planes[0].shape[1]
+    if any(p.dim() != 2 or p.shape[1] != nbytes or p.dtype != torch.uint8 for p in planes):
+        raise ValueError("count planes must be uint8 (planes, nbytes) of one part")
+    counts = torch.zeros(nbytes * 8, dtype=torch.int32, device=planes[0].device)
+    for p, n in zip(planes, voters):
+        if not 0 <= n < 1 << p.shape[0]:
+            raise ValueError(f"{n} voters do not fit in {p.shape[0]} count planes")
+        counts += ops.planes_to_counts(p).to(torch.int32)
+    total = sum(voters)
+    bits = counts * 2 > total
+    if total % 2 == 0:
+        ties = ops.unpack_signs(ops.random_tie_bits(seed, step, nbytes, offset=offset, device=counts.device),
+                                nbytes * 8) > 0
+        bits |= (counts * 2 == total) & ties
+    return ops.pack_signs(bits.to(torch.float32) * 2 - 1)
+
+
+def majority_of_majorities(group_results: torch.Tensor, *, seed: int = 0, step: int = 0) -> torch.Tensor:
+    """1 bit per group: the majority (packed) of the groups' packed majorities, ties as in a flat vote."""
+    return ops.majority_vote(group_results, seed=seed, step=step)
+
+
+def upward_bits(group_sizes: Sequence[int], rule: str) -> float:
+    """Bits per parameter the second level receives from all groups together, per round."""
+    if rule == "counts":
+        return float(sum(ops.planes_needed(g) for g in group_sizes))
+    if rule == "majority":
+        return float(len(group_sizes))
+    raise ValueError(f"rule must be 'counts' or 'majority', got {rule!r}")

@@ -1,0 +1,81 @@
+"""Two-level votes (allreduce/hierarchy.py) against numpy and the flat vote."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lioncub_p2p import ops
+from lioncub_p2p.allreduce.hierarchy import (assign_groups, combine_counts, group_counts, majority_of_majorities,
+                                             upward_bits)
+
+
+def _votes(n: int, nbytes: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, (n, nbytes), dtype=np.uint8))
+
+
+def _np_majority(stack: np.ndarray) -> np.ndarray:
+    """Bits (n, nbytes*8) -> 1 where more than half are 1 (ties left to the caller: -1)."""
+    counts = np.unpackbits(stack, axis=1, bitorder="little").sum(axis=0).astype(np.int64)
+    n = stack.shape[0]
+    return np.where(counts * 2 > n, 1, np.where(counts * 2 == n, -1, 0))
+
+
+def test_groups_partition_the_members_evenly_the_same_whatever_the_order_and_change_with_the_epoch():
+    peers = [f"peer{i}" for i in range(70)]
+    groups = assign_groups(peers, epoch=3, max_size=32)
+    assert len(groups) == 3 and sorted(len(g) for g in groups) == [23, 23, 24]
+    assert sorted(p for g in groups for p in g) == sorted(peers)
+    assert assign_groups(list(reversed(peers)), epoch=3, max_size=32) == groups
+    assert assign_groups(peers, epoch=4, max_size=32) != groups
+    (few,) = assign_groups(peers[:5], epoch=0, max_size=32)  # one group under the cap
+    assert sorted(few) == peers[:5]
+    assert assign_groups([], epoch=0) == []
+    with pytest.raises(ValueError):
+        assign_groups(["a", "a"], epoch=0)
+
+
+@pytest.mark.parametrize("n, sizes", [(12, 4), (13, 4), (64, 16), (65, 32), (40, 40)])
+def test_exact_counts_combined_are_the_flat_majority_bit_for_bit(n, sizes):
+    stack = _votes(n, 64, seed=n)
+    flat = ops.majority_vote(stack, seed=5, step=9)
+    groups = [list(range(i, n, -(-n // sizes))) for i in range(-(-n // sizes))]
+    planes = [group_counts(stack[g]) for g in groups]
+    combined = combine_counts(planes, [len(g) for g in groups], seed=5, step=9)
+    assert torch.equal(combined, flat)
+    ref = _np_majority(stack.numpy())  # independent of ops: where no tie, numpy says the same
+    bits = np.unpackbits(combined.numpy(), bitorder="little")
+    decided = ref >= 0
+    assert np.array_equal(bits[decided], ref[decided]) and (n % 2 == 1) == decided.all()
+
+
+def test_a_parts_offset_picks_the_tie_bits_of_its_place_in_the_whole_buffer():
+    stack = _votes(8, 32, seed=1)
+    whole = combine_counts([group_counts(stack[:4]), group_counts(stack[4:])], [4, 4], seed=2, step=3)
+    part = combine_counts([group_counts(stack[:4, 16:]), group_counts(stack[4:, 16:])], [4, 4], seed=2, step=3,
+                          offset=16)
+    assert torch.equal(part, whole[16:])
+
+
+def test_majority_of_majorities_is_numpys_and_can_differ_from_the_flat_majority():
+    # group A: 3 of 3 say 1; groups B and C: 1 of 3 say 1 -> flat 5 of 9 (1), groups 1 of 3 (0)
+    rows = [[1, 1, 1], [1, 0, 0], [1, 0, 0]]
+    stack = torch.tensor([[0xFF if bit else 0 for _ in range(4)] for group in rows for bit in group], dtype=torch.uint8)
+    groups = [stack[0:3], stack[3:6], stack[6:9]]
+    results = torch.stack([ops.majority_vote(g) for g in groups])
+    mom = majority_of_majorities(results)
+    assert torch.equal(ops.majority_vote(stack), torch.full((4,), 0xFF, dtype=torch.uint8))
+    assert torch.equal(mom, torch.zeros(4, dtype=torch.uint8))
+    rng = np.random.default_rng(0)
+    stack = torch.from_numpy(rng.integers(0, 256, (15, 64), dtype=np.uint8))
+    results = torch.stack([ops.majority_vote(stack[i:i + 5]) for i in range(0, 15, 5)])
+    expected = np.packbits(_np_majority(results.numpy()), bitorder="little")  # 3 groups: never a tie
+    assert np.array_equal(majority_of_majorities(results).numpy(), expected)
+
+
+def test_upward_bits_and_bad_inputs():
+    assert upward_bits([32, 32, 31], "counts") == 6 + 6 + 5 and upward_bits([32, 32, 31], "majority") == 3
+    with pytest.raises(ValueError):
+        combine_counts([group_counts(_votes(3, 8, 0))], [4])  # 4 voters do not fit in 2 planes
+    with pytest.raises(ValueError):
+        combine_counts([], [])
