@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.nn.utils import parameters_to_vector
 
 from lioncub_p2p import LionCub, ops
 from lioncub_p2p.allreduce.hierarchy import combine_counts, group_counts, majority_of_majorities, upward_bits
@@ -35,6 +34,10 @@ TASKS = {  # name: (task factory, lr, batch per peer), as benchmarks/flip_rate.p
     "byte-gpt": (lambda: stdlib_bytes_task(), 1e-3, 16),
 }
 BETA1 = 0.9
+
+
+def _flat_grad(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
 def _bits(packed: torch.Tensor, numel: int) -> np.ndarray:
@@ -61,7 +64,7 @@ def run(task_name: str, seed: int, peers: int, groups: list[int], at: list[int])
             model.zero_grad()
             x, y = task.sample(i, peers, batch, gens[i])
             task.loss(model, x, y).backward()
-            grads.append(parameters_to_vector([p.grad for p in model.parameters()]))
+            grads.append(_flat_grad(model).clone())
         momentum = torch.cat([m.reshape(-1) for _, m in opt.momentum_buffers()])
         directions = torch.stack([BETA1 * momentum + (1 - BETA1) * g for g in grads])
         stack = torch.stack([ops.pack_signs(d, seed=step) for d in directions])
@@ -85,11 +88,19 @@ def run(task_name: str, seed: int, peers: int, groups: list[int], at: list[int])
                                 "bits_counts": upward_bits(sizes, "counts"),
                                 "bits_majorities": upward_bits(sizes, "majority")}
         rows.append(row)
-        params = list(model.parameters())
-        for p, g in zip(params, torch.stack(grads).mean(0).split([p.numel() for p in params])):
-            p.grad = g.view_as(p)
+        model.zero_grad()
+        for p, g in zip(model.parameters(), _split(torch.stack(grads).mean(0), model)):
+            p.grad = g
         opt.step()
     return rows
+
+
+def _split(flat: torch.Tensor, model: torch.nn.Module) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for p in model.parameters():
+        out.append(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return out
 
 
 def report(rows: list[dict], groups: list[int]) -> str:

@@ -11,17 +11,12 @@ logger = logging.getLogger(__name__)
 
 
 def _quiet_cancelled_connections(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-    """Two ends of a daemon's incoming connection at shutdown that are not errors, logged at DEBUG:
-    Python 3.11's StreamReaderProtocol asks a *cancelled* client_connected_cb task for its exception
-    (fixed in 3.12), which raises CancelledError into the loop's handler; and a daemon that is
-    stopping closes a connection to a stream handler before its first message, which hivemind's
-    handler (``p2p_daemon_bindings.control``) leaves unhandled as IncompleteReadError. Each was an ERROR
-    with a traceback; everything else goes to asyncio's default handler."""
-    error = context.get("exception")
-    closed_early = isinstance(error, asyncio.IncompleteReadError) and not error.partial \
-        and "client_connected_cb" in str(context.get("message", ""))
-    if isinstance(error, asyncio.CancelledError) or closed_early:
-        logger.debug("connection handler ended at shutdown (%s): %s", type(error).__name__, context.get("message"))
+    """Python 3.11's StreamReaderProtocol asks a *cancelled* client_connected_cb task for its
+    exception (fixed in 3.12), which raises CancelledError into the loop's handler: an ERROR and a
+    traceback each time a daemon's incoming connection is cut by an orderly shutdown. Only that case is
+    logged at DEBUG; everything else goes to asyncio's default handler."""
+    if isinstance(context.get("exception"), asyncio.CancelledError):
+        logger.debug("connection handler cancelled at shutdown: %s", context.get("message"))
         return
     loop.default_exception_handler(context)
 

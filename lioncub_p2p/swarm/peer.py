@@ -824,7 +824,8 @@ class Swarm:
         """Set ``stranded`` once no other live peer that can count votes and lead has been seen for
         ``STRANDED_AFTER_S`` (records expire within seconds of a peer's death; the delay rides out
         a DHT that answers nothing for a while)."""
-        if any(pid != self.peer_id and not r.leaving and not r.client_mode for pid, r in self.records.items()):
+        others = [r for pid, r in self.records.items() if pid != self.peer_id and not r.leaving and not r.client_mode]
+        if others:
             self._alone_since = None
             return
         if self._alone_since is None:
