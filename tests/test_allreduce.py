@@ -10,6 +10,7 @@ import torch
 from lioncub_p2p import ops
 from lioncub_p2p.allreduce import AllReduceConfig, VOTE_PROTOCOL
 from lioncub_p2p.allreduce.deadline import AdaptiveDeadline
+from lioncub_p2p.allreduce.result_delta import encode_for
 from lioncub_p2p.codecs import upload_codec
 from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
 from lioncub_p2p.wire import PROTOCOL_VERSION, pb, write_frame
@@ -154,7 +155,7 @@ def test_reducer_killed_mid_answer_survivors_agree():
         send = node._send_result
         node._outcome_for = lambda state, voter, outcome: (outcome, voter == holder)
 
-        async def answer(writer, spec, part, marked, report=None):
+        async def answer(writer, spec, part, marked, report=None, delta=None):  # one round: no bases, no delta
             outcome, whole = marked
             if whole:
                 return await send(writer, spec, part, outcome, report)
@@ -385,3 +386,84 @@ def test_kept_streams_skip_dials_and_survive_a_reducer_closing_them(monkeypatch)
         assert {(ids[0], ids[1]), (ids[2], ids[1])} <= set(dials)  # both re-dialed reducer 1
         assert (ids[0], ids[2]) not in dials and (ids[2], ids[0]) not in dials  # the others stayed kept
         assert all(p.status == "ok" for p in swarm.reports[0].parts)
+
+
+def _drifting_codes(n: int, numel: int, rounds: int, flip: float, seed: int = 0) -> list[list[torch.Tensor]]:
+    """Per round, each peer's packed signs: a fixed direction plus noise whose signs change with
+    probability ~``flip`` per round (real training: most voted signs repeat)."""
+    g = torch.Generator().manual_seed(seed)
+    base = [torch.randn(numel, generator=g) for _ in range(n)]
+    out = []
+    for _ in range(rounds):
+        for b in base:
+            moved = torch.rand(numel, generator=g) < flip
+            b[moved] = torch.randn(int(moved.sum()), generator=g)
+        out.append([ops.pack_signs(b.clone()) for b in base])
+    return out
+
+
+def _result_leg(swarm: LocalSwarm) -> tuple[int, int, int]:
+    reports = [r for r in swarm.reports if r is not None]
+    return (sum(r.result_down for r in reports), sum(r.result_plain for r in reports),
+            sum(r.delta_parts for r in reports))
+
+
+@pytest.mark.parametrize("deltas", [True, False])
+def test_results_come_back_as_deltas_and_stay_exact(deltas):
+    """Consecutive majority rounds whose votes change by ~10% per round: from the second round on,
+    results travel as flips against the previous round's result (fewer bytes than plain), and every
+    peer's update equals the numpy vote bit for bit in every round; with deltas off, every result is
+    plain."""
+    from dataclasses import replace
+    n, numel, rounds = 4, 8 * 24_000, 4
+    config = replace(FAST_CONFIG, result_deltas=deltas)
+    with LocalSwarm(n, config=config) as swarm:
+        for r, codes in enumerate(_drifting_codes(n, numel, rounds, flip=0.1)):
+            results = swarm.allreduce(codes, step=r, seed=7)
+            want = numpy_vote([c.reshape(1, -1) for c in codes], "sign", "majority", numel, 7, r)
+            for update in results:
+                np.testing.assert_array_equal(as_values(update, numel), want)
+            down, plain, delta_parts = _result_leg(swarm)
+            assert plain == n * (n - 1) * numel // 8 // n  # each peer gets the n-1 parts it does not reduce
+            if deltas and r > 0:
+                assert delta_parts == n * (n - 1)
+                assert down < 0.9 * plain, (down, plain)
+            else:
+                assert delta_parts == 0 and down == plain
+
+
+@pytest.mark.parametrize("tamper", ["other_result", "unnamed_base", "truncated"])
+def test_a_bad_delta_from_a_reducer_is_refused_and_the_part_recovered(tamper):
+    """A reducer whose delta is well formed but of another result than the one it signed, against a
+    base the voter did not name, or cut short: the voter refuses it (the signed digest is of the
+    plain result) and recovers the part plain from another peer; every update still equals the
+    numpy vote."""
+    n, numel, bad = 4, 8 * 16_000, 1
+    with LocalSwarm(n) as swarm:
+        rounds = _drifting_codes(n, numel, 2, flip=0.1)
+        swarm.allreduce(rounds[0], step=0)
+        node = swarm.nodes[bad]
+        honest = node._delta_for
+
+        def tampered(state, part, outcome, declared):
+            made = honest(state, part, outcome, declared)
+            assert made is not None  # the honest reducer would send a delta here
+            blob, base, before = made
+            if tamper == "other_result":  # one sign flipped before encoding: a valid delta of a lie
+                wire = bytearray(outcome.wire)
+                wire[0] ^= 1
+                blob, base, before = encode_for(node.bases, declared, state.spec.nbytes, state.spec.bounds[part],
+                                                bytes(wire))
+            elif tamper == "unnamed_base":
+                base = b"x" * len(base)
+            else:
+                blob = blob[: len(blob) // 2]
+            return blob, base, before
+
+        node._delta_for = tampered
+        results = swarm.allreduce(rounds[1], step=1)
+        want = numpy_vote([c.reshape(1, -1) for c in rounds[1]], "sign", "majority", numel, 0, 1)
+        for update in results:
+            np.testing.assert_array_equal(as_values(update, numel), want)
+        statuses = {swarm.reports[i].parts[bad].status for i in range(n) if i != bad}
+        assert statuses == {"recovered"}, [swarm.reports[i].parts[bad].note for i in range(n)]

@@ -324,3 +324,34 @@ def test_previous_of_another_size_is_refused():
         encode_delta(current, previous)
     with pytest.raises(DeltaError, match="previous result has 11 bytes, expected 10"):
         decode_delta(bytes([RICE]) + b"\x00\x00\x00", previous, 10)
+
+
+def test_result_bases_are_named_by_round_and_content_and_bounded():
+    """Two peers holding different results for the same round (a reducer that equivocated) name them
+    differently, so neither decodes a delta against the other's; only the newest few are kept, and
+    only those of the buffer's size are named."""
+    from lioncub_p2p.allreduce.result_delta import DECLARED, KEPT, ResultBases, check_declared, encode_for
+    rng = np.random.default_rng(0)
+    mine, theirs = ResultBases(), ResultBases()
+    a = rng.integers(0, 256, 64, dtype=np.uint8)
+    b = a.copy()
+    b[3] ^= 4
+    mine.remember(b"round-1", a)
+    theirs.remember(b"round-1", b)
+    assert mine.declared(64) != theirs.declared(64)
+    current = a.copy()
+    current[10] ^= 1
+    assert encode_for(theirs, mine.declared(64), 64, (0, 64), current.tobytes()) is None  # not held: plain
+    made = encode_for(mine, mine.declared(64), 64, (0, 64), current.tobytes())
+    assert made is not None and len(made[0]) < 64
+    for k in range(2, 2 + KEPT + 1):
+        mine.remember(f"round-{k}".encode(), rng.integers(0, 256, 64, dtype=np.uint8))
+    mine.remember(b"other-size", rng.integers(0, 256, 32, dtype=np.uint8))
+    named = mine.declared(64)
+    assert len(named) == DECLARED and all(n.startswith(f"round-{2 + KEPT}".encode()) or
+                                          n.startswith(f"round-{1 + KEPT}".encode()) for n in named)
+    assert mine.get(named[0], 32) is None and len(mine.declared(32)) == 1
+    check_declared(named)
+    for bad in ([b"x"] * 2, [b"a", b"b", b"c"], [b""], [b"y" * 81]):
+        with pytest.raises(ValueError):
+            check_declared(bad)

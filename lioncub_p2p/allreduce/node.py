@@ -71,6 +71,7 @@ from .commit import (DIGEST_BYTES, MAX_HEADER_BYTES, MAX_TAG_BYTES, check_header
                      result_signed_bytes, root_of, statement_signed_bytes)
 from .deadline import AdaptiveDeadline
 from .reducer import PartReduction
+from .result_delta import ResultBases, check_declared, decode_from, encode_for
 from .round import (AUDIT_MIN_RATE, MAX_FIRST_FRAME_BYTES, AllReduceConfig, Caught, PartReport, PartResult, RoundReport, RoundSpec,
                     chunk_spans, result_wire, upload_wire)
 
@@ -110,6 +111,8 @@ class RoundState:
     # part -> (monotonic time its result arrived, whether its reducer itself sent it): audits start from here
     received: dict[int, tuple[float, bool]] = field(default_factory=dict)
     handlers: set = field(default_factory=set)  # stream handler tasks serving this round here
+    declared: list[bytes] = field(default_factory=list)  # result bases this peer named to its reducers
+    deltas: dict = field(default_factory=dict)  # (bases named, plain result) -> what encode_for made of it
 
 
 class VoteNode:
@@ -143,6 +146,7 @@ class VoteNode:
         self._audit_users: Counter[str] = Counter()
         self.audits_expired = 0  # audits not asked within half the window (a slow queue): not counted against anyone
         self.archive = RoundArchive(self.config.audit_window_s, self.config.audit_keep_bytes)
+        self.bases = ResultBases()  # complete majority results, for results sent as deltas
         self.caught: dict[str, Caught] = {}  # every reducer this peer caught, by peer id (the first proof)
         self.catches: deque[Caught] = deque(maxlen=1024)  # every catch, newest last (measurements)
         self._new_caught: list[Caught] = []  # not reported yet
@@ -232,6 +236,8 @@ class VoteNode:
         if state.voted:
             raise ValueError(f"round {spec.round_id.hex()} was already run by this peer")
         state.voted, state.tag = True, tag
+        if self.config.result_deltas and spec.result.name == "majority":
+            state.declared = self.bases.declared(spec.nbytes)
         me, report, parts = state.me, state.report, state.report.parts
         report.started = started
         codes = upload.numpy()
@@ -277,6 +283,8 @@ class VoteNode:
             if parts[j].status == "pending":
                 parts[j].status = "ok" if outcome is not None else "missing"
         update, undecodable = assemble(spec, outcomes)
+        if update.dtype == torch.uint8 and spec.result.name == "majority":
+            self.bases.remember(spec.round_id, update.numpy())
         for j, reason in undecodable.items():
             parts[j].status, parts[j].note = "missing", f"undecodable result: {reason}"
         self._start_audits(state, {j: o for j, o in outcomes.items() if o is not None and j not in undecodable})
@@ -442,7 +450,8 @@ class VoteNode:
                                  result=result_wire(spec.result), codes=codes, last=offset + length == b - a,
                                  tag=state.tag if first else b"",
                                  token=self.admission.token(self.peer_id) if first else b"",
-                                 statement=statement if first and statement is not None else None)
+                                 statement=statement if first and statement is not None else None,
+                                 result_bases=state.declared if first else ())
             sent = await write_frame(writer, chunk)  # not `+= await`: that reads the total before awaiting
             state.report.bytes_up += sent
             state.report.payload_up += len(codes)
@@ -452,7 +461,7 @@ class VoteNode:
                            forwarded: bool = False) -> PartResult:
         """Read and check a part's result chunks, from its reducer or (``forwarded``) another peer."""
         spec, report = state.spec, state.report
-        data, header, first, expected = bytearray(), None, None, 0
+        data, header, first, expected, delta = bytearray(), None, None, 0, None
         while True:
             msg, nread = await read_frame(reader, pb.ResultChunk, RESULT_FRAME_BYTES)
             if msg is None and header is None:
@@ -472,15 +481,27 @@ class VoteNode:
                     raise WireError("the first result chunk has no header")
                 header, first = check_header(spec, j, msg.header), msg
                 expected = spec.result_size(j, len(header.counted))
-            elif msg.header or msg.signature:
+                if msg.delta_base:
+                    if forwarded:
+                        raise WireError("a forwarded result sent as a delta")
+                    delta = (msg.delta_base, msg.delta_before)
+            elif msg.header or msg.signature or msg.delta_base:
                 raise WireError("a later result chunk repeats the header")
             if msg.offset != len(data) or len(data) + len(msg.data) > expected:
                 raise WireError(f"result chunk at {msg.offset} (+{len(msg.data)}) after {len(data)} of {expected} bytes")
             data += msg.data
             report.payload_down += len(msg.data)
             if msg.last:
+                report.result_down += len(data)
+                if delta is not None:
+                    try:
+                        data = decode_from(self.bases, state.declared, spec.nbytes, spec.bounds[j], bytes(data), *delta)
+                    except ValueError as e:
+                        raise WireError(str(e)) from None
+                    report.delta_parts += 1
                 if len(data) != expected:
                     raise WireError(f"result ended at {len(data)} of {expected} bytes")
+                report.result_plain += expected
                 outcome = PartResult(bytes(data), list(header.counted), header.tag, header.tag_votes,
                                      tuple(header.roots), first.header, first.signature, first.public_key)
                 self._check_result(spec, j, header, outcome, forwarded)
@@ -511,9 +532,24 @@ class VoteNode:
         """The result sent to ``voter``: the same for everyone (simulations override it to lie to one)."""
         return outcome
 
+    def _delta_for(self, state: RoundState, part: int, outcome: PartResult,
+                   declared: list[bytes]) -> tuple[bytes, bytes, bytes] | None:
+        """The part's result as flips against bases the voter named (None: send it plain); encoded
+        once per round for all voters that named the same bases."""
+        spec = state.spec
+        if not declared or not self.config.result_deltas or spec.result.name != "majority":
+            return None
+        key = (tuple(declared), outcome.wire)
+        if key not in state.deltas:
+            state.deltas[key] = encode_for(self.bases, declared, spec.nbytes, spec.bounds[part], outcome.wire)
+        return state.deltas[key]
+
     async def _send_result(self, writer: asyncio.StreamWriter, spec: RoundSpec, part: int, outcome: PartResult,
-                           report: RoundReport | None = None) -> None:
-        wire, step = outcome.wire, self.config.chunk_bytes
+                           report: RoundReport | None = None, *,
+                           delta: tuple[bytes, bytes, bytes] | None = None) -> None:
+        """``delta``: (blob, base id, before id) from ``_delta_for``, sent in place of the plain result."""
+        wire, step = (outcome.wire if delta is None else delta[0]), self.config.chunk_bytes
+        base, before = (b"", b"") if delta is None else delta[1:]
         for offset in range(0, max(len(wire), 1), step):
             first = offset == 0
             chunk = pb.ResultChunk(version=PROTOCOL_VERSION, round_id=spec.round_id, part=part, offset=offset,
@@ -521,7 +557,8 @@ class VoteNode:
                                    result=result_wire(spec.result), group_epoch=self.group_epoch,
                                    header=outcome.header if first else b"",
                                    signature=outcome.signature if first else b"",
-                                   public_key=outcome.public_key if first else b"")
+                                   public_key=outcome.public_key if first else b"",
+                                   delta_base=base if first else b"", delta_before=before if first else b"")
             sent = await write_frame(writer, chunk)
             if report is not None:
                 report.bytes_up += sent
@@ -755,6 +792,11 @@ class VoteNode:
             if len(chunk.tag) > MAX_TAG_BYTES:
                 raise WireError(f"tag of {len(chunk.tag)} bytes")
             self._take_statement(state, red, voter, peer, chunk)
+            declared = list(chunk.result_bases)
+            try:
+                check_declared(declared)
+            except ValueError as e:
+                raise WireError(str(e)) from None
             red.tags.setdefault(voter, chunk.tag)
             state.report.bytes_down += nread
             await asyncio.wait_for(self._receive_votes(state, red, voter, chunk, reader),
@@ -762,8 +804,10 @@ class VoteNode:
             outcome = await asyncio.wait_for(asyncio.shield(red.result), max(until - time.monotonic(), 0.0))
             if outcome is None:
                 raise WireError("no result: fewer than a quorum of votes were counted")
-            await asyncio.wait_for(self._send_result(writer, spec, red.part, self._outcome_for(state, voter, outcome),
-                                                     state.report), max(until - time.monotonic(), 0.0))
+            outcome = self._outcome_for(state, voter, outcome)
+            await asyncio.wait_for(self._send_result(writer, spec, red.part, outcome, state.report,
+                                                     delta=self._delta_for(state, red.part, outcome, declared)),
+                                   max(until - time.monotonic(), 0.0))
             return True
         except WireError as e:
             self._refuse(state, red, voter, info, str(e))

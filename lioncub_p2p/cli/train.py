@@ -129,6 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     proto.add_argument("--upload-timeout", type=float, default=10.0, help="seconds a reducer waits for votes")
     proto.add_argument("--result-timeout", type=float, default=20.0,
                        help="seconds a voter waits for results (more than --upload-timeout)")
+    proto.add_argument("--no-result-deltas", dest="result_deltas", action="store_false",
+                       help="always take and send plain majority results, never flips against an earlier "
+                            "result (costs 12-56%% more result bytes; for measuring what deltas save)")
     proto.add_argument("--group-size", type=int, default=0, help="hivemind baselines: peers per averaging group (0: 2)")
 
     out = p.add_argument_group("output")
@@ -189,7 +192,7 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
                          run_secret=args.run_secret, allow_peers=args.allow_peers,
                          upload=args.upload, result=args.result, transport=METHODS.get(args.method),
                          momentum=MomentumSchedule(every=args.momentum_every) if args.momentum_every is not None else None,
-                         delay=args.delay, manifest=wanted, allreduce=allreduce_config(args.upload_timeout, args.result_timeout),
+                         delay=args.delay, manifest=wanted, allreduce=allreduce_config(args.upload_timeout, args.result_timeout, args.result_deltas),
                          checkpoint_dir=args.checkpoint_dir,
                          checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0)
 
@@ -342,6 +345,7 @@ def _report(args, task: TrainingTask, swarm: Swarm, optimizer: LionCub, before: 
     swarm.last_loss = loss
     record = dict(step=before, loss=loss, peers=stats.peers, group=stats.group_size,
                   bytes_up=stats.bytes_up, bytes_down=stats.bytes_down, bits_per_param=stats.bits_per_param,
+                  result_down=stats.result_down, result_plain=stats.result_plain,
                   compute_s=t1 - t0, step_s=t2 - t1, wait_s=stats.wait_s, round_s=stats.round_s,
                   aggregate_s=stats.seconds, repaired=stats.repaired,
                   momentum_synced=stats.momentum_synced, time=time.time())

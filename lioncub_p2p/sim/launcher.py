@@ -53,6 +53,9 @@ METHODS = {
     "dlion": Method("D-Lion all-gather of 1-bit votes", ("--method", "dlion", "--momentum-every", "0")),
     "lioncub-nosync": Method("Lion Cub 1-bit majority, no momentum sync",
                              ("--method", "lioncub", "--upload", "sign", "--result", "majority", "--momentum-every", "0")),
+    "lioncub-nosync-plain": Method("Lion Cub 1-bit majority, no momentum sync, results never sent as deltas",
+                                   ("--method", "lioncub", "--upload", "sign", "--result", "majority",
+                                    "--momentum-every", "0", "--no-result-deltas")),
     "lioncub-overlap": Method("Lion Cub 1-bit majority, momentum avg/25, overlapped (delay 1)",
                               ("--method", "lioncub", "--upload", "sign", "--result", "majority", "--momentum-every", "25",
                                "--delay", "1")),
@@ -94,6 +97,8 @@ class MethodResult:
     identical_final_params: bool | None = None  # every peer that ended at the last step, bitwise
     bytes_source: str = ""
     curves: dict = field(default_factory=dict)  # per peer 0: time, step, loss, eval points
+    result_bits_per_param: float | None = None  # the result leg alone, as sent (deltas) ...
+    plain_result_bits_per_param: float | None = None  # ... and as plain results would have been
 
 
 class Simulation:
@@ -411,7 +416,16 @@ def summarize(name: str, method: Method, out: Path, n: int, counters, hidden: in
         final_eval_accuracy=_finite_mean([e["eval_accuracy"] for e in evals]),
         divergence_events=sum(bool(r.get("repaired")) for r in rows), peers_finished=len(evals),
         votes_counted={str(k): votes.count(k) for k in sorted(set(votes), reverse=True)},
-        bytes_source=source, curves=curves)
+        bytes_source=source, curves=curves,
+        result_bits_per_param=_leg_bits(rows, "result_down", numel),
+        plain_result_bits_per_param=_leg_bits(rows, "result_plain", numel))
+
+
+def _leg_bits(rows: list[dict], key: str, numel: int) -> float | None:
+    """Bits per parameter that one peer receives per step on one counter, the mean over every
+    peer's logged steps (None when the method logs no such counter)."""
+    values = [r[key] for r in rows if key in r]
+    return 8 * sum(values) / numel / max(len(values), 1) if values else None
 
 
 def swarm_curve(per_peer: list[list[dict]], t0: float) -> dict[str, list]:
@@ -530,14 +544,14 @@ def common_step(results: list[MethodResult]) -> int:
 def table(results: list[MethodResult], points: QualityPoints) -> str:
     target = f"{points.target:.3f}" if points.target is not None else "-"
     rows = [f"| method | rounds | votes counted/step | s/step (median) | compute / comm / wait s (medians) | "
-            f"MB up+down per step | bits/param | train loss @ step {points.step} | train loss @ {points.seconds:.0f} s | "
+            f"MB up+down per step | bits/param (result leg) | train loss @ step {points.step} | train loss @ {points.seconds:.0f} s | "
             f"s to train loss {target} | final eval loss (acc %) | speedup vs fp32 | repairs | params equal |",
             "|" + "---|" * 14]
     for r in results:
         speed = f"{r.speedup_vs_fp32:.1f}x" if r.speedup_vs_fp32 else "-"
         rows.append(f"| {r.label} | {r.rounds} | {_votes(r)} | {r.step_s:.3f} ({r.median_step_s:.3f}) | {r.compute_s:.3f} / "
                     f"{r.communication_s:.3f} / {r.waiting_s:.3f} | {(r.bytes_up_per_step + r.bytes_down_per_step) / 1e6:.3f} | "
-                    f"{r.bits_per_param:.2f} | {_num(r.train_loss_at_common_step)} | {_num(r.train_loss_at_common_time)} | "
+                    f"{r.bits_per_param:.2f} ({_num(r.result_bits_per_param, 2)}) | {_num(r.train_loss_at_common_step)} | {_num(r.train_loss_at_common_time)} | "
                     f"{_num(r.seconds_to_target, 1)} | {r.final_eval_loss:.3f} ({r.final_eval_accuracy:.1f}) | "
                     f"{speed} | {r.divergence_events} | {_agreement(r)} |")
     return "\n".join(rows)

@@ -175,6 +175,8 @@ class StepStats:
     group_size: int = 0
     bytes_up: int = 0
     bytes_down: int = 0
+    result_down: int = 0  # result bytes from reducers as they came (deltas) and as plain results
+    result_plain: int = 0
     seconds: float = 0.0  # the whole aggregate call
     round_s: float = 0.0  # the vote round alone (votes, reduction, results)
     wait_s: float = 0.0  # of which idle: own uploads done, no result byte yet (overlapped: blocked on the last vote)
@@ -906,6 +908,7 @@ class Swarm:
         self.stats.peers = max((len(p.counted) for p in received), default=0)
         self.stats.group_size = len(spec.group)
         self.stats.bytes_up, self.stats.bytes_down = report.bytes_up, report.bytes_down
+        self.stats.result_down, self.stats.result_plain = report.result_down, report.result_plain
         self.stats.bits_per_param = 8 * (report.bytes_up + report.bytes_down) / max(numel, 1)
         self.stats.seconds = time.perf_counter() - started
         timings = report.timings
