@@ -201,9 +201,11 @@ def _context(previous: np.ndarray, before: np.ndarray) -> np.ndarray:
     return _bits(previous ^ before)
 
 
-def encode_candidates(current, previous=None, before=None) -> dict[str, bytes]:
+def encode_candidates(current, previous=None, before=None, kinds=None) -> dict[str, bytes]:
     """Every encoding of ``current`` (a packed result) given what the receiver holds: ``previous``
-    (the last result; None: plain only) and ``before`` (the one before; adds "context"), by name."""
+    (the last result; None: plain only) and ``before`` (the one before; adds "context"), by name;
+    ``kinds``: only these deltas (plain always)."""
+    kinds = set(NAMES.values()) if kinds is None else set(kinds)
     cur = _bytes(current)
     out = {"plain": bytes([PLAIN]) + cur.tobytes()}
     if previous is None:
@@ -213,9 +215,11 @@ def encode_candidates(current, previous=None, before=None) -> dict[str, bytes]:
         raise ValueError(f"previous result has {prev.size} bytes, this one {cur.size}")
     xor = cur ^ prev
     flips = _bits(xor)
-    out["rice"] = bytes([RICE]) + _rice_stream(flips)
-    out["zlib"] = bytes([ZLIB]) + zlib.compress(xor.tobytes())
-    if before is not None:
+    if "rice" in kinds:
+        out["rice"] = bytes([RICE]) + _rice_stream(flips)
+    if "zlib" in kinds:
+        out["zlib"] = bytes([ZLIB]) + zlib.compress(xor.tobytes())
+    if before is not None and "context" in kinds:
         earlier = _bytes(before)
         if earlier.shape != cur.shape:
             raise ValueError(f"the result before has {earlier.size} bytes, this one {cur.size}")
@@ -224,9 +228,10 @@ def encode_candidates(current, previous=None, before=None) -> dict[str, bytes]:
     return out
 
 
-def encode_delta(current, previous=None, before=None) -> bytes:
-    """The smallest encoding of ``current`` given the receiver holds ``previous`` and ``before``."""
-    return min(encode_candidates(current, previous, before).values(), key=len)  # dict order: plain wins ties
+def encode_delta(current, previous=None, before=None, kinds=None) -> bytes:
+    """The smallest encoding of ``current`` given the receiver holds ``previous`` and ``before``
+    (among ``kinds`` and plain)."""
+    return min(encode_candidates(current, previous, before, kinds).values(), key=len)  # dict order: plain wins ties
 
 
 def decode_delta(blob: bytes, previous, nbytes: int, before=None) -> torch.Tensor:
