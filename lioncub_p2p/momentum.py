@@ -9,6 +9,11 @@ Lion Cub averages them now and then. Tuning guide:
 * ``until=T``: early training moves fastest and drifts most; stop syncing after step T.
 * ``geometric=r`` (with ``start``): sync at steps start, start·r, start·r², ... dense early, sparse
   later, for runs whose length is unknown.
+* ``slices=K``: streamed instead of periodic: every step averages one slice, 1/K of each selected
+  tensor (elements [j·n/K, (j+1)·n/K) at step ≡ j+1 mod K), so every element is synced every K
+  steps, as with ``every=K``, at the same bytes, but spread evenly: no step carries a whole-buffer
+  round that every peer waits through (a 21 s stall every 25 steps at 10 Mbit/s for 5.45M
+  parameters). Costs one small round per step (its latency); replaces ``every``/``geometric``.
 * ``params=("encoder.*", ...)``: only parameters whose names match (fnmatch patterns), e.g. the
   layers whose momenta drift most. The names are the model's own only when the optimizer was
   built from ``model.named_parameters()``; ``check_names`` refuses patterns that select nothing.
@@ -32,8 +37,13 @@ class MomentumSchedule:
     geometric: float | None = None
     start: int = 1
     params: tuple[str, ...] = field(default_factory=tuple)
+    slices: int = 0
 
     def __post_init__(self) -> None:
+        if self.slices < 0:
+            raise ValueError(f"slices must be >= 0, got {self.slices}")
+        if self.slices and (self.every or self.geometric is not None):
+            raise ValueError("slices (streamed averaging) replaces every and geometric: set one of them")
         if self.every < 0:
             raise ValueError(f"every must be >= 0, got {self.every}")
         if self.geometric is not None and not self.geometric > 1.0:
@@ -51,6 +61,8 @@ class MomentumSchedule:
     def due(self, step: int) -> bool:
         if step < 1 or (self.until is not None and step > self.until):
             return False
+        if self.slices:
+            return True
         if self.every and step % self.every == 0:
             return True
         return self.geometric is not None and step in self._geometric_steps(step)
@@ -81,13 +93,23 @@ class MomentumSchedule:
         raise ValueError(f"MomentumSchedule(params={list(self.params)}) selects none of the optimizer's "
                          f"{len(names)} parameters ({shown}).{hint}")
 
+    def slice_of(self, step: int, numel: int) -> tuple[int, int]:
+        """The elements [lo, hi) of a tensor of ``numel`` that the sync after ``step`` averages."""
+        if not self.slices:
+            return 0, numel
+        j = (step - 1) % self.slices
+        return j * numel // self.slices, (j + 1) * numel // self.slices
+
     def syncs_per_step(self, steps: int) -> float:
-        """Fraction of the first ``steps`` steps that sync (for bandwidth accounting)."""
-        return sum(self.due(s) for s in range(1, steps + 1)) / max(steps, 1)
+        """Whole-buffer syncs per step over the first ``steps`` steps (for bandwidth accounting)."""
+        share = 1.0 / self.slices if self.slices else 1.0
+        return share * sum(self.due(s) for s in range(1, steps + 1)) / max(steps, 1)
 
 
-def average_in_process(momenta: list[list[tuple[str, torch.Tensor]]], schedule: MomentumSchedule) -> int:
-    """Replace each selected momentum by its exact mean over peers (in place); returns elements synced.
+def average_in_process(momenta: list[list[tuple[str, torch.Tensor]]], schedule: MomentumSchedule,
+                       step: int = 1) -> int:
+    """Replace each selected momentum (its slice for ``step``, with ``slices``) by its exact mean over
+    peers (in place); returns elements synced.
 
     ``momenta[i]`` is peer i's ``LionCub.momentum_buffers()``; all peers list the same names."""
     if momenta:
@@ -99,8 +121,9 @@ def average_in_process(momenta: list[list[tuple[str, torch.Tensor]]], schedule: 
             raise ValueError(f"peers disagree on parameter order at {name!r}")
         if not schedule.selects(name):
             continue
-        mean = torch.stack([m.float() for _, m in buffers]).mean(0)
+        lo, hi = schedule.slice_of(step, buffers[0][1].numel())
+        mean = torch.stack([m.reshape(-1)[lo:hi].float() for _, m in buffers]).mean(0)
         for _, m in buffers:
-            m.copy_(mean)
+            m.view(-1)[lo:hi] = mean
         synced += mean.numel()
     return synced

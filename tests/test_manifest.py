@@ -4,12 +4,14 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from hivemind import DHT
 from torch import nn
 
 from lioncub_p2p import LionCub
 from lioncub_p2p.testing import SWARM_ROUNDS
 from lioncub_p2p.identity import Identity
+from lioncub_p2p.momentum import MomentumSchedule
 from lioncub_p2p.swarm import Manifest, ManifestError, SettingsMismatch, Swarm, SwarmConfig, publish_manifest
 from lioncub_p2p.swarm.manifest import DEFAULTS, ManifestMismatch, resolve
 from lioncub_p2p.swarm.membership import Directory, PeerRecord
@@ -30,6 +32,8 @@ def test_manifest_from_yaml_reads_a_run_file(tmp_path):
                                                                              (0.9, 0.99), 32)
     assert m.momentum_schedule().due(20) and not m.momentum_schedule().due(1020)
     assert Manifest.from_payload(m.payload()) == m and Manifest.from_payload(m.payload()).digest() == m.digest()
+    streamed = Manifest(momentum={"slices": 25})
+    assert Manifest.from_payload(streamed.payload()).momentum_schedule() == MomentumSchedule(slices=25)
     # a run file of an older version: audit_every (voters audit every round now) is read and dropped
     (tmp_path / "old.yaml").write_text(path.read_text() + "audit_every: 5\n")
     old = Manifest.from_yaml(tmp_path / "old.yaml")
@@ -49,6 +53,8 @@ def test_manifest_from_yaml_reads_a_run_file(tmp_path):
     ("result: foo\n", "result: unknown result encoding"),
     ("momentum: {every: -1}\n", "momentum.every must be an integer"),
     ("momentum: {often: 3}\n", "momentum must be a map"),
+    ("momentum: {slices: -2}\n", "momentum.slices must be an integer"),
+    ("momentum: {every: 20, slices: 4}\n", "slices (streamed averaging) replaces every"),
     ("batch_size: 0\n", "batch_size must be an integer"),
     ("betas: [0.9, 1.0]\n", "betas must be two numbers"),
     ("layout_hash: xyz\n", "layout_hash must be 32 hex digits"),

@@ -30,7 +30,8 @@ def test_due_steps(schedule, last, expected):
 
 def test_bad_schedules_are_refused():
     for kwargs, words in (({"every": -1}, "every"), ({"geometric": 1.0}, "geometric"), ({"start": 0}, "start"),
-                          ({"until": -2}, "until")):
+                          ({"until": -2}, "until"), ({"slices": -1}, "slices"), ({"slices": 4, "every": 2}, "replaces"),
+                          ({"slices": 4, "geometric": 2.0}, "replaces")):
         with pytest.raises(ValueError, match=words):
             MomentumSchedule(**kwargs)
 
@@ -114,3 +115,43 @@ def test_average_in_process_refuses_peers_with_other_names():
     a, b = _optimizers(1)[0], LionCub(_model(0).parameters())
     with pytest.raises(ValueError, match="disagree"):
         average_in_process([a.momentum_buffers(), b.momentum_buffers()], MomentumSchedule(every=1))
+
+
+@pytest.mark.parametrize("numel, slices", [(10, 4), (3, 5), (1000, 25), (7, 1)])
+def test_streamed_slices_cover_every_element_once_per_period(numel, slices):
+    """With slices=K every step syncs, each of K consecutive steps takes a disjoint slice and together
+    they cover every element exactly once; the accounting says 1/K of a whole sync per step."""
+    schedule = MomentumSchedule(slices=slices)
+    assert _due(schedule, 2 * slices) == list(range(1, 2 * slices + 1))
+    for start in (1, slices + 1, 3 * slices + 1):
+        hits = np.zeros(numel, dtype=int)
+        for step in range(start, start + slices):
+            lo, hi = schedule.slice_of(step, numel)
+            hits[lo:hi] += 1
+        assert (hits == 1).all()
+    assert schedule.syncs_per_step(4 * slices) == pytest.approx(1 / slices)
+    assert MomentumSchedule(every=5).slice_of(3, numel) == (0, numel)
+
+
+def test_streamed_averaging_over_one_period_is_the_numpy_mean():
+    """Momenta that do not change meanwhile: K streamed steps leave every element at the peers' mean,
+    and each step changes only its slice (numpy reference)."""
+    rng = np.random.default_rng(3)
+    shapes, peers, slices = [(5, 7), (11,)], 3, 4
+    values = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(peers)]
+    momenta = [[(f"t{k}", torch.from_numpy(v.copy())) for k, v in enumerate(vs)] for vs in values]
+    schedule = MomentumSchedule(slices=slices)
+    for step in range(1, slices + 1):
+        before = [[m.clone() for _, m in peer] for peer in momenta]
+        synced = average_in_process(momenta, schedule, step)
+        assert synced == sum(hi - lo for lo, hi in (schedule.slice_of(step, int(np.prod(s))) for s in shapes))
+        for peer, old in zip(momenta, before):
+            for (_, m), m0 in zip(peer, old):
+                lo, hi = schedule.slice_of(step, m.numel())
+                outside = np.ones(m.numel(), dtype=bool)
+                outside[lo:hi] = False
+                assert torch.equal(m.view(-1)[outside], m0.view(-1)[outside])
+    for k in range(len(shapes)):
+        mean = np.mean([values[i][k] for i in range(peers)], axis=0)
+        for peer in momenta:
+            np.testing.assert_allclose(peer[k][1].numpy(), mean, rtol=1e-6, atol=1e-7)

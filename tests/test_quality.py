@@ -12,7 +12,7 @@ from lioncub_p2p.momentum import MomentumSchedule
 from lioncub_p2p.sim import quality
 from lioncub_p2p.sim.inprocess import (Method, MethodRuns, Outcome, SpecTask, average_momenta, parse_method,
                                        run_method, summarize)
-from lioncub_p2p.sim.variants import (_agreement_scales, _sync_slice, _ties_to_previous, _weighted_vote, Options,
+from lioncub_p2p.sim.variants import (_agreement_scales, _ties_to_previous, _weighted_vote, Options,
                                       run_variant)
 
 LOSSES = [4.0, 2.0, 3.0, 1.0, 0.5]
@@ -81,7 +81,8 @@ def test_method_specs():
     assert (m.upload, m.result, m.momentum, m.momentum_rule, m.lr) == (
         "sign", "majority", MomentumSchedule(every=20), "trimmed_mean", 2e-3)
     assert parse_method("l1:3/ternary+geo1.5").momentum == MomentumSchedule(geometric=1.5)
-    assert parse_method("sign/majority+ef+slices32").variant == ("ef", "slices32")
+    assert parse_method("sign/majority+ef+stream32").variant == ("ef",)
+    assert parse_method("sign/majority+ef+stream32").momentum == MomentumSchedule(slices=32)
     assert parse_method("global").upload is None
     for bad, message in (("sign", "UPLOAD/RESULT"), ("sign/average", "momentum rule"), ("l1:9/majority", "bits"),
                          ("sign/majority+syncx", "needs a number"), ("sign/majority+bogus", "unknown option")):
@@ -113,15 +114,18 @@ def test_swarm_momentum_rule_is_a_bf16_trimmed_mean():
     assert not torch.equal(dict(plain[2])["w"], dict(plain[3])["w"])  # not selected: left alone
 
 
-def test_slices_average_every_element_once_per_cycle():
-    momenta = [[m.clone() for _, m in peer] for peer in _momenta(3, seed=1)]
-    mean = [torch.stack([peer[k] for peer in momenta]).mean(0) for k in range(2)]
-    assert _sync_slice(momenta, 0, 3) + _sync_slice(momenta, 1, 3) < 42  # two of three slices
-    assert not torch.allclose(momenta[0][0], momenta[1][0])
-    assert sum(_sync_slice(momenta, step, 3) for step in (2,)) > 0
-    for peer in momenta:
-        for k in range(2):
-            torch.testing.assert_close(peer[k], mean[k])
+@pytest.mark.parametrize("rule", ["exact", "trimmed_mean"])
+def test_streamed_momentum_averages_every_element_once_per_cycle(rule):
+    momenta = _momenta(3, seed=1)
+    reference = _momenta(3, seed=1)
+    average_momenta(reference, MomentumSchedule(every=1), rule)  # the whole buffer at once
+    schedule = MomentumSchedule(slices=3)
+    assert average_momenta(momenta, schedule, rule, 1) + average_momenta(momenta, schedule, rule, 2) < 42
+    assert not torch.allclose(momenta[0][0][1], momenta[1][0][1])  # two of three slices so far
+    assert average_momenta(momenta, schedule, rule, 3) > 0
+    for peer, want in zip(momenta, reference):
+        for (_, m), (_, w) in zip(peer, want):
+            torch.testing.assert_close(m, w, rtol=0, atol=0)
 
 
 def test_tie_rules_weights_and_agreement_against_hand_counts():
@@ -181,10 +185,10 @@ def test_variants_change_the_run_and_count_their_bits(tmp_path, monkeypatch):
                                         ("sign/majority+tieprev", 0, 0), ("sign/majority+tieema0.9", 0, 0),
                                         ("sign/majority+weighted", 32 * 4 / 121, 32 * 4 / 121),
                                         ("sign/majority+agree", 0, 16 * 4 / 121), ("sign/majority+abstain2", 0.5, 0.5),
-                                        ("sign/majority+slices4", 4.0, 8.0), ("sign/majority+beta0.95", 0, 0)):
+                                        ("sign/majority+stream4+ef", 4.0, 8.0), ("sign/majority+beta0.95", 0, 0)):
         run = run_method(parse_method(spec), task, workers=4, steps=10, batch=8, lr=3e-2, weight_decay=0.1, seed=0)
         assert run.losses[0] == plain.losses[0] and run.losses[1:] != plain.losses[1:], spec
-        # 121 parameters in 4 tensors; slices: a 1-element tensor is in one of the 4 slices, synced at steps 4 and 8 of 10, not 2.5 times
+        # 121 parameters in 4 tensors; stream4: a 1-element tensor is in one of the 4 slices, synced at steps 4 and 8 of 10, not 2.5 times
         assert run.upload_bits == pytest.approx(1.0 + extra_up, rel=0.01) and \
             run.bits_per_element_per_step == pytest.approx(2.0 + extra_total, rel=0.01), spec
     assert Options.of(["efvote", "efdecay0.5"]) == Options(ef="efvote", ef_decay=0.5)
@@ -259,7 +263,7 @@ def test_link_model_against_hand_computed_rounds():
     t = traffic("sign/majority+sync20", workers=4, steps=400)
     assert (t.vote_up, t.vote_down, t.sync_rounds_per_step) == (1.0, 1.0, 0.05)
     assert traffic("l1:4/mean", 4, 400).vote_down == 6.0  # tally of 4 voters × codes up to 14: 6 planes
-    assert traffic("sign/majority+slices32", 4, 400).vote_up == 1.5
+    assert traffic("sign/majority+stream32", 4, 400).sync_rounds_per_step == 1 / 32
     links = parse_links("100,50,20,10")
     assert step_seconds(t, 10**6, 0.25, links) == pytest.approx(0.25 + 170 / 180 * (2e6 + 0.05 * 32e6) / 1e7)
     assert step_seconds(traffic("global", 4, 400), 10**6, 0.0, links) == pytest.approx(170 / 180 * 64e6 / 1e7)

@@ -473,27 +473,33 @@ class _MomentumProbe:
 
 
 @pytest.mark.slow
-def test_swarm_momentum_sync_is_the_trimmed_mean_of_the_selected_buffers_on_a_geometric_schedule():
+@pytest.mark.parametrize("schedule, sync_steps", [
+    (MomentumSchedule(geometric=2.0, start=2, params=("0.*",)), [2, 4, 8, 16]),
+    (MomentumSchedule(slices=3, params=("0.*",)), list(range(1, 19))),  # streamed: a third per step
+], ids=["geometric", "streamed"])
+def test_swarm_momentum_sync_is_the_trimmed_mean_of_the_selected_buffers(schedule, sync_steps):
     """The momenta after a swarm sync equal an independent numpy trimmed mean (bf16 on the wire) of
-    the peers' selected buffers at that step, over the voters each part counted; the unselected ones
-    are untouched. The schedule is geometric (steps 2, 4, 8, 16) and selects layer 0 only."""
-    schedule = MomentumSchedule(geometric=2.0, start=2, params=("0.*",))
+    the peers' selected buffers at that step (the step's slice of each, when streamed), over the
+    voters each part counted; everything else is untouched. The schedule selects layer 0 only."""
     configs = [_config("momentum", momentum=schedule) for _ in range(3)]
     probes = {}
     _train_swarm(configs, 18, instrument=lambda i, swarm: probes.__setitem__(i, _MomentumProbe(swarm)))
     steps = [[s[0] for s in probes[i].syncs] for i in range(3)]
-    assert steps == [[2, 4, 8, 16]] * 3
+    assert steps == [sync_steps] * 3
+    selected = ["0.weight", "0.bias"]
 
     def bf16(a: np.ndarray) -> np.ndarray:
         return torch.from_numpy(a).to(torch.bfloat16).float().numpy()
 
-    for k in range(4):
+    def synced_part(momenta, step):  # the selected elements this step averages, flat
+        return np.concatenate([m.numpy().ravel()[slice(*schedule.slice_of(step, m.numel()))]
+                               for n, m in momenta if n in selected])
+
+    for k in range(len(sync_steps)):
         syncs = [probes[i].syncs[k] for i in range(3)]
         ids = [probes[i].swarm.peer_id for i in range(3)]
-        names = [n for n, _ in syncs[0][1]]
-        selected = [n for n in names if schedule.selects(n)]
-        assert selected == ["0.weight", "0.bias"]
-        flats = [np.concatenate([m.numpy().ravel() for n, m in s[1] if n in selected]) for s in syncs]
+        assert [n for n, _ in syncs[0][1] if schedule.selects(n)] == selected
+        flats = [synced_part(s[1], s[0]) for s in syncs]
         spec, report = syncs[0][3], syncs[0][4]
         expected = flats[0].copy()
         for part in report.parts:
@@ -508,11 +514,13 @@ def test_swarm_momentum_sync_is_the_trimmed_mean_of_the_selected_buffers_on_a_ge
             expected[a:b] = bf16(kept.mean(axis=0, dtype=np.float32))
         for i, (step, before, after, _, peer_report, synced) in enumerate(syncs):
             assert synced and not peer_report.missing_parts
-            got = np.concatenate([m.numpy().ravel() for n, m in after if n in selected])
-            assert np.array_equal(got, expected), (k, i)
+            assert np.array_equal(synced_part(after, step), expected), (k, i)
             for (n, m0), (_, m1) in zip(before, after):
-                if n not in selected:
-                    assert torch.equal(m0, m1)  # unselected momenta are not averaged
+                lo, hi = schedule.slice_of(step, m0.numel()) if n in selected else (0, 0)
+                outside = np.ones(m0.numel(), dtype=bool)
+                outside[lo:hi] = False
+                # unselected momenta, and the rest of a streamed one, are not averaged
+                assert torch.equal(m0.view(-1)[outside], m1.view(-1)[outside]), (n, step)
 
 
 @pytest.mark.slow

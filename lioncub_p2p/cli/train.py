@@ -123,6 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     proto.add_argument("--result", default=None, help=f"result encoding: {' | '.join(VOTE_RESULTS)} [majority]")
     proto.add_argument("--momentum-every", type=int, default=None,
                        help="momentum averaging period in steps (0: never) [20]")
+    proto.add_argument("--momentum-slices", type=int, default=None,
+                       help="stream momentum averaging instead: every step averages 1/K of it, so no step waits "
+                            "for a whole-buffer round (replaces --momentum-every) [off]")
     proto.add_argument("--delay", type=int, default=None, choices=(0, 1),
                        help="1: overlapped rounds, each vote travels during the next step's compute and is "
                             "applied one step late [0]")
@@ -191,7 +194,7 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
                          identity_path=args.identity_path, client_mode=CLIENT_MODES[args.client_mode], weight=args.weight,
                          run_secret=args.run_secret, allow_peers=args.allow_peers,
                          upload=args.upload, result=args.result, transport=METHODS.get(args.method),
-                         momentum=MomentumSchedule(every=args.momentum_every) if args.momentum_every is not None else None,
+                         momentum=momentum_schedule(args),
                          delay=args.delay, manifest=wanted, allreduce=allreduce_config(args.upload_timeout, args.result_timeout, args.result_deltas),
                          checkpoint_dir=args.checkpoint_dir,
                          checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0)
@@ -255,15 +258,25 @@ def prepare_task(args: argparse.Namespace, settings: Settings) -> tuple[Training
         raise UsageError(f"--task {settings.task}: {e}") from None
 
 
+def momentum_schedule(args: argparse.Namespace) -> MomentumSchedule | None:
+    """The schedule the flags ask for; None: the run's."""
+    if args.momentum_slices:
+        if args.momentum_every:
+            raise UsageError("--momentum-slices replaces --momentum-every: give one of them")
+        return MomentumSchedule(slices=args.momentum_slices)
+    return MomentumSchedule(every=args.momentum_every) if args.momentum_every is not None else None
+
+
 def check_settings(args: argparse.Namespace) -> list[str]:
     """Everything that can be checked before starting a daemon; returns the initial peers to dial."""
     check_run_id(args.run_id)
     check_codecs(args.upload or "sign", args.result or "majority")
-    for flag in ("--steps", "--checkpoint-every", "--momentum-every", "--eval-every", "--wait-peers", "--group-size",
-                 "--linger"):
+    for flag in ("--steps", "--checkpoint-every", "--momentum-every", "--momentum-slices", "--eval-every", "--wait-peers",
+                 "--group-size", "--linger"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value < 0:
             raise UsageError(f"{flag} must be 0 or more, got {value}")
+    momentum_schedule(args)  # one line for conflicting momentum flags, before any daemon starts
     for flag in ("--batch", "--hidden"):
         value = getattr(args, flag[2:])
         if value is not None and value < 1:

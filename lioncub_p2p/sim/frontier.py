@@ -62,9 +62,8 @@ def traffic(spec: str, workers: int, steps: int) -> Traffic:
         return Traffic(32.0, 32.0, 0.0, fp32=True)
     up = upload_codec(method.upload)
     down = result_codec(method.result).bits_per_element(workers * up.max_code)
-    options = Options.of(method.variant)
-    slices = 1.0 / options.slices if options.slices else 0.0  # a slice rides along every step
-    return Traffic(up.bits_per_element + 16 * slices, down + 16 * slices, method.momentum.syncs_per_step(steps))
+    Options.of(method.variant)  # refuses unknown options
+    return Traffic(up.bits_per_element, down, method.momentum.syncs_per_step(steps))  # streamed: 1/K round a step
 
 
 def step_seconds(t: Traffic, numel: int, compute_s: float, links: Sequence[LinkProfile]) -> float:

@@ -64,8 +64,8 @@ class Method:
 def parse_method(spec: str) -> Method:
     """``global``, or ``UPLOAD/RESULT[+OPTION...]``: e.g. ``sign/majority+sync25+bf16``, ``l1:4/ternary``.
 
-    Options: ``syncK`` momentum average every K steps, ``geoR`` at steps 1, R, R², ... , ``untilT``
-    none after step T, ``bf16`` the swarm's bf16 trimmed mean instead of an exact one (``bf16mean``: its
+    Options: ``syncK`` momentum average every K steps, ``geoR`` at steps 1, R, R², ... , ``streamK``
+    1/K of it every step (``MomentumSchedule(slices=K)``), ``untilT`` none after step T, ``bf16`` the swarm's bf16 trimmed mean instead of an exact one (``bf16mean``: its
     plain mean), ``lrX`` this method's own lr; any other option names a variant of ``sim/variants.py``."""
     spec = spec.strip()
     if spec == "global":
@@ -79,7 +79,7 @@ def parse_method(spec: str) -> Method:
     if result in ("average", "trimmed_mean"):
         raise ValueError(f"method {spec!r}: {result} is the momentum rule, not a vote result; use majority, "
                          f"ternary or mean")
-    every, geometric, until, rule, lr, variant = 0, None, None, "exact", None, []
+    every, geometric, until, slices, rule, lr, variant = 0, None, None, 0, "exact", None, []
     for option in options:
         try:
             if option.startswith("sync"):
@@ -88,6 +88,8 @@ def parse_method(spec: str) -> Method:
                 geometric = float(option[3:])
             elif option.startswith("until"):
                 until = int(option[5:])
+            elif option.startswith("stream"):
+                slices = int(option[6:])
             elif option in ("bf16", "bf16mean"):
                 rule = "trimmed_mean" if option == "bf16" else "average"
             elif option.startswith("lr") and option[2:3].isdigit():
@@ -95,9 +97,12 @@ def parse_method(spec: str) -> Method:
             else:
                 variant.append(option)
         except ValueError:
-            raise ValueError(f"method {spec!r}: option {option!r} needs a number, e.g. sync25, geo1.5, until100, "
+            raise ValueError(f"method {spec!r}: option {option!r} needs a number, e.g. sync25, geo1.5, stream25, until100, "
                              f"lr1e-3") from None
-    schedule = MomentumSchedule(every=every, geometric=geometric, until=until)
+    try:
+        schedule = MomentumSchedule(every=every, geometric=geometric, until=until, slices=slices)
+    except ValueError as e:
+        raise ValueError(f"method {spec!r}: {e}") from None
     if variant:
         from .variants import check_variant  # variants import this module: loaded on demand
 
@@ -255,12 +260,14 @@ def corrupt(upload: torch.Tensor, codec, behavior: str, gen: torch.Generator) ->
     raise ValueError(f"unknown bad-voter behavior {behavior!r}; use one of {BYZANTINE}")
 
 
-def average_momenta(momenta: list[list[tuple[str, torch.Tensor]]], schedule: MomentumSchedule, rule: str) -> int:
-    """One momentum sync over peers, in place; returns elements synced. ``exact``: the fp32 mean;
-    ``trimmed_mean`` / ``average``: what a swarm's momentum round does (each peer's momenta in bf16
-    on the wire, the reducer's rule, the result in bf16, ``codecs.AverageResult``)."""
+def average_momenta(momenta: list[list[tuple[str, torch.Tensor]]], schedule: MomentumSchedule, rule: str,
+                    step: int = 1) -> int:
+    """One momentum sync over peers after ``step`` (its slice of each tensor, with ``slices``), in
+    place; returns elements synced. ``exact``: the fp32 mean; ``trimmed_mean`` / ``average``: what a
+    swarm's momentum round does (each peer's momenta in bf16 on the wire, the reducer's rule, the
+    result in bf16, ``codecs.AverageResult``)."""
     if rule == "exact":
-        return average_in_process(momenta, schedule)
+        return average_in_process(momenta, schedule, step)
     if rule not in MOMENTUM_RULES:
         raise ValueError(f"unknown momentum rule {rule!r}; use one of {MOMENTUM_RULES}")
     schedule.check_names(name for name, _ in momenta[0])
@@ -268,14 +275,15 @@ def average_momenta(momenta: list[list[tuple[str, torch.Tensor]]], schedule: Mom
     for buffers in zip(*momenta):
         if not schedule.selects(buffers[0][0]):
             continue
-        numel = buffers[0][1].numel()
+        lo, hi = schedule.slice_of(step, buffers[0][1].numel())
+        numel = hi - lo
         tally = codec.tally(2 * numel, len(buffers))
         for voter, (_, m) in enumerate(buffers):
-            tally.add(voter, codec.encode(m), 0)
+            tally.add(voter, codec.encode(m.view(-1)[lo:hi]), 0)
         wire = tally.encode(reducer, list(range(len(buffers))), seed=0, step=0, offset=0)
         mean = reducer.decode(wire, 16 * numel, len(buffers))
         for _, m in buffers:
-            m.copy_(mean.view_as(m))
+            m.view(-1)[lo:hi] = mean
         synced += numel
     return synced
 
@@ -357,7 +365,8 @@ def run_method(method: Method, task: Any, *, workers: int = 4, steps: int = 300,
         for opt in opts:
             opt.apply_aggregate(update)
         if method.momentum.due(step + 1):
-            synced += average_momenta([opt.momentum_buffers() for opt in opts], method.momentum, method.momentum_rule)
+            synced += average_momenta([opt.momentum_buffers() for opt in opts], method.momentum, method.momentum_rule,
+                                      step + 1)
         if step + 1 in wanted:
             evals.append((step + 1, task.evaluate(replicas[0])))
     identical = all(torch.equal(a, b) for m in replicas[1:] for a, b in zip(replicas[0].parameters(), m.parameters()))
@@ -586,7 +595,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1, paired across methods")
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
-                   help="global | UPLOAD/RESULT[+syncK|+geoR|+untilT|+bf16|+lrX|+VARIANT]; the first is the baseline")
+                   help="global | UPLOAD/RESULT[+syncK|+geoR|+streamK|+untilT|+bf16|+lrX|+VARIANT]; the first is the baseline")
     p.add_argument("--window", type=int, default=20, help="steps in the smoothed training loss")
     p.add_argument("--eval-at", default="", help="comma-separated steps to report (default: quarters of --steps)")
     p.add_argument("--target-step", type=int, default=None,

@@ -56,6 +56,8 @@ METHODS = {
     "lioncub-nosync-plain": Method("Lion Cub 1-bit majority, no momentum sync, results never sent as deltas",
                                    ("--method", "lioncub", "--upload", "sign", "--result", "majority",
                                     "--momentum-every", "0", "--no-result-deltas")),
+    "lioncub-stream": Method("Lion Cub 1-bit majority, momentum streamed 1/25 per step",
+                             ("--method", "lioncub", "--upload", "sign", "--result", "majority", "--momentum-slices", "25")),
     "lioncub-overlap": Method("Lion Cub 1-bit majority, momentum avg/25, overlapped (delay 1)",
                               ("--method", "lioncub", "--upload", "sign", "--result", "majority", "--momentum-every", "25",
                                "--delay", "1")),

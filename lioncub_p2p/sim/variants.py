@@ -25,8 +25,6 @@ option         what changes                                                     
 ``agree``      per tensor, the step is scaled by the vote's agreement                  ~16 per tensor
                mean|2T − total|/total, normalized to mean 1 over tensors
 ``betaB``      the vote's direction uses β1 = B (e.g. beta0.95); momentum unchanged  none
-``slicesK``    momentum averaged in K slices, one slice (1/K of the elements) per    32/K
-               step, exactly: every element synced every K steps, never a burst
 ``abstainK``   on 1/K of the elements (rotating each step) a second bit lets a peer   1/K up
                abstain where |c| < mean|c| of its tensor (an l1:2 vote there); the
                sum of ±1/0 votes decides, ties at random
@@ -51,7 +49,7 @@ from .inprocess import (MOMENTUM_SYNC_BITS, Clock, CompareTask, DataExhausted, M
                         average_momenta, worker_loss)
 
 FLAGS = ("ef", "efvote", "weighted", "tieprev", "agree")
-NUMBERED = ("efdecay", "beta", "slices", "abstain", "tieema", "delay")
+NUMBERED = ("efdecay", "beta", "abstain", "tieema", "delay")
 
 
 def check_variant(name: str, spec: str = "") -> None:
@@ -78,7 +76,6 @@ class Options:
     tie_ema: float = 0.0  # with tie_previous: ties follow sign(EMA of results) with this β
     agree: bool = False
     beta1: float | None = None
-    slices: int = 0
     abstain: int = 0
     delay: int = 0
 
@@ -101,8 +98,6 @@ class Options:
                 values["ef_decay"] = float(name[7:])
             elif name.startswith("beta"):
                 values["beta1"] = float(name[4:])
-            elif name.startswith("slices"):
-                values["slices"] = int(float(name[6:]))
             elif name.startswith("abstain"):
                 values["abstain"] = int(float(name[7:]))
             elif name.startswith("delay"):
@@ -214,10 +209,9 @@ def run_variant(method: Method, task: CompareTask, *, workers: int, steps: int, 
                     p.mul_(1 - lr * weight_decay)
                 if updates is not None:  # the first D steps of a delayed run have no vote back yet
                     p.add_(updates[k].view_as(p), alpha=-lr * s)
-        if opt.slices:
-            synced += _sync_slice(momenta, step, opt.slices)
         if method.momentum.due(step + 1):
-            synced += average_momenta([list(zip(names, m)) for m in momenta], method.momentum, method.momentum_rule)
+            synced += average_momenta([list(zip(names, m)) for m in momenta], method.momentum, method.momentum_rule,
+                                      step + 1)
         if step + 1 in wanted:
             evals.append((step + 1, task.evaluate(model)))
     done = max(len(curve), 1)
@@ -284,22 +278,6 @@ def _agreement_scales(updates: list[torch.Tensor], directions: list[list[torch.T
     total = sum(numels)
     mean = sum(r * k for r, k in zip(raw, numels)) / total
     return [r / mean if mean > 0 else 1.0 for r in raw]
-
-
-def _sync_slice(momenta: list[list[torch.Tensor]], step: int, slices: int) -> int:
-    """Average slice ``step mod slices`` of every momentum tensor over the workers (exactly)."""
-    j, synced = step % slices, 0
-    for per_worker in zip(*momenta):
-        flat = [m.view(-1) for m in per_worker]
-        size = flat[0].numel()
-        lo, hi = j * size // slices, (j + 1) * size // slices
-        if hi <= lo:
-            continue
-        mean = torch.stack([f[lo:hi] for f in flat]).mean(0)
-        for f in flat:
-            f[lo:hi] = mean
-        synced += hi - lo
-    return synced
 
 
 __all__ = ["FLAGS", "NUMBERED", "Options", "check_variant", "run_variant"]

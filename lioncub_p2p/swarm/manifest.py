@@ -44,7 +44,7 @@ SWARM_FIELDS = ("upload", "result", "transport", "momentum", "momentum_rule", "f
 # fields older versions wrote that mean nothing now: read and dropped (audit_every: voters audit every round since
 # protocol 2), so their run files still load
 LEGACY_FIELDS = ("audit_every",)
-_MOMENTUM_KEYS = {"every", "until", "geometric", "start", "params"}
+_MOMENTUM_KEYS = {"every", "until", "geometric", "start", "params", "slices"}
 
 
 class ManifestError(ValueError):
@@ -97,6 +97,8 @@ def momentum_map(schedule: MomentumSchedule) -> dict[str, Any]:
         value["geometric"] = schedule.geometric
     if schedule.params:
         value["params"] = list(schedule.params)
+    if schedule.slices:
+        value["slices"] = schedule.slices
     return value
 
 
@@ -116,7 +118,8 @@ def _momentum(value: Any) -> dict[str, Any]:
                                     geometric=None if value.get("geometric") is None else
                                     _positive(value["geometric"], "momentum.geometric"),
                                     start=_integer(value.get("start", 1), "momentum.start", 1, 1 << 53),
-                                    params=tuple(params))
+                                    params=tuple(params),
+                                    slices=_integer(value.get("slices", 0), "momentum.slices", 0, 1 << 16))
     except ValueError as e:
         raise ManifestError(f"momentum: {e}") from None
     return momentum_map(schedule)

@@ -696,7 +696,7 @@ class Swarm:
         if kind == "vote":
             return RoundSpec(rid, step, group.members, self.optimizer.buffer_bytes, self.upload, self.result,
                              self.config.seed)
-        numel = sum(m.numel() for name, m in self.optimizer.momentum_buffers() if self.config.momentum.selects(name))
+        numel = sum(hi - lo for _, lo, hi in self._momentum_slices(step))
         return RoundSpec(rid, step, group.members, 2 * numel, Bf16Upload(),
                          AverageResult(trimmed=self.config.momentum_rule == "trimmed_mean"), self.config.seed)
 
@@ -947,9 +947,9 @@ class Swarm:
         group = self.history.for_step(step - 1)
         if group is None or self.peer_id not in group.member_ids():
             return False
-        selected = [m for name, m in self.optimizer.momentum_buffers() if self.config.momentum.selects(name)]
+        selected = self._momentum_slices(step)
         spec = self._spec(group, step, kind="momentum")
-        flat = torch.cat([m.detach().reshape(-1).float() for m in selected])
+        flat = torch.cat([m.detach().view(-1)[lo:hi].float() for m, lo, hi in selected])
         self._round = ("momentum", step)
         try:
             averaged, report = self.loop.run(self.node.run_round(spec, Bf16Upload().encode(flat)),
@@ -963,10 +963,17 @@ class Swarm:
         averaged[keep] = flat[keep]
         offset = 0
         with torch.no_grad():
-            for m in selected:
-                m.copy_(averaged[offset : offset + m.numel()].view_as(m))
-                offset += m.numel()
+            for m, lo, hi in selected:
+                m.view(-1)[lo:hi] = averaged[offset : offset + hi - lo]
+                offset += hi - lo
         return not report.missing_parts
+
+    def _momentum_slices(self, step: int) -> list[tuple[torch.Tensor, int, int]]:
+        """(momentum, lo, hi): what the sync after ``step`` averages of each selected buffer (all of
+        it, or one slice when the schedule streams)."""
+        schedule = self.config.momentum
+        return [(m, *schedule.slice_of(step, m.numel())) for name, m in self.optimizer.momentum_buffers()
+                if schedule.selects(name)]
 
     # -- caught reducers ----------------------------------------------------------------------------
 
