@@ -209,11 +209,12 @@ def test_process_faults_donor_momentum_and_link_cut_leave_survivors_identical(tm
     assert "stopped at" in newcomer and "loaded the swarm's state" in newcomer  # lost its donor, then got it all
 
 
-def _write_peer_logs(folder, losses_per_peer, seconds_per_step, votes=None, t0=100.0):
+def _write_peer_logs(folder, losses_per_peer, seconds_per_step, votes=None, t0=100.0, extra=None):
     folder.mkdir()
     for i, losses in enumerate(losses_per_peer):
-        rows = [{"step": k, "loss": loss, "time": t0 + seconds_per_step * k, "compute_s": 0.1, "step_s": 0.2,
-                 **({"peers": votes[k]} if votes else {})} for k, loss in enumerate(losses)]
+        rows = [{"step": k, "loss": loss, "time": t0 + seconds_per_step * k + (3.0 if k >= 3 else 0.0) * (i == 1),
+                 "compute_s": 0.1, "step_s": 0.2, **({"peers": votes[k]} if votes else {}), **(extra or {})}
+                for k, loss in enumerate(losses)]
         (folder / f"peer{i}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -222,12 +223,17 @@ def test_report_quality_smoothed_peers_mean_at_equal_steps_time_and_target(tmp_p
     from lioncub_p2p.sim.launcher import METHODS, compare, summarize, table
 
     base = [6.0, 5.0, 4.0, 3.0, 2.0, 1.0]
-    _write_peer_logs(tmp_path / "a", [base, [x + 1 for x in base]], 1.0, votes=[2, 2, 2, 2, 1, 2])
+    _write_peer_logs(tmp_path / "a", [base, [x + 1 for x in base]], 1.0, votes=[2, 2, 2, 2, 1, 2],
+                     extra={"result_down": 100, "result_plain": 250})
     _write_peer_logs(tmp_path / "b", [[7.0, 6.0, 5.0, 4.0]] * 2, 2.0)
     a = summarize("lioncub", METHODS["lioncub"], tmp_path / "a", 2, None, 64)
     b = summarize("hivemind-fp32", METHODS["hivemind-fp32"], tmp_path / "b", 2, None, 64)
     assert a.curves["swarm_loss"] == [6.5, 5.5, 4.5, 3.5, 2.5, 1.5] and a.curves["swarm_time"] == [0, 1, 2, 3, 4, 5]
     assert a.votes_counted == {"2": 5, "1": 1} and b.votes_counted == {}
+    # peer 1 of each stalls 3 s before its step 3; the 64-wide MLP has 8,970 parameters
+    assert (a.median_step_s, a.slowest_step_s, b.slowest_step_s) == (1.0, 4.0, 5.0)
+    assert a.result_bits_per_param == pytest.approx(800 / 8970) and b.result_bits_per_param is None
+    assert a.plain_result_bits_per_param == pytest.approx(2000 / 8970)
     points = compare([a, b], window=2)
     assert (points.step, points.seconds, points.target) == (4, 5.0, 4.5)  # B: (5 + 4) / 2 at its last step
     assert a.train_loss_at_common_step == 4.0 and b.train_loss_at_common_step == 4.5  # steps 3-4

@@ -76,6 +76,7 @@ class MethodResult:
     wall_s: float
     step_s: float  # mean time per step: wall time / steps (periodic momentum syncs included)
     median_step_s: float  # median gap between consecutive steps of a peer
+    slowest_step_s: float  # the longest such gap (a whole-buffer momentum round shows here)
     compute_s: float
     communication_s: float
     waiting_s: float
@@ -407,7 +408,7 @@ def summarize(name: str, method: Method, out: Path, n: int, counters, hidden: in
         method=name, label=method.label, rounds=rounds,
         wall_s=(first[-1]["time"] - t0) if first else 0.0,
         step_s=_mean_step(first, per_peer),
-        median_step_s=med(gaps),
+        median_step_s=med(gaps), slowest_step_s=max(gaps, default=float("nan")),
         compute_s=med([r["compute_s"] for r in rows]),
         communication_s=med(comm), waiting_s=med([r.get("wait_s", 0.0) for r in rows]),
         round_s=med([r["round_s"] for r in rows if "round_s" in r]),
@@ -545,13 +546,13 @@ def common_step(results: list[MethodResult]) -> int:
 
 def table(results: list[MethodResult], points: QualityPoints) -> str:
     target = f"{points.target:.3f}" if points.target is not None else "-"
-    rows = [f"| method | rounds | votes counted/step | s/step (median) | compute / comm / wait s (medians) | "
+    rows = [f"| method | rounds | votes counted/step | s/step (median / slowest) | compute / comm / wait s (medians) | "
             f"MB up+down per step | bits/param (result leg) | train loss @ step {points.step} | train loss @ {points.seconds:.0f} s | "
             f"s to train loss {target} | final eval loss (acc %) | speedup vs fp32 | repairs | params equal |",
             "|" + "---|" * 14]
     for r in results:
         speed = f"{r.speedup_vs_fp32:.1f}x" if r.speedup_vs_fp32 else "-"
-        rows.append(f"| {r.label} | {r.rounds} | {_votes(r)} | {r.step_s:.3f} ({r.median_step_s:.3f}) | {r.compute_s:.3f} / "
+        rows.append(f"| {r.label} | {r.rounds} | {_votes(r)} | {r.step_s:.3f} ({r.median_step_s:.3f} / {r.slowest_step_s:.2f}) | {r.compute_s:.3f} / "
                     f"{r.communication_s:.3f} / {r.waiting_s:.3f} | {(r.bytes_up_per_step + r.bytes_down_per_step) / 1e6:.3f} | "
                     f"{r.bits_per_param:.2f} ({_num(r.result_bits_per_param, 2)}) | {_num(r.train_loss_at_common_step)} | {_num(r.train_loss_at_common_time)} | "
                     f"{_num(r.seconds_to_target, 1)} | {r.final_eval_loss:.3f} ({r.final_eval_accuracy:.1f}) | "
