@@ -62,7 +62,7 @@ from ..allreduce.admission import Admission
 from ..allreduce.allgather import GatherNode
 from ..allreduce.audit import MAX_EVIDENCE_BYTES
 from ..allreduce.commit import MAX_HEADER_BYTES, MAX_LEAF_BYTES, leaf_bytes
-from ..codecs import AverageResult, Bf16Upload, result_codec, upload_codec
+from ..codecs import result_codec, upload_codec
 from ..identity import Identity, Verifier
 from ..momentum import MomentumSchedule
 from ..optim import LionCub, Resolved
@@ -72,6 +72,7 @@ from .accuse import Accusation, AccuseServer, Refused, Suspicions, send_accusati
 from .admit import AdmitServer, ask_admission
 from .manifest import DEFAULTS, Manifest, ManifestError, ManifestMismatch
 from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, announced_step, next_group
+from .momentum_sync import MomentumSync
 from .probe import serve_probe
 from .records import RateLimitedLog, RunRecordValidator
 from .state_transfer import StateServer, download_state
@@ -696,9 +697,7 @@ class Swarm:
         if kind == "vote":
             return RoundSpec(rid, step, group.members, self.optimizer.buffer_bytes, self.upload, self.result,
                              self.config.seed)
-        numel = sum(hi - lo for _, lo, hi in self._momentum_slices(step))
-        return RoundSpec(rid, step, group.members, 2 * numel, Bf16Upload(),
-                         AverageResult(trimmed=self.config.momentum_rule == "trimmed_mean"), self.config.seed)
+        return self._momentum_sync().spec(rid, step, group.members)
 
     def _prepare(self, step: int) -> None:
         """Let this peer's reducer count others' votes for ``step`` while it still computes."""
@@ -920,7 +919,7 @@ class Swarm:
         """Momentum averaging, snapshots for joiners, checkpoints: each failure is logged, never raised."""
         try:
             step = optimizer.step_count
-            if self.config.momentum.due(step):
+            if self._momentum_sync().due(step):
                 try:
                     self.stats.momentum_synced = self._average_momentum(step)
                 except Exception as e:
@@ -942,38 +941,25 @@ class Swarm:
         finally:
             self._exit_step()
 
+    def _momentum_sync(self) -> MomentumSync:
+        """The momentum rounds under the current settings (the run's manifest may change them at join)."""
+        return MomentumSync(self.config.momentum, self.config.momentum_rule, self.optimizer.momentum_buffers,
+                            self.config.seed)
+
     def _average_momentum(self, step: int) -> bool:
-        """One bf16 averaging round over the selected momenta; parts nobody received stay local."""
+        """One momentum round after ``step`` (``momentum_sync.py``); False if this peer had none or it failed."""
         group = self.history.for_step(step - 1)
         if group is None or self.peer_id not in group.member_ids():
             return False
-        selected = self._momentum_slices(step)
         spec = self._spec(group, step, kind="momentum")
-        flat = torch.cat([m.detach().view(-1)[lo:hi].float() for m, lo, hi in selected])
         self._round = ("momentum", step)
+        timeout = self.config.allreduce.result_timeout + 30
         try:
-            averaged, report = self.loop.run(self.node.run_round(spec, Bf16Upload().encode(flat)),
-                                             timeout=self.config.allreduce.result_timeout + 30)
+            return self._momentum_sync().average(
+                spec, lambda spec, upload: self.loop.run(self.node.run_round(spec, upload), timeout=timeout))
         except Exception as e:
             logger.warning("step %d: momentum averaging failed, skipped: %s", step, e)
             return False
-        if report.missing_parts:
-            logger.warning("step %d: momentum averaging missed parts %s; they stay local", step, report.missing_parts)
-        keep = torch.isnan(averaged)
-        averaged[keep] = flat[keep]
-        offset = 0
-        with torch.no_grad():
-            for m, lo, hi in selected:
-                m.view(-1)[lo:hi] = averaged[offset : offset + hi - lo]
-                offset += hi - lo
-        return not report.missing_parts
-
-    def _momentum_slices(self, step: int) -> list[tuple[torch.Tensor, int, int]]:
-        """(momentum, lo, hi): what the sync after ``step`` averages of each selected buffer (all of
-        it, or one slice when the schedule streams)."""
-        schedule = self.config.momentum
-        return [(m, *schedule.slice_of(step, m.numel())) for name, m in self.optimizer.momentum_buffers()
-                if schedule.selects(name)]
 
     # -- caught reducers ----------------------------------------------------------------------------
 

@@ -1,0 +1,59 @@
+"""A peer's momentum rounds without a network: what it uploads, what it keeps, against numpy."""
+import numpy as np
+import torch
+
+from lioncub_p2p.allreduce import PeerSpec
+from lioncub_p2p.allreduce.round import PartReport, RoundReport
+from lioncub_p2p.momentum import MomentumSchedule
+from lioncub_p2p.swarm.momentum_sync import MomentumSync
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.asarray(a, dtype=np.float32)).to(torch.bfloat16).float().numpy()
+
+
+def test_a_streamed_sync_uploads_the_slice_and_keeps_what_no_reducer_returned():
+    """Slices of the selected buffers travel in bf16; the returned values replace them, except where
+    the round returned NaN (a missing part), which keeps the peer's own; nothing else moves."""
+    g = torch.Generator().manual_seed(0)
+    buffers = [("enc.w", torch.randn(4, 6, generator=g)), ("enc.b", torch.randn(5, generator=g)),
+               ("head.w", torch.randn(3, 3, generator=g))]
+    before = {name: m.clone().numpy() for name, m in buffers}
+    schedule = MomentumSchedule(slices=2, params=("enc.*",))
+    sync = MomentumSync(schedule, "trimmed_mean", lambda: buffers, seed=0)
+    step = 2  # the second slice: elements [n/2, n) of each selected buffer
+    spec = sync.spec(b"r" * 16, step, (PeerSpec("a", 1.0), PeerSpec("b", 1.0)))
+    assert spec.nbytes == 2 * (12 + 3) and spec.result.name == "trimmed_mean"
+    sent = np.concatenate([before["enc.w"].ravel()[12:], before["enc.b"].ravel()[2:]])
+    seen = {}
+
+    def run_round(spec_, upload):
+        seen["upload"] = upload.view(torch.bfloat16).float().numpy().ravel()
+        back = torch.from_numpy(seen["upload"] * 2 + 1)
+        back[10:] = float("nan")  # the part holding the last 5 values did not come back
+        parts = [PartReport(0, 0, 0, 20, "ok"), PartReport(1, 1, 20, 30, "missing")]
+        return back, RoundReport("r", step, 0, parts)
+
+    assert sync.due(1) and sync.due(step)
+    assert sync.average(spec, run_round) is False  # a part is missing
+    np.testing.assert_array_equal(seen["upload"], _bf16(sent))
+    want = np.where(np.arange(15) < 10, _bf16(sent) * 2 + 1, sent).astype(np.float32)
+    after = {name: m.numpy() for name, m in buffers}
+    np.testing.assert_array_equal(after["enc.w"].ravel()[:12], before["enc.w"].ravel()[:12])
+    np.testing.assert_array_equal(after["enc.w"].ravel()[12:], want[:12])
+    np.testing.assert_array_equal(after["enc.b"].ravel()[:2], before["enc.b"].ravel()[:2])
+    np.testing.assert_array_equal(after["enc.b"].ravel()[2:], want[12:])
+    np.testing.assert_array_equal(after["head.w"], before["head.w"])  # not selected
+
+
+def test_a_whole_buffer_sync_with_every_part_back_reports_success():
+    buffers = [("w", torch.arange(8, dtype=torch.float32))]
+    sync = MomentumSync(MomentumSchedule(every=4), "average", lambda: buffers, seed=0)
+    assert not sync.due(3) and sync.due(4)
+    spec = sync.spec(b"s" * 16, 4, (PeerSpec("a", 1.0),))
+
+    def run_round(spec_, upload):
+        return torch.full((8,), 0.5), RoundReport("s", 4, 0, [PartReport(0, 0, 0, 16, "ok")])
+
+    assert sync.average(spec, run_round) is True and spec.result.name == "average"
+    assert torch.equal(buffers[0][1], torch.full((8,), 0.5))
