@@ -193,19 +193,22 @@ def test_flaky_schedule_stalled_and_returning_peers_train_with_the_group(tmp_pat
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_process_faults_donor_momentum_and_link_cut_leave_survivors_identical(tmp_path):
-    """Real trainer processes: a donor SIGKILLs itself mid-transfer to a newcomer, another peer dies in
-    momentum averaging, a third loses its link for 3 s. Survivors exit cleanly at the last step with
-    bitwise equal parameters, and no step waits past what the timeouts allow."""
+    """Real trainer processes with overlapped rounds (``--delay 1``: a round is in flight across every
+    fault): a donor SIGKILLs itself mid-transfer to a newcomer, another peer dies in momentum
+    averaging, a third loses its link for 3 s. Survivors exit cleanly at the last step with bitwise
+    equal parameters, and no step waits past what the timeouts allow. (Synchronous trainers meet
+    kills and joins in ``test_trainers_kill_join_client_mode``.)"""
+    method = "lioncub-overlap"
     from lioncub_p2p.sim.process_faults import Scenario, run_scenario
 
     scenario = Scenario("combined", [{"mbit": 100}, {"mbit": 200, "failpoint": "serve"},
                                      {"mbit": 50, "failpoint": "momentum@20"}, {"mbit": 50, "cut_at": 30, "cut_s": 3},
                                      {"mbit": 50, "join_at": 5}])
-    row = run_scenario(scenario, tmp_path, steps=250, hidden=512)
+    row = run_scenario(scenario, tmp_path, steps=250, hidden=512, method=method)
     assert row["exit_codes"][1] == row["exit_codes"][2] == -9  # both failpoints fired
     assert row["survivors"] == row["expected"] == 3 and row["identical"], row
     assert row["max_step_s"] < row["bound_s"]
-    newcomer = (tmp_path / "lioncub" / "peer4.log").read_text()
+    newcomer = (tmp_path / method / "peer4.log").read_text()
     assert "stopped at" in newcomer and "loaded the swarm's state" in newcomer  # lost its donor, then got it all
 
 
