@@ -71,7 +71,7 @@ def encode_for(bases: ResultBases, declared: list[bytes], nbytes: int, bounds: t
     (base_id, base), before = held[0], held[1] if len(held) > 1 else (b"", None)
     current = np.frombuffer(wire, dtype=np.uint8)
     # One delta kind per part: the two-class code when both ends hold two bases (it won 92-99% of
-    # parts in benchmarks/flip_rate.py), else Rice; zlib's extra ~3 ms per 275 KB part rarely pays.
+    # parts in benchmarks/flip_rate.py), else Rice; zlib's extra ~3 ms per 34 KB part rarely pays.
     kinds = ("rice",) if before[1] is None else ("context",)
     blob = encode_delta(current, base[a:b], None if before[1] is None else before[1][a:b], kinds)
     if blob[0] == PLAIN:
