@@ -463,6 +463,9 @@ def _rank_entry(rank: int, target, world: int, workdir: str, args: tuple) -> Non
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
     try:
         result = target(rank, world, *args)
+        # every rank done before any tears down: gloo aborts a rank ("terminate called without an active
+        # exception") whose pair closes while it is still finishing (seen once in a fresh-clone CI run)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     torch.save(result, f"{workdir}/rank{rank}.pt")
