@@ -122,7 +122,7 @@ def average_in_process(momenta: list[list[tuple[str, torch.Tensor]]], schedule: 
         if not schedule.selects(name):
             continue
         lo, hi = schedule.slice_of(step, buffers[0][1].numel())
-        mean = torch.stack([m.reshape(-1)[lo:hi].float() for _, m in buffers]).mean(0)
+        mean = torch.stack([m.view(-1)[lo:hi].float() for _, m in buffers]).mean(0)
         for _, m in buffers:
             m.view(-1)[lo:hi] = mean
         synced += mean.numel()

@@ -283,8 +283,8 @@ class VoteNode:
             if parts[j].status == "pending":
                 parts[j].status = "ok" if outcome is not None else "missing"
         update, undecodable = assemble(spec, outcomes)
-        if update.dtype == torch.uint8 and spec.result.name == "majority":
-            self.bases.remember(spec.round_id, update.numpy())
+        if self.config.result_deltas and update.dtype == torch.uint8 and spec.result.name == "majority":
+            self.bases.remember(spec.round_id, update.numpy())  # a copy and a digest: only when deltas are on
         for j, reason in undecodable.items():
             parts[j].status, parts[j].note = "missing", f"undecodable result: {reason}"
         self._start_audits(state, {j: o for j, o in outcomes.items() if o is not None and j not in undecodable})

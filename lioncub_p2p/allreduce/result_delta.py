@@ -2,7 +2,7 @@
 
 Most voted signs repeat from one round to the next, so a reducer may send a part's result as its
 flips against an earlier round's result. Both ends must hold that earlier result, so the voter says
-which it holds (``VoteChunk.result_bases``: round ids, newest first) and the reducer uses only
+which it holds (``VoteChunk.result_bases``: names, below, newest first) and the reducer uses only
 those it holds too (``ResultChunk.delta_base``/``delta_before``). The signed header still carries
 the digest of the plain result, so a wrong base or a forged delta decodes to bytes that fail the
 digest: nothing is trusted that was not already checked before deltas existed. Recovery, audits
