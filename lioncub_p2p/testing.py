@@ -197,7 +197,8 @@ class LocalSwarm:
                   step: int = 0, seed: int = 0, timeout: float = 120.0,
                   behaviors: dict[int, Behavior] | None = None,
                   delays: dict[int, float] | None = None, tags: Sequence[bytes] | None = None,
-                  audit: bool = False, prepare: bool = True) -> list[torch.Tensor | None]:
+                  audit: bool = False, prepare: bool = True,
+                  follow: dict[int, float] | None = None) -> list[torch.Tensor | None]:
         """One round with every live peer voting its upload; one update per peer (None if it failed).
 
         ``uploads[i]`` is peer i's codes: (planes, nbytes) uint8, or packed signs (nbytes,).
@@ -206,7 +207,9 @@ class LocalSwarm:
         ``delays[i]`` starts peer i's round that many seconds after the others (a slow peer).
         ``tags[i]`` is the state tag peer i sends with its votes; ``audit`` is passed to the spec (it
         has no effect since protocol 2: every round is audited). ``prepare=False``: peers start
-        reducing only when they vote (a late reducer), not before the round as a swarm does."""
+        reducing only when they vote (a late reducer), not before the round as a swarm does.
+        ``follow[i]``: peer i does not vote; that many seconds after the others started it receives
+        the results (``VoteNode.follow_round``, a peer behind the group)."""
         if len(uploads) != self.n:
             raise ValueError(f"{len(uploads)} uploads for {self.n} peers")
         codes = [u.reshape(1, -1) if u.dim() == 1 else u for u in uploads]
@@ -214,20 +217,25 @@ class LocalSwarm:
                          nbytes=codes[0].shape[1], upload=upload_codec(upload), result=result_codec(result), seed=seed,
                          audit=audit)
         tags = list(tags) if tags is not None else [b""] * self.n
-        outcomes = self._loop.run(self._round(spec, codes, behaviors or {}, delays or {}, tags, prepare),
+        outcomes = self._loop.run(self._round(spec, codes, behaviors or {}, delays or {}, tags, prepare, follow or {}),
                                   timeout=timeout)
         self.reports = [o[1] if o is not None else None for o in outcomes]
         return [o[0] if o is not None else None for o in outcomes]
 
     async def _round(self, spec: RoundSpec, codes: list[torch.Tensor], behaviors: dict[int, Behavior],
-                     delays: dict[int, float], tags: list[bytes], prepare: bool = True):
+                     delays: dict[int, float], tags: list[bytes], prepare: bool = True,
+                     follow: dict[int, float] | None = None):
+        follow = follow or {}
+
         async def honest(i: int):
-            await asyncio.sleep(delays.get(i, 0.0))
+            await asyncio.sleep(delays.get(i, follow.get(i, 0.0)))
+            if i in follow:
+                return await self.nodes[i].follow_round(spec, tags[i])
             return await self.nodes[i].run_round(spec, codes[i], tags[i])
 
         live = [i for i in range(self.n) if self.alive[i]]
         for i in live:  # as a swarm does at the end of the previous round
-            if i not in behaviors and prepare:
+            if i not in behaviors and i not in follow and prepare:
                 self.nodes[i].prepare_round(spec)
         self._tasks = {i: asyncio.create_task(behaviors[i](self.nodes[i], spec, codes[i]) if i in behaviors
                                               else honest(i)) for i in live}

@@ -11,7 +11,9 @@ from lioncub_p2p import ops
 from lioncub_p2p.allreduce import AllReduceConfig, VOTE_PROTOCOL
 from lioncub_p2p.allreduce.deadline import AdaptiveDeadline
 from lioncub_p2p.allreduce.result_delta import encode_for
-from lioncub_p2p.codecs import upload_codec
+from lioncub_p2p.allreduce.round import RoundSpec
+from lioncub_p2p.codecs import result_codec, upload_codec
+from lioncub_p2p.swarm.follow import FollowRule
 from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
 from lioncub_p2p.wire import PROTOCOL_VERSION, pb, write_frame
 from hivemind.p2p import PeerID
@@ -467,3 +469,37 @@ def test_a_bad_delta_from_a_reducer_is_refused_and_the_part_recovered(tamper):
             np.testing.assert_array_equal(as_values(update, numel), want)
         statuses = {swarm.reports[i].parts[bad].status for i in range(n) if i != bad}
         assert statuses == {"recovered"}, [swarm.reports[i].parts[bad].note for i in range(n)]
+
+
+def test_a_follower_gets_each_part_once_without_voting_and_late_voters_stop_being_waited_for():
+    """Peer 3 (no part to reduce, as the leader makes a follower) receives the rounds without voting,
+    after the others finished: its update is the numpy vote of peers 0-2, every part downloaded once.
+    Two rounds without its vote make the reducers stop waiting for it: with a grace as long as the
+    upload timeout, the next round ends as soon as peers 0-2 are in, and a vote it sends in time still
+    counts. A round nobody keeps any more comes back with every part missing (a follower skips ahead)."""
+    numel = 8 * 60000
+    with LocalSwarm(4, weights=[1, 1, 1, 0]) as swarm:
+        _wait_for_every_vote(swarm)
+        timeout = swarm.config.upload_timeout
+        codes = _codes("sign", 4, numel, seed=21)
+        expected = numpy_vote(codes[:3], "sign", "majority", numel, seed=0, step=1)
+        for step in (1, 2):
+            results = swarm.allreduce(codes, step=1, follow={3: 0.3})
+            follower = swarm.reports[3]
+            assert follower.followed and all(p.status in ("ok", "recovered", "empty") for p in follower.parts)
+            for update in results:
+                np.testing.assert_allclose(as_values(update, numel), expected, rtol=0, atol=0)
+            assert follower.bytes_up < 2000  # requests only, no votes
+            assert follower.bytes_down < 1.2 * (numel // 8)  # each part once (recovery would ask every member)
+        late = swarm.nodes[0].punctuality.late()
+        assert late == {swarm.nodes[3].peer_id}  # and only it
+        started = time.perf_counter()
+        results = swarm.allreduce(codes, step=3, follow={3: 0.5})
+        assert time.perf_counter() - started < timeout / 2  # not waited for (else: the whole grace)
+        results = swarm.allreduce(codes, step=4, delays={0: 0.5, 1: 0.5, 2: 0.5})  # ...but a vote in time counts
+        everyone = numpy_vote(codes, "sign", "majority", numel, seed=0, step=4)
+        assert all(np.array_equal(as_values(u, numel), everyone) for u in results)
+        assert all(p.counted == [0, 1, 2, 3] for p in swarm.reports[0].parts if p.status == "ok")
+        spec = RoundSpec(b"nobody-ran-this", 9, swarm.group, numel // 8, upload_codec("sign"), result_codec("majority"))
+        _, report = swarm.run(swarm.nodes[3].follow_round(spec))
+        assert FollowRule.fell_out(report) and report.missing_parts == [0, 1, 2]

@@ -16,3 +16,18 @@ def test_grace_learns_from_spreads_and_is_clamped():
     policy.observe(None)  # a round where someone never arrived does not teach anything
     assert policy.grace() == 2.0
     assert AdaptiveDeadline.quorum(4) == 3 and AdaptiveDeadline.quorum(3) == 2
+
+
+def test_grace_is_capped_by_the_groups_own_pace():
+    """A voter always 0.3 s late teaches the spreads 0.3 s; the group steps every 0.1 s without it:
+    the grace stays at half a step, so it stops setting everybody's pace."""
+    policy = AdaptiveDeadline(min_grace=0.01, max_grace=2.0, margin=2.0, pace_share=0.5)
+    t = 100.0
+    for _ in range(10):
+        policy.observe(0.3, quorum_at=t)
+        t += 0.1
+    assert abs(policy.grace() - 0.05) < 1e-9  # half the median interval, not 2 x 0.3
+    uncapped = AdaptiveDeadline(min_grace=0.01, max_grace=2.0, margin=2.0)
+    for _ in range(10):
+        uncapped.observe(0.3)  # no quorum times: no pace to cap by
+    assert abs(uncapped.grace() - 0.6) < 1e-9

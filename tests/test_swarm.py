@@ -292,13 +292,14 @@ def _config(run_id: str, **kwargs) -> SwarmConfig:
     return SwarmConfig(run_id, **{"host_maddrs": LOOPBACK, "allreduce": FAST, **kwargs})
 
 
-def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, late=None, stall=None):
+def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, late=None, stall=None, slow=None):
     """Run one Swarm per config in its own thread until the global step reaches ``steps``.
 
     ``perturb=(peer, step, index)`` adds 1e-3 to the first parameter of that peer before that step
     (all of it, or only flat element ``index``); ``instrument(i, swarm)`` runs before training;
     ``late=(peer, step)``: that peer joins once peer 0 reached that step (the others start without it);
-    ``stall=(peer, step, seconds)``: that peer sleeps before that step. Each peer stops at ``steps`` (its
+    ``stall=(peer, step, seconds)``: that peer sleeps before that step; ``slow=(peer, seconds)``: that peer
+    sleeps so long after every step (the others 0.02 s). Each peer stops at ``steps`` (its
     ``final_step``, as lioncub-train sets it) and stays up until every peer has stopped.
     Per peer: (step, parameter digest, repairs since the perturbation, snapshot digest)."""
     task = digits_task(0, hidden=hidden)
@@ -345,7 +346,10 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
                     repair_steps.append(before)
                     out.setdefault("all_repair_steps", {}).setdefault(i, []).append(before)
                 progress[i] = opt.step_count
-                time.sleep(0.02)
+                out["max_lead"] = max(out.get("max_lead", 0), max(progress.values()) - min(progress.values()))
+                if swarm.stats.followed:
+                    out.setdefault("followed", {}).setdefault(i, []).append(before)
+                time.sleep(slow[1] if slow and slow[0] == i else 0.02)
             out[i] = (opt.step_count, snapshot.params_digest(opt), swarm.repairs - repairs_before,
                       snapshot.encode(opt)[1])
             out.setdefault("repairs", {})[i] = swarm.repairs
@@ -938,3 +942,27 @@ def test_a_client_whose_last_reducer_left_stops_with_one_line_instead_of_missing
     finally:
         client.shutdown()
         founder.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_peer_too_slow_for_the_group_follows_without_holding_it_back_and_ends_equal(delay, caplog):
+    """Peer 3 computes ~10x slower than the others. Its votes stop counting, so it follows: it receives
+    each result without voting and announces it; the leader gives it no part to reduce and reducers
+    stop waiting for it, so the others run ahead of it instead of at its pace; it still applies every
+    result (or skips ahead by downloading the state) and all four end bitwise equal."""
+    seen = {}
+    configs = [_config(f"follow{delay}", delay=delay) for _ in range(4)]
+    with caplog.at_level(logging.INFO, logger="lioncub_p2p.swarm.peer"):
+        out = _train_swarm(configs, 60, slow=(3, 0.3), instrument=lambda i, s: seen.setdefault(i, s))
+    assert {out[i][0] for i in range(4)} == {60}
+    assert len({out[i][1] for i in range(4)}) == 1 and len({out[i][3] for i in range(4)}) == 1
+    followed = out.get("followed", {})
+    assert len(followed.get(3, [])) >= 10, followed  # the slow peer followed many rounds...
+    assert not any(followed.get(i) for i in range(3)), followed  # ...and only it
+    assert out["max_lead"] >= 10  # the others ran ahead instead of waiting for it every step
+    slow_id = seen[3].peer_id
+    groups = [seen[0].history.for_step(s) for s in followed[3]]
+    weights = {m.weight for g in groups if g is not None for m in g.members if m.peer_id == slow_id}
+    assert 0.0 in weights, weights  # the leader took its part away while it followed
+    assert "following (results only, no votes)" in caplog.text

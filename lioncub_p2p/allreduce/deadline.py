@@ -12,17 +12,23 @@ class AdaptiveDeadline:
     grace period learned from recent rounds.
 
     The grace is ``margin`` times the 90th percentile of the recent *spreads* (time from the quorum
-    to the last vote, in rounds where every vote arrived), clamped to [min_grace, max_grace]. Normal
-    jitter keeps every peer counted; a peer that is persistently slower than that stops holding the
-    others back: it is left out of the count and applies the same result when it arrives."""
+    to the last vote, in rounds where every vote arrived), but at most ``pace_share`` of the group's
+    own pace (the median time between the quorums of consecutive rounds), clamped to [min_grace,
+    max_grace]. Normal jitter keeps every peer counted. Without the pace cap a peer that is always
+    equally late would teach the spreads its own lateness and set everybody's pace; with it, a peer
+    later than half a group step is left out of the count (it applies the same result when it
+    arrives, and soon follows: ``punctuality.py``, ``swarm/follow.py``)."""
 
     def __init__(self, *, min_grace: float = 0.05, max_grace: float = 2.0, initial_grace: float = 1.0,
-                 margin: float = 2.0, window: int = 32):
+                 margin: float = 2.0, window: int = 32, pace_share: float = 0.5):
         if not 0 <= min_grace <= max_grace:
             raise ValueError("need 0 <= min_grace <= max_grace")
         self.min_grace, self.max_grace, self.margin = min_grace, max_grace, margin
         self.initial_grace = initial_grace
         self.spreads: deque[float] = deque(maxlen=window)
+        self.pace_share = pace_share
+        self.intervals: deque[float] = deque(maxlen=window)  # between consecutive rounds' quorums
+        self._last_quorum: float | None = None
 
     @staticmethod
     def quorum(group_size: int) -> int:
@@ -32,9 +38,17 @@ class AdaptiveDeadline:
         if len(self.spreads) < 3:
             return min(max(self.initial_grace, self.min_grace), self.max_grace)
         p90 = statistics.quantiles(self.spreads, n=10)[-1] if len(self.spreads) >= 2 else self.spreads[0]
-        return min(max(self.margin * p90, self.min_grace), self.max_grace)
+        grace = self.margin * p90
+        if len(self.intervals) >= 3:
+            grace = min(grace, self.pace_share * statistics.median(self.intervals))
+        return min(max(grace, self.min_grace), self.max_grace)
 
-    def observe(self, spread: float | None) -> None:
-        """Record a round: the quorum-to-last-vote time, or None if some vote never came."""
+    def observe(self, spread: float | None, quorum_at: float | None = None) -> None:
+        """Record a round: the quorum-to-last-vote time, or None if some vote never came; and when
+        its quorum was in (``time.perf_counter``), for the group's pace."""
         if spread is not None:
             self.spreads.append(max(spread, 0.0))
+        if quorum_at is not None:
+            if self._last_quorum is not None and quorum_at > self._last_quorum:
+                self.intervals.append(quorum_at - self._last_quorum)
+            self._last_quorum = quorum_at

@@ -70,6 +70,7 @@ from .audit import MAX_AUDIT_LEAVES, check_statements, decoded, judge, make_evid
 from .commit import (DIGEST_BYTES, MAX_HEADER_BYTES, MAX_TAG_BYTES, check_header, leaf_bytes, leaf_count, leaf_of, parse_header,
                      result_signed_bytes, root_of, statement_signed_bytes)
 from .deadline import AdaptiveDeadline
+from .punctuality import Punctuality
 from .reducer import PartReduction
 from .result_delta import ResultBases, check_declared, decode_from, encode_for
 from .round import (AUDIT_MIN_RATE, MAX_FIRST_FRAME_BYTES, AllReduceConfig, Caught, PartReport, PartResult, RoundReport, RoundSpec,
@@ -134,6 +135,7 @@ class VoteNode:
         self.verifier = Verifier()
         self.reduction_factory = PartReduction  # what reduces a part (simulations swap in lying reducers)
         self.deadline = AdaptiveDeadline(max_grace=self.config.upload_timeout)
+        self.punctuality = Punctuality()  # voters late round after round: not waited for
         self.audit_rng: random.Random = random.SystemRandom()  # private: reducers must not predict audits
         self._rounds: OrderedDict[bytes, RoundState] = OrderedDict()
         self._finished: deque[bytes] = deque(maxlen=256)
@@ -211,6 +213,8 @@ class VoteNode:
                            {j: loop.create_future() for j, (a, b) in enumerate(spec.bounds) if b > a})
         if me in state.direct:
             state.reduction = self.reduction_factory(spec, me)
+            late = self.punctuality.late()
+            state.reduction.excuse(frozenset(i for i, p in enumerate(spec.group) if p.peer_id in late and i != me))
             state.reducing = asyncio.create_task(self._reduce_part(state, state.reduction, state.direct[me]))
         self._register(state)
         return state
@@ -262,22 +266,53 @@ class VoteNode:
                 tasks.append(asyncio.create_task(self._vote_remote(state, j, upload, statements.get(j), turn, started)))
         await asyncio.gather(*tasks, return_exceptions=True)
         report.timings["results"] = time.perf_counter() - started
+        return await self._conclude(state, roots)
 
-        outcomes: dict[int, PartResult | None] = {j: fut.result() if fut.done() else None
+    async def follow_round(self, spec: RoundSpec, tag: bytes = b"") -> tuple[torch.Tensor, RoundReport]:
+        """Receive a round's results without voting: for a peer behind the group, whose votes would
+        reach parts that closed long ago (``punctuality.py``). Each part is asked of its reducer first
+        (finished rounds are kept, ``archive.py``), then of one other member at a time, so a slow link
+        downloads each part once. Returns what ``run_round`` returns (``report.followed`` set); a part
+        nobody holds any more is missing."""
+        started = time.perf_counter()
+        state = self.prepare_round(spec)
+        if state.voted:
+            raise ValueError(f"round {spec.round_id.hex()} was already run by this peer")
+        state.voted, state.tag = True, tag
+        state.report.started, state.report.followed = started, True
+        red = state.reduction
+        if red is not None and not red.closed and not red.next_offset:  # nobody sent this peer votes: no result
+            state.reducing.cancel()
+            outcome = red.close()
+            for future in (red.result, state.direct[state.me]):
+                if not future.done():
+                    future.set_result(outcome)
+        if state.reducing is not None:
+            await asyncio.gather(state.reducing, return_exceptions=True)
+        state.report.timings["results"] = time.perf_counter() - started
+        return await self._conclude(state, {}, one_at_a_time=True)
+
+    async def _conclude(self, state: RoundState, roots: dict[int, bytes], *,
+                        one_at_a_time: bool = False) -> tuple[torch.Tensor, RoundReport]:
+        """Recover the parts that did not come from their reducers, assemble the update, start audits.
+        ``roots``: this peer's own code roots by part (none when it did not vote)."""
+        spec, me, report, parts, started = state.spec, state.me, state.report, state.report.parts, state.report.started
+        outcomes: dict[int, PartResult | None] = {j: fut.result() if fut.done() and not fut.cancelled() else None
                                                   for j, fut in state.direct.items()}
         for j, outcome in outcomes.items():
-            if outcome is not None and j != me:
+            if outcome is not None and j != me and j in roots:
                 self._check_own_root(state, j, outcome, roots[j])
         missing = [j for j, outcome in outcomes.items() if outcome is None and j != me]
         if missing:
-            recovered = await asyncio.gather(*(self._recover(state, j) for j in missing))
+            recovered = await asyncio.gather(*(self._recover(state, j, one_at_a_time=one_at_a_time) for j in missing))
             for j, outcome in zip(missing, recovered):
                 outcomes[j] = outcome
                 parts[j].status = "recovered" if outcome is not None else "missing"
                 if outcome is not None:
                     parts[j].record(outcome)
                     state.recovered[j] = outcome
-                    self._check_own_root(state, j, outcome, roots[j])
+                    if j in roots:
+                        self._check_own_root(state, j, outcome, roots[j])
             report.timings["recovery"] = time.perf_counter() - started - report.timings["results"]
         for j, outcome in outcomes.items():
             if parts[j].status == "pending":
@@ -351,12 +386,15 @@ class VoteNode:
             if not red.all_in.is_set():
                 grace = min(self.deadline.grace(), max(deadline - time.perf_counter(), 0.0))
                 await asyncio.wait_for(red.all_in.wait(), grace)
-            everyone = len(red.complete) == len(state.spec.group)
-            self.deadline.observe(red.last_arrival - red.quorum_time if everyone else None)
+            everyone = red.complete >= set(range(len(state.spec.group))) - red.excused
+            self.deadline.observe(red.last_arrival - red.quorum_time if everyone else None, red.quorum_time)
         except asyncio.TimeoutError:
             self.deadline.observe(None)
         self._emit("finalize")
         outcome = red.close()
+        group = state.spec.group
+        self.punctuality.observe({group[v].peer_id for v in red.complete},
+                                 {p.peer_id for i, p in enumerate(group) if i != state.me})
         if outcome is not None and self.identity is not None:
             outcome = dataclasses.replace(outcome, signature=self.identity.sign(result_signed_bytes(outcome.header)),
                                           public_key=self.identity.public_key)
@@ -565,11 +603,14 @@ class VoteNode:
                 report.payload_up += min(step, len(wire) - offset)
             self._emit("result_chunk")
 
-    async def _recover(self, state: RoundState, j: int) -> PartResult | None:
+    async def _recover(self, state: RoundState, j: int, *, one_at_a_time: bool = False) -> PartResult | None:
         """Ask every other reachable member (the reducer too: its vote stream may have failed while it
-        lives) for part j's result; accept the first one its reducer signed."""
+        lives) for part j's result; accept the first one its reducer signed. ``one_at_a_time``: the
+        reducer first, then each other member only once the previous one failed (a slow link's way)."""
         spec = state.spec
         askers = [i for i, p in enumerate(spec.group) if i != state.me and not p.client_mode]
+        if one_at_a_time:
+            askers.sort(key=lambda i: i != j)
 
         async def ask(i: int) -> tuple[int, PartResult]:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[i].peer_id),
@@ -582,6 +623,18 @@ class VoteNode:
             finally:
                 writer.close()  # after the last chunk: the member waits for this close before its own
 
+        if one_at_a_time:
+            for i in askers:
+                try:
+                    sender, outcome = await asyncio.wait_for(ask(i), self.config.recovery_timeout)
+                except WireError as e:
+                    logger.info("round %s: refused a result for part %d: %s", spec.round_id.hex()[:12], j, e)
+                    continue
+                except (asyncio.TimeoutError, *NETWORK_ERRORS):
+                    continue
+                state.received[j] = (time.monotonic(), sender == j)
+                return outcome
+            return None
         pending = {asyncio.create_task(asyncio.wait_for(ask(i), self.config.recovery_timeout)) for i in askers}
         for task in pending:  # answers that come after the first good one are not needed, nor their errors
             task.add_done_callback(lambda t: t.cancelled() or t.exception())

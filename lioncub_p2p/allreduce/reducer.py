@@ -41,6 +41,8 @@ class PartReduction:
         self.all_in = asyncio.Event()
         self.quorum_in = asyncio.Event()
         self.quorum = quorum(len(spec.group))
+        # voters not waited for (late round after round, ``punctuality.py``): counted if complete in time
+        self.excused: frozenset[int] = frozenset()
         self.last_arrival = self.quorum_time = 0.0
         self.tags: dict[int, bytes] = {}
         self.statements: dict[int, pb.VoterStatement] = {}  # momentum rounds: each voter's signed bound
@@ -106,11 +108,21 @@ class PartReduction:
         if len(self.complete) >= self.quorum and not self.quorum_in.is_set():
             self.quorum_time = time.perf_counter()
             self.quorum_in.set()
-        if len(self.complete) + len(self.dropped) >= len(self.spec.group):
+        n = len(self.spec.group)
+        if len(self.complete) + len(self.dropped) >= n or (self.awaited_in() and len(self.complete) >= self.quorum):
             self.all_in.set()
             if not self.quorum_in.is_set():
                 self.quorum_time = time.perf_counter()
                 self.quorum_in.set()
+
+    def awaited_in(self) -> bool:
+        """Every voter not excused is counted or dropped."""
+        return len(self.complete | self.dropped.keys() | self.excused) >= len(self.spec.group)
+
+    def excuse(self, voters: frozenset[int]) -> None:
+        """Stop waiting for ``voters`` (still counted if their vote completes before ``close``)."""
+        self.excused = frozenset(voters)
+        self._check_all_in()
 
     def close(self) -> PartResult | None:
         """Stop counting: take out incomplete voters (and, in momentum rounds, voters whose codes do

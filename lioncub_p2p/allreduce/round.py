@@ -220,6 +220,7 @@ class RoundReport:
     dropped: list[tuple[int, str]] = field(default_factory=list)  # (voter, reason) in parts this peer reduced
     started: float = 0.0  # perf_counter when this peer began voting; timings are seconds from here
     group_epoch: int = 0  # the newest group epoch any reducer mentioned
+    followed: bool = False  # this peer received the results without voting (``VoteNode.follow_round``)
     # This peer's audit of this round: (part, reducer, verdict), verdict "ok" | "lie" |
     # "unanswered"; set when the audit ends, which may be after run_round returned (it runs in the
     # background), so read ``caught`` to act.

@@ -7,8 +7,9 @@ failed check with a non-zero exit; whether peers can dial this machine (the coor
 back, the same check lioncub-train makes before joining: dialable, or it will join in client mode),
 and the exact flags to change; the upload and download bandwidth to a member of the run's group (a
 timed 4 MiB probe each way, only to members: the probe carries the run token; a refused probe is a
-failed check); the compute time of one step of the run's task here; and the resulting seconds per
-round. Exit code 0: ready.
+failed check); the compute time of one step of the run's task here; and the role this link puts the
+peer in at the group's current pace (voter, follower, or behind: ``swarm/follow.py``). Exit code 0:
+ready.
 """
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ import torch
 from ..swarm import AdmissionRefused, Manifest, SettingsMismatch, Swarm, SwarmConfig, SwarmError
 from ..swarm.membership import GroupRecord, PeerRecord
 from ..swarm.peer import LISTEN_ALL
+from ..swarm.follow import link_role
 from ..swarm.probe import measure
 from ..swarm.reachability import ListenPlan
 from .addresses import PUBLIC_PORT_ADVICE, dialable_from_outside, scope
 
+PACE_WINDOW_S = 10.0  # the group's pace is read from peer records this far apart
 FAIL_COORDINATORS, FAIL_EMPTY_RUN, FAIL_ADMISSION, FAIL_PROBE, FAIL_SETTINGS = 2, 3, 4, 5, 6
 
 
@@ -82,6 +85,13 @@ def probe_targets(group: GroupRecord | None, records: dict[str, PeerRecord], me:
             if m.reduces and m.peer_id != me and (m.peer_id not in records or records[m.peer_id].synced)]
 
 
+def group_pace(before: dict[str, PeerRecord], after: dict[str, PeerRecord], seconds: float) -> float | None:
+    """Seconds per group step from the furthest peer's step in two reads of the records, or None
+    when nobody moved (nobody trains yet, or too short a window)."""
+    moved = max((r.step for r in after.values()), default=0) - max((r.step for r in before.values()), default=0)
+    return seconds / moved if moved > 0 else None
+
+
 def preflight(config: SwarmConfig, task_for: Callable[[Manifest], tuple]) -> int:
     """Print the checks; returns a process exit code (0: ready). ``task_for(run manifest)`` gives
     (settings, task, batches_for) of the task this peer would train."""
@@ -99,6 +109,7 @@ def preflight(config: SwarmConfig, task_for: Callable[[Manifest], tuple]) -> int
         return FAIL_COORDINATORS
     try:
         records = swarm.loop.run(swarm.directory.peers(), timeout=30)
+        first_read = time.monotonic()
         group = swarm.history.latest  # the group that admitted this peer (in a private run: proved the key)
         if not config.initial_peers:
             print("  [WARN] no --initial-peers: this machine would start a run of its own")
@@ -139,14 +150,15 @@ def preflight(config: SwarmConfig, task_for: Callable[[Manifest], tuple]) -> int
             task.loss(task.model, next(batches)).backward()
         compute = (time.perf_counter() - started) / 3
         task.model.zero_grad(set_to_none=True)
-        n = max(len(records), 2)
-        bits = 2 * (n - 1) / n * numel  # 1-bit votes up and results down, per peer per round
         print(f"  [ OK ] model ({task.name}, batch {settings.batch}): {numel / 1e6:.2f}M parameters, "
               f"{compute * 1e3:.0f} ms per step of compute here")
         if up and down:
-            seconds = compute + bits / 2 / (up * 1e6) + bits / 2 / (down * 1e6)
-            verdict = "ready" if seconds < 10 else "slow: consider --client-mode"
-            print(f"  [ OK ] estimated {seconds:.2f} s per round with {n} peers ({verdict})")
+            time.sleep(max(PACE_WINDOW_S - (time.monotonic() - first_read), 0.0))  # records refresh every few s
+            later = swarm.loop.run(swarm.directory.peers(), timeout=30)
+            step_s = group_pace(records, later, time.monotonic() - first_read)
+            role = link_role(numel=numel, peers=max(len(later), 1) + 1, up_mbit=up, down_mbit=down,
+                             group_step_s=step_s, compute_s=compute)
+            print(f"  [{'OK' if role.role == 'voter' else 'WARN':^4}] role: {role.line}")
         else:
             print("  [WARN] no bandwidth figure (no synced member answered the probe): cannot estimate round time")
         return 0

@@ -78,6 +78,7 @@ class PeerRecord:
     loss: float | None = None
     manifest: str = ""  # digest of the run manifest this peer follows (manifest.py)
     leaving: bool = False  # announced by Swarm.shutdown(): drop me now
+    following: bool = False  # behind the group: receives results without voting (keep me, give me no part)
     expires: float = 0.0
 
     def payload(self) -> dict[str, Any]:
@@ -85,7 +86,8 @@ class PeerRecord:
         return {"weight": float(self.weight), "client_mode": self.client_mode, "step": int(self.step),
                 "version": int(self.version), "synced": self.synced, "samples_per_s": float(self.samples_per_s),
                 "bytes_up_per_s": float(self.bytes_up_per_s), "bytes_down_per_s": float(self.bytes_down_per_s),
-                "loss": loss, "manifest": self.manifest, "leaving": self.leaving}
+                "loss": loss, "manifest": self.manifest, "leaving": self.leaving,
+                "following": self.following}
 
     @classmethod
     def from_payload(cls, peer_id: str, value: dict, expires: float) -> "PeerRecord":
@@ -99,6 +101,7 @@ class PeerRecord:
                    bytes_down_per_s=float(_number(value.get("bytes_down_per_s", 0.0), 0.0, MAX_RATE)),
                    loss=None if loss is None else float(_number(loss, -MAX_RATE, MAX_RATE)),
                    manifest=_text(value.get("manifest", ""), 64), leaving=_flag(value.get("leaving", False)),
+                   following=_flag(value.get("following", False)),
                    expires=float(expires))
 
     @classmethod

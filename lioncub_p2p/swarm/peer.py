@@ -25,8 +25,8 @@ Anything that goes wrong in a round is a missed round (a zero update, repaired b
 split anyone), never an exception out of ``optimizer.step()``.
 
 Threads. The *training thread* (join, ``submit``/``wait``, ``after_step``, ``linger``, ``shutdown``)
-owns the optimizer's state and the per-step fields (``stats``, ``repairs``, ``missed_rounds``,
-``last_report``, ``stranded``); it holds ``_step_lock`` from ``before_step`` to the end of
+owns the optimizer's state and the per-step fields (``stats``, ``repairs``, ``skips``, ``follow``,
+``missed_rounds``, ``last_report``, ``stranded``; the loop reads ``follow.following`` to announce it); it holds ``_step_lock`` from ``before_step`` to the end of
 ``after_step``. The *event loop* (``self.loop``: membership upkeep, leading, every stream handler,
 ``Verdicts``) owns ``history`` (published whole, ``GroupHistory``), ``evicted``, ``admitted`` and the
 records it refreshes; the training thread reads them, and replaces ``records`` only with a fresh read
@@ -70,6 +70,7 @@ from ..wire import PROTOCOL_VERSION
 from . import checkpoint, manifest as manifests, reachability, snapshot
 from .accuse import Accusation, AccuseServer, Refused, Suspicions, send_accusation
 from .admit import AdmitServer, ask_admission
+from .follow import FollowRule
 from .manifest import DEFAULTS, Manifest, ManifestError, ManifestMismatch
 from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, announced_step, next_group
 from .momentum_sync import MomentumSync
@@ -185,6 +186,7 @@ class StepStats:
     repaired: bool = False
     momentum_synced: bool = False
     missed: bool = False  # the round failed here: no update applied
+    followed: bool = False  # received the result without voting (behind the group, ``follow.py``)
 
 
 def _anchor_ids(maddrs: list[str]) -> list[str]:
@@ -242,6 +244,8 @@ class Swarm:
         self.optimizer: LionCub | None = None
         self.stats = StepStats()
         self.repairs = 0
+        self.skips = 0  # state downloads of a follower that fell out of the group's kept rounds
+        self.follow = FollowRule()  # vote, or only receive results when this peer's votes come too late
         self.missed_rounds = 0
         self.final_step: int | None = None  # where this peer stops (the trainer's --steps): no group starts later
         self.stranded: str | None = None  # why training cannot go on (every other peer left), once it cannot
@@ -816,7 +820,9 @@ class Swarm:
         node = self.gather or self.node
         self._round = ("vote", step)
         started = time.perf_counter()
-        future = asyncio.run_coroutine_threadsafe(node.run_round(spec, upload, tag), self.loop.loop)
+        following = self.gather is None and self.follow.follow_next()
+        coro = self.node.follow_round(spec, tag) if following else node.run_round(spec, upload, tag)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop.loop)
         if self.delay:  # the next vote may start before this one ends: let its part count votes already
             self._prepare(step + 1)
         return RoundInFlight(self, spec, group, tag, started, future)
@@ -846,6 +852,9 @@ class Swarm:
             logger.warning("step %d: the vote round failed (%s: %s); applying no update", step, type(e).__name__, e)
             return self._missed(step)
         self._observe(r.spec, report, r.started)
+        self._follow_or_vote(report)
+        if self.follow.fell_out(report):  # nobody keeps this round any more: skip ahead to a peer's state
+            return self._skip_ahead(step, group)
         if self.delay:  # what the step waited for: the part of the round that compute did not hide
             self.stats.wait_s = time.perf_counter() - blocked
         if report.group_epoch > self.history.latest.epoch:  # a group change we have not seen: fetch it now
@@ -869,6 +878,28 @@ class Swarm:
             return None
         self._prepare(step + 1)
         return update
+
+    def _follow_or_vote(self, report: RoundReport) -> None:
+        """Follow while this peer's votes come too late to count (``follow.py``); tell the group at once."""
+        was = self.follow.following
+        self.follow.after(report)
+        self.stats.followed = report.followed
+        if self.follow.following != was:
+            logger.info("step %d: %s", report.step, "this peer's votes came too late to count: following (results "
+                        "only, no votes)" if self.follow.following else "votes count again: voting")
+            self._in_background(self._announce())
+
+    def _skip_ahead(self, step: int, group: GroupRecord) -> torch.Tensor | None:
+        logger.warning("step %d: this peer fell so far behind that nobody keeps its round: downloading the state", step)
+        try:
+            self._download(min_step=self.optimizer.step_count + 1, group=group)
+        except Exception as e:
+            logger.warning("step %d: skipping ahead failed (%s); retrying next step", step, e)
+            return self._missed(step)
+        self.skips += 1
+        self.stats.repaired = True
+        self._prepare(self.optimizer.step_count)
+        return None
 
     def _rejoin(self) -> None:
         self._synced = False
@@ -954,9 +985,11 @@ class Swarm:
         spec = self._spec(group, step, kind="momentum")
         self._round = ("momentum", step)
         timeout = self.config.allreduce.result_timeout + 30
+        follow = self.follow.following  # behind: the others' average only (this peer's values are late anyway)
         try:
             return self._momentum_sync().average(
-                spec, lambda spec, upload: self.loop.run(self.node.run_round(spec, upload), timeout=timeout))
+                spec, lambda spec, upload: self.loop.run(self.node.follow_round(spec) if follow
+                                                         else self.node.run_round(spec, upload), timeout=timeout))
         except Exception as e:
             logger.warning("step %d: momentum averaging failed, skipped: %s", step, e)
             return False
@@ -1045,7 +1078,7 @@ class Swarm:
                             self._synced and not leaving, samples_per_s=max(self.samples_per_step * rate(step - step0), 0.0),
                             bytes_up_per_s=self.stats.bytes_up / seconds, bytes_down_per_s=self.stats.bytes_down / seconds,
                             loss=self.last_loss, manifest=self.run_manifest.digest() if self.run_manifest else "",
-                            leaving=leaving)
+                            leaving=leaving, following=self.follow.following and not leaving)
         self._progress = (now, step)
         # a newer record must expire later than the last (the DHT keeps the latest-expiring one)
         expiration = max(get_dht_time() + self.config.record_ttl, self._last_expiration + 1e-3)
@@ -1083,6 +1116,9 @@ class Swarm:
             return
         alive = {pid for pid, r in self.records.items() if not r.leaving} | {self.peer_id}
         syncing = {pid for pid, r in self.records.items() if not r.synced}
+        # behind the group (self-declared, or late at this leader's reducer round after round): no part
+        following = {pid for pid, r in self.records.items() if r.following and not r.leaving}
+        unhurried = following | self.node.punctuality.late()
         suspects = self.suspects()
 
         def healthy(pid: str) -> bool:
@@ -1090,10 +1126,10 @@ class Swarm:
                 return False
             limit = SYNC_GRACE_ROUNDS if pid in syncing else 2
             recent = time.monotonic() - self.failing_since.get(pid, time.monotonic()) < DROP_AFTER_S
-            return pid == self.peer_id or (pid in alive and (self.failures[pid] < limit or recent))
+            return pid == self.peer_id or (pid in alive and (self.failures[pid] < limit or recent or pid in following))
 
         def spec(pid: str, weight: float, client_mode: bool) -> PeerSpec:
-            return PeerSpec(pid, 0.0 if pid in syncing else weight, client_mode)
+            return PeerSpec(pid, 0.0 if pid in syncing or pid in unhurried else weight, client_mode)
 
         leader = next((m.peer_id for m in latest.members if m.reduces and healthy(m.peer_id)), None)
         step = self.optimizer.step_count

@@ -1,0 +1,85 @@
+"""When a peer votes, and when it only follows: receives each step's result without voting.
+
+A peer whose link or compute cannot deliver a vote per group step sees it in its own rounds: the
+reducers' signed results do not count it (its votes reached parts that had closed). Voting then only
+spends its uplink and the reducers' time, so it **follows**: each round it downloads the results
+(each part once, from the reducer's archive first, ``VoteNode.follow_round``) and applies them, so
+its parameters stay bitwise equal to the group's, checked by the same state digest as a voter's.
+It announces ``following`` in its peer record: the leader keeps it in the group but gives it no part
+to reduce, and reducers stop waiting for its votes (``allreduce/punctuality.py``).
+
+Every ``probe_every`` followed rounds it votes once: counted in at least half of the parts, it is a
+voter again. When it falls so far behind that nobody keeps its round any more (every part missing),
+it **skips ahead**: it downloads the state of a peer past its step, as a repair does.
+
+Owned by the training thread; pure, tested without a network.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..allreduce import RoundReport
+
+
+class FollowRule:
+    def __init__(self, *, probe_every: int = 16):
+        if probe_every < 1:
+            raise ValueError("probe_every must be at least 1")
+        self.probe_every = probe_every
+        self.following = False
+        self.followed = 0  # rounds followed since this peer last voted
+        self.rounds_followed = 0  # in all (metrics)
+
+    def follow_next(self) -> bool:
+        """Whether the next round is received without voting (else this peer votes, maybe as a probe)."""
+        return self.following and (self.followed + 1) % self.probe_every != 0
+
+    def after(self, report: RoundReport) -> None:
+        """Learn from one finished vote round of this peer."""
+        if report.followed:
+            self.followed += 1
+            self.rounds_followed += 1
+            return
+        self.followed = 0
+        others = [p for p in report.parts if p.reducer != report.peer and p.status in ("ok", "recovered")]
+        if others:  # no result at all says nothing about this peer's votes
+            counted = sum(report.peer in p.counted for p in others)
+            self.following = 2 * counted < len(others)
+
+    @staticmethod
+    def fell_out(report: RoundReport) -> bool:
+        """A followed round of which nobody held any part any more: skip ahead by downloading state."""
+        parts = [p for p in report.parts if p.status != "empty" and p.reducer != report.peer]
+        return report.followed and bool(parts) and all(p.status == "missing" for p in parts)
+
+
+@dataclass(frozen=True)
+class LinkRole:
+    role: str  # "voter" | "follower" | "behind"
+    vote_s: float  # seconds to upload one step's votes
+    result_s: float  # ... to download one step's results (plain, before deltas)
+    line: str  # what preflight prints
+
+
+def link_role(*, numel: int, peers: int, up_mbit: float, down_mbit: float, group_step_s: float | None,
+              compute_s: float, slack: float = 1.5) -> LinkRole:
+    """Which role a link puts a peer in, from its measured bandwidth and the group's pace.
+
+    Per step a voter uploads (peers−1)/peers bit per parameter and downloads as much. It keeps up as a
+    voter when its compute plus its votes, and its results, each fit in ``slack`` group steps
+    (overlapped rounds hide one behind the other); as a follower when its compute and its results fit
+    in one step (it keeps up, but its votes would come too late to count); else it falls behind and
+    skips ahead by downloading the state now and then."""
+    bits = numel * (peers - 1) / max(peers, 1)
+    vote_s, result_s = bits / (up_mbit * 1e6), bits / (down_mbit * 1e6)
+    figures = f"votes {vote_s:.2f} s up, results {result_s:.2f} s down, compute {compute_s:.2f} s per step"
+    if group_step_s is None or max(compute_s + vote_s, result_s) <= slack * group_step_s:
+        pace = f"the group steps every {group_step_s:.2f} s" if group_step_s else "nobody steps yet"
+        return LinkRole("voter", vote_s, result_s, f"voter: {figures}; {pace}")
+    if max(compute_s, result_s) <= group_step_s:
+        return LinkRole("follower", vote_s, result_s,
+                        f"follower: {figures}, the group steps every {group_step_s:.2f} s: your votes would come "
+                        f"too late to count, so you will receive every result and vote only when you can")
+    return LinkRole("behind", vote_s, result_s,
+                    f"behind: {figures}, the group steps every {group_step_s:.2f} s: you cannot keep up and will "
+                    f"skip ahead by downloading the state now and then; a run whose pace suits your link fits better")

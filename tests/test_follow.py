@@ -1,0 +1,120 @@
+"""Slow peers off the critical path, without a network: punctuality, excused voters, the follow rule."""
+import asyncio
+
+import pytest
+import torch
+
+from lioncub_p2p.allreduce import PartReport, PeerSpec, RoundReport, RoundSpec
+from lioncub_p2p.allreduce.punctuality import Punctuality
+from lioncub_p2p.allreduce.reducer import PartReduction
+from lioncub_p2p.codecs import result_codec, upload_codec
+from lioncub_p2p.swarm.follow import FollowRule, link_role
+from lioncub_p2p.swarm.membership import PeerRecord
+
+
+def test_punctuality_excuses_after_rounds_in_a_row_and_takes_back_after_more():
+    p = Punctuality(late_after=2, on_time_after=3)
+    members = {"a", "b", "c"}
+    p.observe({"a", "b"}, members)
+    assert p.late() == set()  # one miss is jitter
+    p.observe({"a", "b", "c"}, members)
+    p.observe({"a", "b"}, members)
+    assert p.late() == set()  # not in a row
+    p.observe({"a", "b"}, members)
+    assert p.late() == {"c"}
+    for rounds in range(2):
+        p.observe(members, members)
+        assert p.late() == {"c"}  # hysteresis: on time twice is not enough
+    p.observe(members, members)
+    assert p.late() == set()
+    p.observe({"a"}, {"a", "b"})
+    p.observe({"a"}, {"a", "b"})
+    assert p.late() == {"b"}
+    p.observe({"a"}, {"a"})  # b left the group: forgotten, late no more
+    assert p.late() == set()
+    with pytest.raises(ValueError):
+        Punctuality(late_after=0)
+
+
+def _spec(n: int, nbytes: int = 64) -> RoundSpec:
+    return RoundSpec(b"r", 1, tuple(PeerSpec(f"p{i}") for i in range(n)), nbytes, upload_codec("sign"),
+                     result_codec("majority"))
+
+
+def test_a_reduction_stops_waiting_for_excused_voters_but_never_below_the_quorum():
+    async def main():
+        spec = _spec(5)
+        a, b = spec.bounds[0]
+        codes = torch.randint(0, 256, (1, b - a), dtype=torch.uint8)
+        red = PartReduction(spec, 0)
+        red.excuse(frozenset({3, 4}))
+        for v in (0, 1):
+            red.add(v, 0, codes.clone(), last=True)
+        assert not red.all_in.is_set()  # 2 of 5: below the quorum of 3, excused or not
+        red.add(3, 0, codes.clone(), last=True)  # an excused vote in time counts
+        assert not red.all_in.is_set()  # voter 2 is still awaited
+        red.add(2, 0, codes.clone(), last=True)
+        assert red.all_in.is_set()
+        outcome = red.close()
+        assert outcome is not None and outcome.counted == [0, 1, 2, 3]
+
+        plain = PartReduction(spec, 0)  # without excuses: all five awaited
+        for v in (0, 1, 2, 3):
+            plain.add(v, 0, codes.clone(), last=True)
+        assert not plain.all_in.is_set()
+
+    asyncio.run(main())
+
+
+def _report(peer: int, counted: list[list[int]], *, followed: bool = False, status: str = "ok") -> RoundReport:
+    parts = [PartReport(j, j, 8 * j, 8 * j + 8, status, counted=c) for j, c in enumerate(counted)]
+    return RoundReport("r", 1, peer, parts, followed=followed)
+
+
+def test_follow_rule_follows_when_votes_stop_counting_and_probes_back():
+    rule = FollowRule(probe_every=4)
+    rule.after(_report(2, [[0, 1, 2], [0, 1], [0, 1, 2]]))  # counted in 2 of the others' 2 parts
+    assert not rule.following and not rule.follow_next()
+    rule.after(_report(2, [[0, 1, 2], [0, 1], [0, 1]]))  # counted in 1 of 2: half still counts
+    assert not rule.following
+    rule.after(_report(2, [[0, 1], [0, 1], [0, 1, 2]]))  # counted in 0 of 2 (its own part 2 does not count)
+    assert rule.following
+    for _ in range(3):
+        assert rule.follow_next()
+        rule.after(_report(2, [[0, 1], [0, 1], []], followed=True))
+    assert not rule.follow_next()  # every 4th round: vote once
+    rule.after(_report(2, [[0, 1, 2], [0, 1, 2], [0, 1]]))  # the probe counted: a voter again
+    assert not rule.following and rule.rounds_followed == 3
+    rule.after(_report(2, [[0], [1]], status="missing"))  # no result at all says nothing
+    assert not rule.following
+
+
+def test_a_followed_round_nobody_keeps_is_a_skip_ahead():
+    assert FollowRule.fell_out(_report(1, [[], [], []], followed=True, status="missing"))
+    assert not FollowRule.fell_out(_report(1, [[], [], []], followed=False, status="missing"))
+    mixed = _report(1, [[0], [], [0]], followed=True)
+    mixed.parts[0].status = "missing"
+    assert not FollowRule.fell_out(mixed)
+
+
+def test_a_peer_record_says_following_and_older_records_parse_as_not_following():
+    record = PeerRecord("peer", step=5, synced=True, following=True)
+    payload = record.payload()
+    assert PeerRecord.from_payload("peer", payload, 1.0).following
+    del payload["following"]
+    assert not PeerRecord.from_payload("peer", payload, 1.0).following
+
+
+@pytest.mark.parametrize("up, down, step_s, role", [
+    (100, 100, 0.2, "voter"),  # 1.1M params: 0.01 s of votes each way
+    (2, 20, 0.2, "follower"),  # compute + votes 0.49 s > 1.5 steps; results 0.04 s down fit
+    (1, 1, 0.2, "behind"),  # results alone take 1 s per 0.2 s step
+    (1, 1, None, "voter"),  # nobody trains yet: no pace to keep
+])
+def test_link_role_from_the_formula(up, down, step_s, role):
+    numel, peers = 1_100_000, 5
+    got = link_role(numel=numel, peers=peers, up_mbit=up, down_mbit=down, group_step_s=step_s, compute_s=0.05)
+    bits = numel * (peers - 1) / peers
+    assert got.role == role
+    assert got.vote_s == pytest.approx(bits / (up * 1e6)) and got.result_s == pytest.approx(bits / (down * 1e6))
+    assert got.line.startswith(role)
