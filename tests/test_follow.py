@@ -9,7 +9,7 @@ from lioncub_p2p.allreduce.punctuality import Punctuality
 from lioncub_p2p.allreduce.reducer import PartReduction
 from lioncub_p2p.codecs import result_codec, upload_codec
 from lioncub_p2p.swarm.follow import FollowRule, link_role
-from lioncub_p2p.swarm.membership import PeerRecord
+from lioncub_p2p.swarm.membership import PeerRecord, reducer_floor
 
 
 def test_punctuality_excuses_after_rounds_in_a_row_and_takes_back_after_more():
@@ -71,8 +71,18 @@ def _report(peer: int, counted: list[list[int]], *, followed: bool = False, stat
     return RoundReport("r", 1, peer, parts, followed=followed)
 
 
+def test_follow_rule_follows_after_rounds_in_a_row_of_votes_that_did_not_count():
+    rule = FollowRule(late_after=3)
+    late, fine = _report(2, [[0, 1], [0, 1], [0, 1, 2]]), _report(2, [[0, 1, 2], [0, 1, 2], [0, 1]])
+    for report in (late, late, fine, late, late):
+        rule.after(report)
+        assert not rule.following  # never three in a row
+    rule.after(late)
+    assert rule.following
+
+
 def test_follow_rule_follows_when_votes_stop_counting_and_probes_back():
-    rule = FollowRule(probe_every=4)
+    rule = FollowRule(late_after=1, probe_every=4)
     rule.after(_report(2, [[0, 1, 2], [0, 1], [0, 1, 2]]))  # counted in 2 of the others' 2 parts
     assert not rule.following and not rule.follow_next()
     rule.after(_report(2, [[0, 1, 2], [0, 1], [0, 1]]))  # counted in 1 of 2: half still counts
@@ -118,3 +128,9 @@ def test_link_role_from_the_formula(up, down, step_s, role):
     assert got.role == role
     assert got.vote_s == pytest.approx(bits / (up * 1e6)) and got.result_s == pytest.approx(bits / (down * 1e6))
     assert got.line.startswith(role)
+
+
+def test_a_member_far_below_the_median_weight_reduces_nothing():
+    assert reducer_floor([100, 100, 100, 100, 1]) == pytest.approx(10.0)  # the 1 Mbit/s peer: no part
+    assert reducer_floor([3, 1, 2, 1]) == pytest.approx(0.15)  # uneven but comparable: everyone reduces
+    assert reducer_floor([]) == 0.0

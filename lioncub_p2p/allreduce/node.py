@@ -219,8 +219,10 @@ class VoteNode:
         self._register(state)
         return state
 
-    async def run_round(self, spec: RoundSpec, upload: torch.Tensor, tag: bytes = b"") -> tuple[torch.Tensor, RoundReport]:
+    async def run_round(self, spec: RoundSpec, upload: torch.Tensor, tag: bytes = b"", *,
+                        one_at_a_time: bool = False) -> tuple[torch.Tensor, RoundReport]:
         """Vote with ``upload`` ((planes, nbytes) uint8 codes) and return (update, report).
+        ``one_at_a_time``: recover missing parts as a follower does (a follower's probe vote).
 
         ``tag`` (≤ 32 bytes, e.g. a digest of this peer's parameters) travels with the votes; each
         reducer returns the most common tag of the voters it counted (``RoundReport.consensus_tag``).
@@ -266,7 +268,7 @@ class VoteNode:
                 tasks.append(asyncio.create_task(self._vote_remote(state, j, upload, statements.get(j), turn, started)))
         await asyncio.gather(*tasks, return_exceptions=True)
         report.timings["results"] = time.perf_counter() - started
-        return await self._conclude(state, roots)
+        return await self._conclude(state, roots, one_at_a_time=one_at_a_time)
 
     async def follow_round(self, spec: RoundSpec, tag: bytes = b"") -> tuple[torch.Tensor, RoundReport]:
         """Receive a round's results without voting: for a peer behind the group, whose votes would

@@ -4,9 +4,9 @@ A reducer finalizes a part when every vote is in, or a grace period after the qu
 whose link or compute cannot deliver a vote per group step (a volunteer on a 1 Mbit/s uplink among
 100 Mbit/s ones) would otherwise cost every round that grace. After ``late_after`` rounds in a row in
 which a member was not counted, the reducer stops waiting for it (its vote still counts whenever it
-is complete before the part closes), and the swarm's leader gives it no part to reduce; it is
-waited for again once it was counted in ``on_time_after`` rounds in a row. The hysteresis keeps a
-peer near the edge from flipping the group's shape every round.
+is complete before the part closes); it is waited for again once it was counted in
+``on_time_after`` rounds in a row. The hysteresis keeps a peer near the edge from flipping in and
+out every round. (Such a peer soon stops voting and follows, ``swarm/follow.py``.)
 
 Pure bookkeeping, owned by the event loop's thread: no network, bounded by the group's size.
 """
@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 
 class Punctuality:
-    def __init__(self, *, late_after: int = 2, on_time_after: int = 8):
+    def __init__(self, *, late_after: int = 3, on_time_after: int = 3):
         if late_after < 1 or on_time_after < 1:
             raise ValueError("late_after and on_time_after must be at least 1")
         self.late_after, self.on_time_after = late_after, on_time_after
@@ -45,5 +45,5 @@ class Punctuality:
                     self._late.add(pid)
 
     def late(self) -> frozenset[str]:
-        """Members not waited for (and given no part to reduce by a leader that sees them so)."""
+        """Members not waited for."""
         return frozenset(self._late)

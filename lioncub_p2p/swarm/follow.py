@@ -1,7 +1,9 @@
 """When a peer votes, and when it only follows: receives each step's result without voting.
 
 A peer whose link or compute cannot deliver a vote per group step sees it in its own rounds: the
-reducers' signed results do not count it (its votes reached parts that had closed). Voting then only
+reducers' signed results do not count it (its votes reached parts that had closed). After
+``late_after`` such rounds in a row (one is a hiccup, and a rule that reacts to one feeds on itself
+in a swarm under strain) voting only
 spends its uplink and the reducers' time, so it **follows**: each round it downloads the results
 (each part once, from the reducer's archive first, ``VoteNode.follow_round``) and applies them, so
 its parameters stay bitwise equal to the group's, checked by the same state digest as a voter's.
@@ -22,11 +24,12 @@ from ..allreduce import RoundReport
 
 
 class FollowRule:
-    def __init__(self, *, probe_every: int = 16):
-        if probe_every < 1:
-            raise ValueError("probe_every must be at least 1")
-        self.probe_every = probe_every
+    def __init__(self, *, late_after: int = 3, probe_every: int = 16):
+        if probe_every < 1 or late_after < 1:
+            raise ValueError("late_after and probe_every must be at least 1")
+        self.late_after, self.probe_every = late_after, probe_every
         self.following = False
+        self.late = 0  # voted rounds in a row in which this peer's votes did not count
         self.followed = 0  # rounds followed since this peer last voted
         self.rounds_followed = 0  # in all (metrics)
 
@@ -44,7 +47,8 @@ class FollowRule:
         others = [p for p in report.parts if p.reducer != report.peer and p.status in ("ok", "recovered")]
         if others:  # no result at all says nothing about this peer's votes
             counted = sum(report.peer in p.counted for p in others)
-            self.following = 2 * counted < len(others)
+            self.late = self.late + 1 if 2 * counted < len(others) else 0
+            self.following = self.late >= (1 if self.following else self.late_after)  # a failed probe: go on
 
     @staticmethod
     def fell_out(report: RoundReport) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -301,6 +302,17 @@ class GroupHistory:
         """The newest group whose ``from_step`` has come by ``step``."""
         eligible = [g for g in self.by_epoch.values() if g.from_step <= step]
         return max(eligible, key=lambda g: (g.from_step, g.epoch)) if eligible else None
+
+
+# A member whose bandwidth weight is below this share of the group's median reduces nothing: its part
+# would be tiny, yet every voter would wait on its link and its pace for it (a 1 Mbit/s peer among
+# 100 Mbit/s ones held every step at the join timeout, and its missed parts split the group).
+MIN_REDUCER_SHARE = 0.1
+
+
+def reducer_floor(weights: list[float]) -> float:
+    """The weight below which a leader gives a member no part (``MIN_REDUCER_SHARE`` of the median)."""
+    return MIN_REDUCER_SHARE * statistics.median(weights) if weights else 0.0
 
 
 def read_peer_records(dht: DHT, run_id: str, *, timeout: float = DHT_TIMEOUT) -> dict[str, PeerRecord]:

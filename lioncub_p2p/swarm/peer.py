@@ -72,7 +72,7 @@ from .accuse import Accusation, AccuseServer, Refused, Suspicions, send_accusati
 from .admit import AdmitServer, ask_admission
 from .follow import FollowRule
 from .manifest import DEFAULTS, Manifest, ManifestError, ManifestMismatch
-from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, announced_step, next_group
+from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, announced_step, next_group, reducer_floor
 from .momentum_sync import MomentumSync
 from .probe import serve_probe
 from .records import RateLimitedLog, RunRecordValidator
@@ -817,11 +817,14 @@ class Swarm:
             self._check_stranded(step)
         spec = self._spec(group, step)
         tag = snapshot.state_tag(self.optimizer, full=step % self.config.full_digest_every == 0)
-        node = self.gather or self.node
         self._round = ("vote", step)
         started = time.perf_counter()
-        following = self.gather is None and self.follow.follow_next()
-        coro = self.node.follow_round(spec, tag) if following else node.run_round(spec, upload, tag)
+        if self.gather is not None:  # the D-Lion baseline: everyone votes
+            coro = self.gather.run_round(spec, upload, tag)
+        elif self.follow.follow_next():
+            coro = self.node.follow_round(spec, tag)
+        else:  # a follower's probe vote recovers what it misses as it follows: each part once
+            coro = self.node.run_round(spec, upload, tag, one_at_a_time=self.follow.following)
         future = asyncio.run_coroutine_threadsafe(coro, self.loop.loop)
         if self.delay:  # the next vote may start before this one ends: let its part count votes already
             self._prepare(step + 1)
@@ -852,7 +855,8 @@ class Swarm:
             logger.warning("step %d: the vote round failed (%s: %s); applying no update", step, type(e).__name__, e)
             return self._missed(step)
         self._observe(r.spec, report, r.started)
-        self._follow_or_vote(report)
+        if self.gather is None:
+            self._follow_or_vote(report)
         if self.follow.fell_out(report):  # nobody keeps this round any more: skip ahead to a peer's state
             return self._skip_ahead(step, group)
         if self.delay:  # what the step waited for: the part of the round that compute did not hide
@@ -1116,9 +1120,8 @@ class Swarm:
             return
         alive = {pid for pid, r in self.records.items() if not r.leaving} | {self.peer_id}
         syncing = {pid for pid, r in self.records.items() if not r.synced}
-        # behind the group (self-declared, or late at this leader's reducer round after round): no part
+        # behind the group by its own account (``follow.py``): kept, but given no part to reduce
         following = {pid for pid, r in self.records.items() if r.following and not r.leaving}
-        unhurried = following | self.node.punctuality.late()
         suspects = self.suspects()
 
         def healthy(pid: str) -> bool:
@@ -1129,7 +1132,7 @@ class Swarm:
             return pid == self.peer_id or (pid in alive and (self.failures[pid] < limit or recent or pid in following))
 
         def spec(pid: str, weight: float, client_mode: bool) -> PeerSpec:
-            return PeerSpec(pid, 0.0 if pid in syncing or pid in unhurried else weight, client_mode)
+            return PeerSpec(pid, 0.0 if pid in syncing or pid in following or weight < floor else weight, client_mode)
 
         leader = next((m.peer_id for m in latest.members if m.reduces and healthy(m.peer_id)), None)
         step = self.optimizer.step_count
@@ -1139,6 +1142,9 @@ class Swarm:
             self._manifest_published = time.monotonic()  # the leader keeps the run's manifest alive
             await manifests.store(self.dht, self.config.run_id, self.run_manifest, self.identity)
         known = {m.peer_id for m in latest.members}
+        weights = [self._weight_of(m) for m in latest.members if not m.client_mode]
+        weights += [r.weight for r in self.records.values() if r.peer_id not in known and not r.client_mode]
+        floor = reducer_floor(weights)
         dropped = [m for m in latest.members if not healthy(m.peer_id)]
         keep = [spec(m.peer_id, self._weight_of(m), m.client_mode) for m in latest.members if m not in dropped]
         for m in dropped:  # remember what the record of a dropped member said when it was dropped
