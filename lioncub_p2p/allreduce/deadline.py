@@ -15,12 +15,14 @@ class AdaptiveDeadline:
     to the last vote, in rounds where every vote arrived), but at most ``pace_share`` of the group's
     own pace (the median time between the quorums of consecutive rounds), clamped to [min_grace,
     max_grace]. Normal jitter keeps every peer counted. Without the pace cap a peer that is always
-    equally late would teach the spreads its own lateness and set everybody's pace; with it, a peer
-    later than a whole group step is left out of the count (it applies the same result when it
+    equally late would teach the spreads its own lateness and set everybody's pace. The pace itself
+    includes what the group waited, so with a share of 1/2 a peer is waited for only while its
+    lateness is below the group's own step: one that would more than double everybody's step is left
+    out of the count (it applies the same result when it
     arrives, and soon follows: ``punctuality.py``, ``swarm/follow.py``)."""
 
     def __init__(self, *, min_grace: float = 0.05, max_grace: float = 2.0, initial_grace: float = 1.0,
-                 margin: float = 2.0, window: int = 32, pace_share: float = 1.0):
+                 margin: float = 2.0, window: int = 32, pace_share: float = 0.5):
         if not 0 <= min_grace <= max_grace:
             raise ValueError("need 0 <= min_grace <= max_grace")
         self.min_grace, self.max_grace, self.margin = min_grace, max_grace, margin

@@ -360,7 +360,7 @@ def _report(args, task: TrainingTask, swarm: Swarm, optimizer: LionCub, before: 
                   bytes_up=stats.bytes_up, bytes_down=stats.bytes_down, bits_per_param=stats.bits_per_param,
                   result_down=stats.result_down, result_plain=stats.result_plain,
                   compute_s=t1 - t0, step_s=t2 - t1, wait_s=stats.wait_s, round_s=stats.round_s,
-                  aggregate_s=stats.seconds, repaired=stats.repaired,
+                  aggregate_s=stats.seconds, repaired=stats.repaired, followed=stats.followed,
                   momentum_synced=stats.momentum_synced, time=time.time())
     if args.eval_every and optimizer.step_count % args.eval_every == 0:
         evaluate_into(record, task)

@@ -26,10 +26,10 @@ split anyone), never an exception out of ``optimizer.step()``.
 
 Threads. The *training thread* (join, ``submit``/``wait``, ``after_step``, ``linger``, ``shutdown``)
 owns the optimizer's state and the per-step fields (``stats``, ``repairs``, ``skips``, ``follow``,
-``missed_rounds``, ``last_report``, ``stranded``; the loop reads ``follow.following`` to announce it); it holds ``_step_lock`` from ``before_step`` to the end of
-``after_step``. The *event loop* (``self.loop``: membership upkeep, leading, every stream handler,
-``Verdicts``) owns ``history`` (published whole, ``GroupHistory``), ``evicted``, ``admitted`` and the
-records it refreshes; the training thread reads them, and replaces ``records`` only with a fresh read
+``missed_rounds``, ``last_report``, ``stranded``; the loop reads ``follow.following`` to announce
+it); it holds ``_step_lock`` from ``before_step`` to the end of ``after_step``. The *event loop*
+(``self.loop``: membership upkeep, leading, every stream handler, ``Verdicts``) owns ``history``
+(published whole, ``GroupHistory``), ``evicted``, ``admitted`` and the records it refreshes; the training thread reads them, and replaces ``records`` only with a fresh read
 made on the loop. The state server's *worker thread* only reads, under ``_step_lock``
 (``_snapshot_between_steps``). ``failures``/``failing_since`` are shared: counted by the training
 thread from its round reports, read and reset for a returning peer by the leader on the loop, one
@@ -560,9 +560,15 @@ class Swarm:
                 return
             latest = self.history.latest
             synced = {pid for pid, r in self.records.items() if r.synced} | {self.peer_id}
+            floor = reducer_floor([self._weight_of(m) for m in latest.members if not m.client_mode]) if latest else 0.0
+
+            def weighted(m: PeerSpec) -> bool:  # the group gives it the part its record asks for (none: none)
+                record = self.records.get(m.peer_id)
+                return m.reduces or m.client_mode or record is None and m.weight == 0 or record is not None and (
+                    record.weight == 0 or record.weight < floor or record.following)
+
             settled = latest is not None and all(  # every member synced, and the group says so (weights back)
-                m.peer_id in synced and (m.reduces or m.client_mode or self.records.get(m.peer_id, m).weight == 0)
-                for m in latest.members)
+                m.peer_id in synced and weighted(m) for m in latest.members)
             if settled and len(latest.members) >= count and latest.from_step <= self.optimizer.step_count:
                 return
             if time.monotonic() > deadline:
@@ -1132,7 +1138,8 @@ class Swarm:
             return pid == self.peer_id or (pid in alive and (self.failures[pid] < limit or recent or pid in following))
 
         def spec(pid: str, weight: float, client_mode: bool) -> PeerSpec:
-            return PeerSpec(pid, 0.0 if pid in syncing or pid in following or weight < floor else weight, client_mode)
+            zero = pid in syncing or pid in following or weight < floor and not lone_reducers
+            return PeerSpec(pid, 0.0 if zero else weight, client_mode)
 
         leader = next((m.peer_id for m in latest.members if m.reduces and healthy(m.peer_id)), None)
         step = self.optimizer.step_count
@@ -1145,6 +1152,10 @@ class Swarm:
         weights = [self._weight_of(m) for m in latest.members if not m.client_mode]
         weights += [r.weight for r in self.records.values() if r.peer_id not in known and not r.client_mode]
         floor = reducer_floor(weights)
+        # the floor never leaves the group without a reducer (a slow founder while the others sync)
+        reducible = [self._weight_of(m) for m in latest.members
+                     if m.peer_id not in syncing and m.peer_id not in following and not m.client_mode]
+        lone_reducers = bool(reducible) and max(reducible) < floor
         dropped = [m for m in latest.members if not healthy(m.peer_id)]
         keep = [spec(m.peer_id, self._weight_of(m), m.client_mode) for m in latest.members if m not in dropped]
         for m in dropped:  # remember what the record of a dropped member said when it was dropped
