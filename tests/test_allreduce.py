@@ -500,6 +500,7 @@ def test_a_follower_gets_each_part_once_without_voting_and_late_voters_stop_bein
         everyone = numpy_vote(codes, "sign", "majority", numel, seed=0, step=4)
         assert all(np.array_equal(as_values(u, numel), everyone) for u in results)
         assert all(p.counted == [0, 1, 2, 3] for p in swarm.reports[0].parts if p.status == "ok")
+        assert not swarm.nodes[0].punctuality.late()  # counted once: waited for again
         spec = RoundSpec(b"nobody-ran-this", 9, swarm.group, numel // 8, upload_codec("sign"), result_codec("majority"))
         _, report = swarm.run(swarm.nodes[3].follow_round(spec))
         assert FollowRule.fell_out(report) and report.missing_parts == [0, 1, 2]

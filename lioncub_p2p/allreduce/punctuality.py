@@ -5,8 +5,9 @@ whose link or compute cannot deliver a vote per group step (a volunteer on a 1 M
 100 Mbit/s ones) would otherwise cost every round that grace. After ``late_after`` rounds in a row in
 which a member was not counted, the reducer stops waiting for it (its vote still counts whenever it
 is complete before the part closes); it is waited for again once it was counted in
-``on_time_after`` rounds in a row. The hysteresis keeps a peer near the edge from flipping in and
-out every round. (Such a peer soon stops voting and follows, ``swarm/follow.py``.)
+``on_time_after`` rounds in a row (one by default: an excused voter is counted only when it beats
+the others, so a caught-up peer must not need a run of such luck to be waited for again). Such a
+peer soon stops voting and follows (``swarm/follow.py``).
 
 Pure bookkeeping, owned by the event loop's thread: no network, bounded by the group's size.
 """
@@ -16,7 +17,7 @@ from collections.abc import Iterable
 
 
 class Punctuality:
-    def __init__(self, *, late_after: int = 3, on_time_after: int = 3):
+    def __init__(self, *, late_after: int = 3, on_time_after: int = 1):
         if late_after < 1 or on_time_after < 1:
             raise ValueError("late_after and on_time_after must be at least 1")
         self.late_after, self.on_time_after = late_after, on_time_after

@@ -10,8 +10,9 @@ its parameters stay bitwise equal to the group's, checked by the same state dige
 It announces ``following`` in its peer record: the leader keeps it in the group but gives it no part
 to reduce, and reducers stop waiting for its votes (``allreduce/punctuality.py``).
 
-Every ``probe_every`` followed rounds it votes once: counted in at least half of the parts, it is a
-voter again. When it falls so far behind that nobody keeps its round any more (every part missing),
+Every ``probe_every``-th round it votes once: counted in at least half of the parts, it is a voter
+again. A probe is cheap when the follower is still behind: reducers refuse a vote for a round they
+closed at its first chunk. When it falls so far behind that nobody keeps its round any more (every part missing),
 it **skips ahead**: it downloads the state of a peer past its step, as a repair does.
 
 Owned by the training thread; pure, tested without a network.
@@ -24,7 +25,7 @@ from ..allreduce import RoundReport
 
 
 class FollowRule:
-    def __init__(self, *, late_after: int = 3, probe_every: int = 16):
+    def __init__(self, *, late_after: int = 2, probe_every: int = 4):
         if probe_every < 1 or late_after < 1:
             raise ValueError("late_after and probe_every must be at least 1")
         self.late_after, self.probe_every = late_after, probe_every
