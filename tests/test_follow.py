@@ -97,6 +97,11 @@ def test_follow_rule_follows_when_votes_stop_counting_and_probes_back():
     assert not rule.following and rule.rounds_followed == 3
     rule.after(_report(2, [[0], [1]], status="missing"))  # no result at all says nothing
     assert not rule.following
+    disturbed = _report(2, [[0, 1], [0, 1], [0, 1]])
+    disturbed.parts[1].status = "missing"  # a reducer gone or a group change: not this peer's pace
+    for _ in range(3):
+        rule.after(disturbed)
+    assert not rule.following and rule.late == 0
 
 
 def test_a_followed_round_nobody_keeps_is_a_skip_ahead():

@@ -948,7 +948,8 @@ class VoteNode:
             return False
 
     async def _on_fetch_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Forward a part's signed result: from a live round (waiting for it to settle), else from the archive."""
+        """Forward a part's signed result: from a live round (waiting for it to settle; for one not started
+        here yet, up to ``join_timeout`` for it to start), else from the archive."""
         state = None
         replied = False
         peer = info.peer_id.to_base58()
@@ -961,6 +962,8 @@ class VoteNode:
             if refused:
                 raise WireError(f"not admitted: {refused}")
             state = self._rounds.get(req.round_id)
+            if state is None and req.round_id not in self._finished and self.archive.get(req.round_id) is None:
+                state = await self._find_round(req.round_id, peer)  # not started here yet (a follower caught up)
             if state is not None:
                 spec = state.spec
                 spec.index_of(peer)

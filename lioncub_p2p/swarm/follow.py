@@ -45,8 +45,9 @@ class FollowRule:
             self.rounds_followed += 1
             return
         self.followed = 0
-        others = [p for p in report.parts if p.reducer != report.peer and p.status in ("ok", "recovered")]
-        if others:  # no result at all says nothing about this peer's votes
+        others = [p for p in report.parts if p.reducer != report.peer and p.status != "empty"]
+        if others and all(p.status in ("ok", "recovered") for p in others):  # a disturbed round (a reducer
+            # gone, a group change) says nothing about this peer's pace
             counted = sum(report.peer in p.counted for p in others)
             self.late = self.late + 1 if 2 * counted < len(others) else 0
             self.following = self.late >= (1 if self.following else self.late_after)  # a failed probe: go on

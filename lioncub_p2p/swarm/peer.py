@@ -29,11 +29,12 @@ owns the optimizer's state and the per-step fields (``stats``, ``repairs``, ``sk
 ``missed_rounds``, ``last_report``, ``stranded``; the loop reads ``follow.following`` to announce
 it); it holds ``_step_lock`` from ``before_step`` to the end of ``after_step``. The *event loop*
 (``self.loop``: membership upkeep, leading, every stream handler, ``Verdicts``) owns ``history``
-(published whole, ``GroupHistory``), ``evicted``, ``admitted`` and the records it refreshes; the training thread reads them, and replaces ``records`` only with a fresh read
-made on the loop. The state server's *worker thread* only reads, under ``_step_lock``
-(``_snapshot_between_steps``). ``failures``/``failing_since`` are shared: counted by the training
-thread from its round reports, read and reset for a returning peer by the leader on the loop, one
-key at a time (atomic under the GIL; a lost count delays a drop by a round at most).
+(published whole, ``GroupHistory``), ``evicted``, ``admitted`` and the records it refreshes; the
+training thread reads them, and replaces ``records`` only with a fresh read made on the loop. The
+state server's *worker thread* only reads, under ``_step_lock`` (``_snapshot_between_steps``).
+``failures``/``failing_since`` are shared: counted by the training thread from its round reports,
+read and reset for a returning peer by the leader on the loop, one key at a time (atomic under the
+GIL; a lost count delays a drop by a round at most).
 """
 from __future__ import annotations
 
