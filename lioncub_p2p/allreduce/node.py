@@ -632,7 +632,8 @@ class VoteNode:
                 except WireError as e:
                     logger.info("round %s: refused a result for part %d: %s", spec.round_id.hex()[:12], j, e)
                     continue
-                except (asyncio.TimeoutError, *NETWORK_ERRORS):
+                except Exception as e:  # unreachable, timed out, gone (as the parallel path ignores them)
+                    logger.debug("round %s: part %d not from member %d: %s", spec.round_id.hex()[:12], j, i, e)
                     continue
                 state.received[j] = (time.monotonic(), sender == j)
                 return outcome

@@ -86,6 +86,7 @@ logger = logging.getLogger(__name__)
 SYNC_GRACE_ROUNDS = 30  # rounds a joining member may miss before it is dropped
 STRANDED_AFTER_S = 30.0  # with no live peer that can count votes for this long, a peer that cannot lead stops
 DROP_AFTER_S = 5.0  # ...and seconds any member may miss rounds: fast rounds must not drop a peer that is starting up
+SKIP_TRIES = 3  # failed state downloads in a row after which a follower that fell out stops
 STEP_WINDOW = 100  # steps a member's announced step may lead the leader's and still count (forged far-future steps)
 MAX_CANDIDATES = 8  # group records a newcomer asks for admission, most populated first
 MAX_RECORD_TTL = 300.0
@@ -246,6 +247,7 @@ class Swarm:
         self.stats = StepStats()
         self.repairs = 0
         self.skips = 0  # state downloads of a follower that fell out of the group's kept rounds
+        self._skip_failures = 0
         self.follow = FollowRule()  # vote, or only receive results when this peer's votes come too late
         self.missed_rounds = 0
         self.final_step: int | None = None  # where this peer stops (the trainer's --steps): no group starts later
@@ -901,12 +903,20 @@ class Swarm:
             self._in_background(self._announce())
 
     def _skip_ahead(self, step: int, group: GroupRecord) -> torch.Tensor | None:
+        """Download a newer state; after ``SKIP_TRIES`` failures in a row stop (``stranded``) rather than
+        go on applying zeros: a follower nobody serves any more must not finish as if it had trained."""
         logger.warning("step %d: this peer fell so far behind that nobody keeps its round: downloading the state", step)
         try:
             self._download(min_step=self.optimizer.step_count + 1, group=group)
         except Exception as e:
+            self._skip_failures += 1
             logger.warning("step %d: skipping ahead failed (%s); retrying next step", step, e)
+            if self._skip_failures >= SKIP_TRIES:
+                self.stranded = (f"this peer fell behind the group and nobody holds the rounds it missed or a newer "
+                                 f"state any more ({type(e).__name__}); its parameters are not the group's: start it "
+                                 f"again to download the current state")
             return self._missed(step)
+        self._skip_failures = 0
         self.skips += 1
         self.stats.repaired = True
         self._prepare(self.optimizer.step_count)
