@@ -18,8 +18,8 @@ class AdaptiveDeadline:
     equally late would teach the spreads its own lateness and set everybody's pace. The pace itself
     includes what the group waited, so with a share of 1/2 a peer is waited for only while its
     lateness is below the group's own step: one that would more than double everybody's step is left
-    out of the count (it applies the same result when it
-    arrives, and soon follows: ``punctuality.py``, ``swarm/follow.py``)."""
+    out of the count (it applies the same result when it arrives, and soon follows: ``punctuality.py``,
+    ``swarm/follow.py``)."""
 
     def __init__(self, *, min_grace: float = 0.05, max_grace: float = 2.0, initial_grace: float = 1.0,
                  margin: float = 2.0, window: int = 32, pace_share: float = 0.5):

@@ -3,8 +3,7 @@
 A peer whose link or compute cannot deliver a vote per group step sees it in its own rounds: the
 reducers' signed results do not count it (its votes reached parts that had closed). After
 ``late_after`` such rounds in a row (one is a hiccup, and a rule that reacts to one feeds on itself
-in a swarm under strain) voting only
-spends its uplink and the reducers' time, so it **follows**: each round it downloads the results
+in a swarm under strain) voting only spends its uplink and the reducers' time, so it **follows**: each round it downloads the results
 (each part once, from the reducer's archive first, ``VoteNode.follow_round``) and applies them, so
 its parameters stay bitwise equal to the group's, checked by the same state digest as a voter's.
 It announces ``following`` in its peer record: the leader keeps it in the group but gives it no part
@@ -12,8 +11,9 @@ to reduce, and reducers stop waiting for its votes (``allreduce/punctuality.py``
 
 Every ``probe_every``-th round it votes once: counted in at least half of the parts, it is a voter
 again. A probe is cheap when the follower is still behind: reducers refuse a vote for a round they
-closed at its first chunk. When it falls so far behind that nobody keeps its round any more (every part missing),
-it **skips ahead**: it downloads the state of a peer past its step, as a repair does.
+closed at its first chunk. When it falls so far behind that nobody keeps its round any more (every
+part missing), it **skips ahead**: it downloads the state of a peer past its step, as a repair does;
+after three failed tries it stops with one line rather than train on zeros (``Swarm._skip_ahead``).
 
 Owned by the training thread; pure, tested without a network.
 """
