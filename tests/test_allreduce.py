@@ -501,6 +501,29 @@ def test_a_follower_gets_each_part_once_without_voting_and_late_voters_stop_bein
         assert all(np.array_equal(as_values(u, numel), everyone) for u in results)
         assert all(p.counted == [0, 1, 2, 3] for p in swarm.reports[0].parts if p.status == "ok")
         assert not swarm.nodes[0].punctuality.late()  # counted once: waited for again
-        spec = RoundSpec(b"nobody-ran-this", 9, swarm.group, numel // 8, upload_codec("sign"), result_codec("majority"))
-        _, report = swarm.run(swarm.nodes[3].follow_round(spec))
-        assert FollowRule.fell_out(report) and report.missing_parts == [0, 1, 2]
+        # A follower skips ahead only when members say they no longer keep its round, not when the
+        # round failed for everyone (voters apply nothing then, and so must it).
+        ran = {}
+
+        async def absent(node, spec, codes):
+            ran[node.peer_id] = spec
+
+        small = _codes("sign", 4, 8 * 64, seed=22)
+        swarm.allreduce(small, step=5, behaviors={1: absent, 2: absent, 3: absent})  # peer 0 alone: no quorum
+        failed = ran[swarm.nodes[3].peer_id]
+        keep = swarm.config.keep_rounds
+        for step in range(6, 6 + keep):  # the failed round leaves the live tables: archived
+            swarm.allreduce(small, step=step)
+        swarm.allreduce(small, step=6 + keep, behaviors={3: absent})
+        passed = ran[swarm.nodes[3].peer_id]
+        windows = [node.archive.window for node in swarm.nodes]
+        for node in swarm.nodes:
+            node.archive.window = 0.0  # rounds leaving the live table from now on are forgotten at once
+        for step in range(7 + keep, 7 + 2 * keep):
+            swarm.allreduce(small, step=step)
+        for node, window in zip(swarm.nodes, windows):
+            node.archive.window = window
+        _, report = swarm.run(swarm.nodes[3].follow_round(passed))
+        assert report.missing_parts == [0, 1, 2] and FollowRule.fell_out(report), [p.note for p in report.parts]
+        _, report = swarm.run(swarm.nodes[3].follow_round(failed))
+        assert report.missing_parts == [0, 1, 2] and not FollowRule.fell_out(report)

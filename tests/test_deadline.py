@@ -18,16 +18,23 @@ def test_grace_learns_from_spreads_and_is_clamped():
     assert AdaptiveDeadline.quorum(4) == 3 and AdaptiveDeadline.quorum(3) == 2
 
 
-def test_grace_is_capped_by_the_groups_own_pace():
-    """A voter always 0.3 s late teaches the spreads 0.3 s; the group steps every 0.1 s without it:
-    the grace stays at half a step, so it stops setting everybody's pace."""
-    policy = AdaptiveDeadline(min_grace=0.01, max_grace=2.0, margin=2.0, pace_share=0.5)
-    t = 100.0
+def test_grace_is_capped_by_the_groups_own_pace_but_not_below_the_floor():
+    """A voter always 3 s late teaches the spreads 3 s; the group steps every second without it:
+    the grace stays at half a step, so it stops setting everybody's pace. In a group stepping every
+    0.1 s the cap stays at the floor: 0.3 s late is waited for (a busy host, not a slow link)."""
+    def grace(late: float, interval: float, **kw) -> float:
+        policy = AdaptiveDeadline(min_grace=0.01, max_grace=10.0, margin=2.0, pace_share=0.5, **kw)
+        t = 100.0
+        for _ in range(10):
+            policy.observe(late, quorum_at=t)
+            t += interval
+        return policy.grace()
+
+    assert abs(grace(3.0, 1.0) - 0.5) < 1e-9  # half the median interval, not 2 x 3 s
+    assert abs(grace(0.3, 0.1) - 0.2) < 1e-9  # the floor, not half of 0.1 s
+    assert abs(grace(0.3, 0.1, pace_floor=0.0) - 0.05) < 1e-9
+    assert abs(grace(0.05, 1.0) - 0.1) < 1e-9  # below the cap: the learned 2 x spread
+    uncapped = AdaptiveDeadline(min_grace=0.01, max_grace=10.0, margin=2.0)
     for _ in range(10):
-        policy.observe(0.3, quorum_at=t)
-        t += 0.1
-    assert abs(policy.grace() - 0.05) < 1e-9  # half the median interval, not 2 x 0.3
-    uncapped = AdaptiveDeadline(min_grace=0.01, max_grace=2.0, margin=2.0)
-    for _ in range(10):
-        uncapped.observe(0.3)  # no quorum times: no pace to cap by
-    assert abs(uncapped.grace() - 0.6) < 1e-9
+        uncapped.observe(3.0)  # no quorum times: no pace to cap by
+    assert abs(uncapped.grace() - 6.0) < 1e-9

@@ -28,6 +28,10 @@ from .round import PartResult, RoundSpec
 
 logger = logging.getLogger(__name__)
 WARN_EVERY_S = 60.0
+# A member's refusal of a result request for a round it finished and no longer keeps: the group moved on
+# past that round. A follower every member answers so skips ahead (``swarm/follow.py``).
+FORGOTTEN = "round no longer kept here"
+KEPT_ROUND_BYTES = 512  # what a kept round costs besides its results and votes (its spec, the table entry)
 
 
 @dataclass
@@ -65,14 +69,14 @@ class RoundArchive:
         return self.get(round_id) is not None
 
     def keep(self, spec: RoundSpec, results: dict[int, PartResult], reduction: PartReduction | None) -> None:
-        """Archive a round leaving the live table: its signed results, and its reduction if it has a result."""
+        """Archive a round leaving the live table: its signed results, and its reduction if it has a result.
+        A round without any is kept too (``KEPT_ROUND_BYTES``): a late request then learns that the round
+        failed here, not that it was forgotten (``FORGOTTEN``: a follower skips ahead on that)."""
         if reduction is not None and reduction.outcome is None:
             reduction = None  # no result: nothing to audit
         results = {j: r for j, r in results.items() if r.signature}
-        if not results and reduction is None:
-            return
-        kept = KeptRound(spec, results, reduction, time.monotonic() + self.window,
-                         sum(len(r.wire) + len(r.header) for r in results.values()) + reduction_bytes(reduction))
+        kept = KeptRound(spec, results, reduction, time.monotonic() + self.window, KEPT_ROUND_BYTES
+                         + sum(len(r.wire) + len(r.header) for r in results.values()) + reduction_bytes(reduction))
         self._drop(spec.round_id)
         self._rounds[spec.round_id] = kept
         self.nbytes += kept.nbytes

@@ -13,7 +13,9 @@ class AdaptiveDeadline:
 
     The grace is ``margin`` times the 90th percentile of the recent *spreads* (time from the quorum
     to the last vote, in rounds where every vote arrived), but at most ``pace_share`` of the group's
-    own pace (the median time between the quorums of consecutive rounds), clamped to [min_grace,
+    own pace (the median time between the quorums of consecutive rounds) but never below ``pace_floor``
+    (lateness of a fraction of a second is a busy host's scheduling, not a slow link: a group stepping
+    every 0.1 s would otherwise leave out whichever peer the CPU served last), clamped to [min_grace,
     max_grace]. Normal jitter keeps every peer counted. Without the pace cap a peer that is always
     equally late would teach the spreads its own lateness and set everybody's pace. The pace itself
     includes what the group waited, so with a share of 1/2 a peer is waited for only while its
@@ -22,13 +24,14 @@ class AdaptiveDeadline:
     ``swarm/follow.py``)."""
 
     def __init__(self, *, min_grace: float = 0.05, max_grace: float = 2.0, initial_grace: float = 1.0,
-                 margin: float = 2.0, window: int = 32, pace_share: float = 0.5):
+                 margin: float = 2.0, window: int = 32, pace_share: float = 0.5,
+                 pace_floor: float = 0.2):
         if not 0 <= min_grace <= max_grace:
             raise ValueError("need 0 <= min_grace <= max_grace")
         self.min_grace, self.max_grace, self.margin = min_grace, max_grace, margin
         self.initial_grace = initial_grace
         self.spreads: deque[float] = deque(maxlen=window)
-        self.pace_share = pace_share
+        self.pace_share, self.pace_floor = pace_share, pace_floor
         self.intervals: deque[float] = deque(maxlen=window)  # between consecutive rounds' quorums
         self._last_quorum: float | None = None
 
@@ -42,7 +45,7 @@ class AdaptiveDeadline:
         p90 = statistics.quantiles(self.spreads, n=10)[-1] if len(self.spreads) >= 2 else self.spreads[0]
         grace = self.margin * p90
         if len(self.intervals) >= 3:
-            grace = min(grace, self.pace_share * statistics.median(self.intervals))
+            grace = min(grace, max(self.pace_share * statistics.median(self.intervals), self.pace_floor))
         return min(max(grace, self.min_grace), self.max_grace)
 
     def observe(self, spread: float | None, quorum_at: float | None = None) -> None:

@@ -65,7 +65,7 @@ from ..ops import unpack_signs
 from ..wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, WireError, close_after_reply, pb, read_frame, write_frame
 from ..wire.gate import StreamGate, guard
 from .admission import OPEN, Admission
-from .archive import RoundArchive
+from .archive import FORGOTTEN, RoundArchive
 from .audit import MAX_AUDIT_LEAVES, check_statements, decoded, judge, make_evidence, value_bound
 from .commit import (DIGEST_BYTES, MAX_HEADER_BYTES, MAX_TAG_BYTES, check_header, leaf_bytes, leaf_count, leaf_of, parse_header,
                      result_signed_bytes, root_of, statement_signed_bytes)
@@ -138,7 +138,9 @@ class VoteNode:
         self.punctuality = Punctuality()  # voters late round after round: not waited for
         self.audit_rng: random.Random = random.SystemRandom()  # private: reducers must not predict audits
         self._rounds: OrderedDict[bytes, RoundState] = OrderedDict()
-        self._finished: deque[bytes] = deque(maxlen=256)
+        # Rounds that left the live table: more than the archive window holds at ten rounds a second, so a
+        # late request for one is answered at once (kept, or FORGOTTEN), not held as a round yet to start.
+        self._finished: deque[bytes] = deque(maxlen=4096)
         self._waiting: dict[bytes, asyncio.Event] = {}  # rounds asked for before this peer started them
         self._waiters: Counter[bytes] = Counter()
         self._pending_by_peer: Counter[str] = Counter()
@@ -608,7 +610,9 @@ class VoteNode:
     async def _recover(self, state: RoundState, j: int, *, one_at_a_time: bool = False) -> PartResult | None:
         """Ask every other reachable member (the reducer too: its vote stream may have failed while it
         lives) for part j's result; accept the first one its reducer signed. ``one_at_a_time``: the
-        reducer first, then each other member only once the previous one failed (a slow link's way)."""
+        reducer first, then each other member only once the previous one failed (a slow link's way),
+        all within twice the recovery timeout (a member that has not started the round waits up to the
+        join timeout before it refuses)."""
         spec = state.spec
         askers = [i for i, p in enumerate(spec.group) if i != state.me and not p.client_mode]
         if one_at_a_time:
@@ -626,11 +630,16 @@ class VoteNode:
                 writer.close()  # after the last chunk: the member waits for this close before its own
 
         if one_at_a_time:
+            until = time.monotonic() + 2 * self.config.recovery_timeout
             for i in askers:
+                left = min(until - time.monotonic(), self.config.recovery_timeout)
+                if left <= 0:
+                    break
                 try:
-                    sender, outcome = await asyncio.wait_for(ask(i), self.config.recovery_timeout)
+                    sender, outcome = await asyncio.wait_for(ask(i), left)
                 except WireError as e:
                     logger.info("round %s: refused a result for part %d: %s", spec.round_id.hex()[:12], j, e)
+                    state.report.parts[j].forgotten |= FORGOTTEN in str(e)
                     continue
                 except Exception as e:  # unreachable, timed out, gone (as the parallel path ignores them)
                     logger.debug("round %s: part %d not from member %d: %s", spec.round_id.hex()[:12], j, i, e)
@@ -652,6 +661,7 @@ class VoteNode:
                     if isinstance(task.exception(), WireError):
                         logger.info("round %s: refused a result for part %d: %s", spec.round_id.hex()[:12], j,
                                     task.exception())
+                        state.report.parts[j].forgotten |= FORGOTTEN in str(task.exception())
         finally:
             for task in pending:
                 task.cancel()
@@ -977,7 +987,7 @@ class VoteNode:
             else:
                 kept = self.archive.get(req.round_id)
                 if kept is None:
-                    raise WireError("unknown round")
+                    raise WireError(FORGOTTEN)
                 spec = kept.spec
                 spec.index_of(peer)
                 outcome = kept.results.get(req.part)

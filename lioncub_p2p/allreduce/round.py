@@ -196,6 +196,7 @@ class PartReport:
     note: str = ""
     tag: bytes = b""  # the counted voters' most common state tag, and how many sent it
     tag_votes: int = 0
+    forgotten: bool = False  # a member refused it as a round it no longer keeps (``archive.FORGOTTEN``)
 
     def record(self, result: PartResult) -> None:
         self.counted, self.tag, self.tag_votes = list(result.counted), result.tag, result.tag_votes

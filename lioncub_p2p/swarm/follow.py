@@ -12,7 +12,7 @@ to reduce, and reducers stop waiting for its votes (``allreduce/punctuality.py``
 Every ``probe_every``-th round it votes once: counted in at least half of the parts, it is a voter
 again. A probe is cheap when the follower is still behind: reducers refuse a vote for a round they
 closed at its first chunk. When it falls so far behind that nobody keeps its round any more (every
-part missing), it **skips ahead**: it downloads the state of a peer past its step, as a repair does;
+part missing, and members say they no longer keep the round), it **skips ahead**: it downloads the state of a peer past its step, as a repair does;
 after three failed tries it stops with one line rather than train on zeros (``Swarm._skip_ahead``).
 
 Owned by the training thread; pure, tested without a network.
@@ -54,9 +54,12 @@ class FollowRule:
 
     @staticmethod
     def fell_out(report: RoundReport) -> bool:
-        """A followed round of which nobody held any part any more: skip ahead by downloading state."""
+        """A followed round of which nobody held any part any more (a member said it no longer keeps the
+        round): skip ahead by downloading state. A round that failed for everyone (reducers below their
+        quorum, a reducer gone) is missing here as at every voter: apply nothing, as they do."""
         parts = [p for p in report.parts if p.status != "empty" and p.reducer != report.peer]
-        return report.followed and bool(parts) and all(p.status == "missing" for p in parts)
+        return (report.followed and bool(parts) and all(p.status == "missing" for p in parts)
+                and any(p.forgotten for p in parts))
 
 
 @dataclass(frozen=True)
