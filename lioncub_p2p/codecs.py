@@ -127,56 +127,143 @@ class Bf16Upload:
     name = "bf16"
     planes = 1
     max_code = 1
+    align = 2  # bytes of the smallest self-contained piece (a chunk holds whole ones)
+    bits_per_element = 16.0
 
-    @property
-    def bits_per_element(self) -> float:
-        return 16.0
+    def nbytes_for(self, numel: int) -> int:
+        return 2 * numel
+
+    def values_in(self, nbytes: int) -> int:
+        return nbytes // 2
+
+    def value_span(self, a: int, b: int) -> slice:
+        """The values that bytes [a, b) hold (a and b multiples of ``align``)."""
+        return slice(a // 2, b // 2)
 
     def encode(self, values: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
         return values.detach().reshape(-1).to(torch.bfloat16).contiguous().view(torch.uint8).unsqueeze(0)
 
+    def decode(self, raw: torch.Tensor) -> torch.Tensor:
+        """float32 values of whole pieces of bytes (1-D uint8); anything decodes, non-finite included."""
+        return raw.reshape(-1).contiguous().view(torch.bfloat16).float()
+
+    def rounding(self, bound: float) -> float:
+        """How far a re-encoded average may move past the largest |value| it averaged."""
+        return 0.0
+
     def tally(self, nbytes: int, max_voters: int) -> "FloatTally":
-        return FloatTally(nbytes, max_voters)
+        return FloatTally(self, nbytes, max_voters)
+
+
+INT8_BLOCK, INT8_BIAS = 7, 150  # values per 8-byte block; exponent bias (scales 2**-150 .. 2**105)
+
+
+@dataclass(frozen=True)
+class Int8Upload:
+    """64/7 ≈ 9.1 bits per element: block floating point for momentum averaging, half of bf16's bytes.
+
+    Each 8-byte block holds 7 values: byte 0 an exponent e shared by the block, bytes 1..7 int8 codes
+    q, value = q · 2**(e − 150). The encoder picks the smallest power of two that keeps the block's
+    largest |value| m within 127 steps, so each value is off by at most m/127 (half a step; a step
+    is below m/63.5) and a block of tiny values keeps its own precision. Blocks are 8 bytes, so the
+    parts, chunks and audit leaves (all on 8-byte boundaries) hold whole blocks; the buffer ends
+    with zeros up to a whole block."""
+
+    name = "int8"
+    planes = 1
+    max_code = 1
+    align = 8
+    bits_per_element = 64 / INT8_BLOCK
+
+    def nbytes_for(self, numel: int) -> int:
+        return 8 * -(-numel // INT8_BLOCK)
+
+    def values_in(self, nbytes: int) -> int:
+        return nbytes // 8 * INT8_BLOCK
+
+    def value_span(self, a: int, b: int) -> slice:
+        return slice(a // 8 * INT8_BLOCK, b // 8 * INT8_BLOCK)
+
+    def encode(self, values: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
+        v = values.detach().reshape(-1).double()  # float64: every power-of-two scale is exact
+        if not torch.isfinite(v).all():
+            raise ValueError("non-finite value for an int8 upload")
+        v = torch.nn.functional.pad(v, (0, (-v.numel()) % INT8_BLOCK)).view(-1, INT8_BLOCK)
+        m = v.abs().amax(1)
+        mantissa, exponent = torch.frexp(m / 127)  # m/127 = mantissa · 2**exponent, mantissa in [0.5, 1)
+        k = exponent - (mantissa == 0.5).to(exponent.dtype)  # ceil(log2(m / 127))
+        e = torch.where(m > 0, (k + INT8_BIAS).clamp(0, 255), 0)
+        q = torch.round(v / torch.exp2((e - INT8_BIAS).double())[:, None]).clamp(-127, 127)
+        blocks = torch.empty((v.shape[0], 8), dtype=torch.uint8)
+        blocks[:, 0] = e.to(torch.uint8)
+        blocks[:, 1:] = q.to(torch.int8).view(torch.uint8)
+        return blocks.view(1, -1)
+
+    def decode(self, raw: torch.Tensor) -> torch.Tensor:
+        blocks = raw.reshape(-1, 8)
+        scale = torch.exp2(blocks[:, 0].double() - INT8_BIAS)
+        return (blocks[:, 1:].contiguous().view(torch.int8).double() * scale[:, None]).float().reshape(-1)
+
+    def rounding(self, bound: float) -> float:
+        return bound / 127  # half a step of a block whose largest |value| is at most ``bound``
+
+    def tally(self, nbytes: int, max_voters: int) -> "FloatTally":
+        return FloatTally(self, nbytes, max_voters)
+
+
+ValuesUpload = Bf16Upload | Int8Upload  # momentum averaging: values, not votes
+VALUE_CODECS = {"bf16": Bf16Upload(), "int8": Int8Upload()}
+
+
+def is_values(codec: object) -> bool:
+    return isinstance(codec, (Bf16Upload, Int8Upload))
 
 
 class FloatTally:
-    """Each voter's bf16 values of one part, kept as rows so robust rules can look at all of them."""
+    """Each voter's values of one part, decoded into rows so robust rules can look at all of them,
+    and its bytes as received (what audits open)."""
 
-    def __init__(self, nbytes: int, max_voters: int):
-        if nbytes % 2:
-            raise ValueError(f"a bf16 part needs an even number of bytes, got {nbytes}")
-        self.rows = torch.zeros((max_voters, nbytes // 2), dtype=torch.float32)
+    def __init__(self, codec: ValuesUpload, nbytes: int, max_voters: int):
+        if nbytes % codec.align:
+            raise ValueError(f"a {codec.name} part needs a multiple of {codec.align} bytes, got {nbytes}")
+        self.codec = codec
+        self.rows = torch.zeros((max_voters, codec.values_in(nbytes)), dtype=torch.float32)
+        self.raw = torch.zeros((max_voters, nbytes), dtype=torch.uint8)
 
     def add(self, voter: int, codes: torch.Tensor, offset: int) -> None:
-        if offset % 2 or codes.shape[1] % 2:
-            raise ValueError("bf16 chunks must hold whole values")
-        values = codes.reshape(-1).contiguous().view(torch.bfloat16).float()
+        length = codes.shape[1]
+        if offset % self.codec.align or length % self.codec.align:
+            raise ValueError(f"{self.codec.name} chunks must hold whole values")
+        values = self.codec.decode(codes)
         if not torch.isfinite(values).all():
-            raise ValueError("non-finite value in a bf16 upload")
-        self.rows[voter, offset // 2 : offset // 2 + values.numel()] = values
+            raise ValueError(f"non-finite value in a {self.codec.name} upload")
+        self.rows[voter, self.codec.value_span(offset, offset + length)] = values
+        self.raw[voter, offset : offset + length] = codes.reshape(-1)
 
     def remove(self, voter: int) -> None:
         self.rows[voter] = 0
+        self.raw[voter] = 0
 
     def encode(self, result: "AverageResult", counted: list[int], *, seed: int, step: int, offset: int) -> torch.Tensor:
-        return result.aggregate(self.rows[counted]).to(torch.bfloat16).view(torch.uint8)
+        return self.codec.encode(result.aggregate(self.rows[counted])).reshape(-1)
 
 
-UploadCodec = SignUpload | L1Upload | Bf16Upload
+UploadCodec = SignUpload | L1Upload | Bf16Upload | Int8Upload
 
 
 def upload_codec(spec: str | UploadCodec) -> UploadCodec:
-    """"sign", "l1" (4 bits), "l1:P", "bf16", or a codec instance."""
-    if isinstance(spec, (SignUpload, L1Upload, Bf16Upload)):
+    """"sign", "l1" (4 bits), "l1:P", "bf16", "int8", or a codec instance."""
+    if isinstance(spec, (SignUpload, L1Upload, Bf16Upload, Int8Upload)):
         return spec
-    if spec == "bf16":
-        return Bf16Upload()
+    if spec in VALUE_CODECS:
+        return VALUE_CODECS[spec]
     name, _, bits = str(spec).partition(":")
     if name == "sign" and not bits:
         return SignUpload()
     if name == "l1":
         return L1Upload(int(bits)) if bits else L1Upload()
-    raise ValueError(f"unknown upload encoding {spec!r}; use 'sign', 'l1' or 'l1:BITS'")
+    raise ValueError(f"unknown upload encoding {spec!r}; use 'sign', 'l1' or 'l1:BITS' (votes), 'bf16' or 'int8' "
+                     f"(momentum values)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,7 +468,7 @@ class MeanResult:
 
 @dataclass(frozen=True)
 class AverageResult:
-    """The average of bf16 uploads, returned in bf16 (16 bits per element).
+    """The average of value uploads (bf16 or int8), returned in the same format (as many bytes).
 
     ``trimmed=True`` drops, per element, the ``trim`` fraction of largest and of smallest values
     (at least one of each once n >= 3) before averaging: one peer sending huge values moves the
@@ -398,7 +485,7 @@ class AverageResult:
         return 16.0
 
     def wire_size(self, numel: int, total: int) -> int:
-        return numel // 8  # numel counts bit positions of the part: its bytes are the bf16 values
+        return numel // 8  # numel counts bit positions of the part: its bytes are the encoded values
 
     def aggregate(self, rows: torch.Tensor) -> torch.Tensor:
         n = rows.shape[0]
@@ -410,9 +497,10 @@ class AverageResult:
         ordered = rows.sort(0).values
         return ordered[k : n - k].mean(0)
 
-    def decode(self, wire: torch.Tensor, numel: int, total: int) -> torch.Tensor:
+    def decode(self, wire: torch.Tensor, numel: int, total: int, codec: ValuesUpload = Bf16Upload()) -> torch.Tensor:
+        """The values of a part of ``numel // 8`` bytes, in the round's value format (its upload's)."""
         wire = _expect_size(wire, self.wire_size(numel, total), self.name)
-        values = wire.contiguous().view(torch.bfloat16).float()
+        values = codec.decode(wire)
         if not torch.isfinite(values).all():
             raise ValueError("non-finite value in an average result")
         return values
@@ -453,7 +541,7 @@ def wire_bits_per_element(upload: UploadCodec, result: ResultCodec, n: int) -> f
 
 
 __all__ = [
-    "SignUpload", "L1Upload", "Bf16Upload", "UploadCodec", "upload_codec", "Tally", "VoteTally", "FloatTally",
+    "SignUpload", "L1Upload", "Bf16Upload", "Int8Upload", "ValuesUpload", "is_values", "UploadCodec", "upload_codec", "Tally", "VoteTally", "FloatTally",
     "tally_of", "MajorityResult", "AverageResult",
     "TernaryResult", "MeanResult", "ResultCodec", "result_codec", "reduce_votes", "wire_bits_per_element",
     "pack_planes", "unpack_planes",

@@ -18,7 +18,7 @@ from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
 from lioncub_p2p.wire import PROTOCOL_VERSION, pb, write_frame
 from hivemind.p2p import PeerID
 
-from reference import stream_bits, unpack
+from reference import from_int8_blocks, int8_blocks, stream_bits, unpack
 
 
 def _codes(upload: str, n: int, numel: int, seed: int = 0) -> list[torch.Tensor]:
@@ -278,25 +278,33 @@ def test_rogue_messages_are_rejected_and_logged(kind, rogue_swarm, caplog):
     np.testing.assert_array_equal(values[0], expected)
 
 
+@pytest.mark.parametrize("upload", ["bf16", "int8"])
 @pytest.mark.parametrize("rule", ["average", "trimmed_mean"])
-def test_bf16_average_rounds(rule, uneven_swarm):
-    """Momentum averaging rides the same butterfly: bf16 values, mean or trimmed mean per element."""
+def test_momentum_average_rounds(rule, upload, uneven_swarm):
+    """Momentum averaging rides the same butterfly: bf16 or int8 block values, mean or trimmed mean
+    per element, returned in the same format (numpy reference of the int8 blocks)."""
     numel = 4 * 1001
     g = torch.Generator().manual_seed(8)
     values = [torch.randn(numel, generator=g) for _ in range(uneven_swarm.n)]
     values[1][::3] = 1e30  # a peer injecting huge momenta
-    uploads = [v.to(torch.bfloat16).view(torch.uint8).unsqueeze(0) for v in values]
+    codec = upload_codec(upload)
+    uploads = [codec.encode(v) for v in values]
     # peer 1 starts 0.3 s late, as a loaded machine may make it: still counted (see _wait_for_every_vote)
-    results = uneven_swarm.allreduce(uploads, upload="bf16", result=rule, delays={1: 0.3})
+    results = uneven_swarm.allreduce(uploads, upload=upload, result=rule, delays={1: 0.3})
     assert all(p.counted == [0, 1, 2, 3] for p in uneven_swarm.reports[0].parts if p.status == "ok")
-    rows = np.stack([v.to(torch.bfloat16).double().numpy() for v in values])
+    if upload == "bf16":
+        rows = np.stack([v.to(torch.bfloat16).double().numpy() for v in values])
+    else:
+        rows = np.stack([from_int8_blocks(int8_blocks(v.numpy())).astype(np.float64) for v in values])
     if rule == "average":
         expected = rows.mean(0)
     else:  # n = 4: drop the largest and smallest value of each element
         expected = np.sort(rows, 0)[1:-1].mean(0)
-        assert np.abs(expected).max() < 10  # bounded despite the 1e30 values
+        assert np.abs(expected[:numel]).max() < 10  # bounded despite the 1e30 values
+    if upload == "int8":  # the result travels as int8 blocks too
+        expected = from_int8_blocks(int8_blocks(expected))[:numel]
     for update in results:
-        got = update.double().numpy()
+        got = update.double().numpy()[:numel]
         np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2)
         assert torch.equal(update, results[0])
 

@@ -30,6 +30,7 @@ from lioncub_p2p.testing import (FAST_CONFIG, HugeMomentumReduction, LocalSwarm,
                                  start_outsider, trickler)
 from lioncub_p2p.wire import PROTOCOL_VERSION, pb, write_frame
 
+from reference import from_int8_blocks, int8_blocks
 from test_allreduce import _codes, as_values, numpy_vote
 
 
@@ -62,20 +63,21 @@ def test_merkle_openings_bind_each_leaf(nbytes, planes):
 
 
 CASES = [("sign", "majority"), ("sign", "ternary"), ("l1:4", "mean"), ("l1:3", "majority"),
-         ("bf16", "average"), ("bf16", "trimmed_mean")]
+         ("bf16", "average"), ("bf16", "trimmed_mean"), ("int8", "average"), ("int8", "trimmed_mean")]
 
 
 @pytest.mark.parametrize("upload,result", CASES)
 def test_recount_of_each_leaf_equals_the_numpy_reference(upload, result):
     """What an auditor recomputes from one leaf's opened votes is the numpy vote at those positions."""
     n, part = 5, 2
-    numel = 8 * 40_000 if upload != "bf16" else 40_000
-    if upload == "bf16":
+    momentum = upload in ("bf16", "int8")
+    numel = 8 * 40_000 if not momentum else 40_000
+    if momentum:
         g = torch.Generator().manual_seed(1)
         values = [torch.randn(numel, generator=g) for _ in range(n)]
         values[3][::7] = 1e30
-        codes = [v.to(torch.bfloat16).view(torch.uint8).unsqueeze(0) for v in values]
-        nbytes = 2 * numel
+        codes = [upload_codec(upload).encode(v) for v in values]
+        nbytes = codes[0].shape[1]
     else:
         codes = _codes(upload, n, numel, seed=2)
         nbytes = codes[0].shape[1]
@@ -85,15 +87,19 @@ def test_recount_of_each_leaf_equals_the_numpy_reference(upload, result):
     leaf = leaf_bytes(b - a, spec.upload.planes)
     roots = [MerkleTree(codes[v][:, a:b].numpy(), leaf).root for v in counted]
     header = parse_header(build_header(spec, part, counted, roots, b"", 0, b""))
-    if upload == "bf16":
-        rows = np.stack([codes[v][0].view(torch.bfloat16).double().numpy() for v in counted])
+    if momentum:
+        decode = (lambda c: c.view(torch.bfloat16).double().numpy()) if upload == "bf16" else \
+            (lambda c: from_int8_blocks(c.numpy()).astype(np.float64))
+        rows = np.stack([decode(codes[v][0]) for v in counted])
         whole = rows.mean(0) if result == "average" else np.sort(rows, 0)[1:-1].mean(0)  # 4 rows: trim 1 each end
+        if upload == "int8":  # the result is int8 blocks too
+            whole = from_int8_blocks(int8_blocks(whole)).astype(np.float64)
     else:
         whole = numpy_vote([codes[v] for v in counted], upload, result, 8 * nbytes, spec.seed, spec.step)
     for k in (0, leaf_count(b - a, leaf) - 1):
         got = recount(header, spec.upload, spec.result, k, [leaf_of(codes[v][:, a:b].numpy(), leaf, k) for v in counted])
         lo, hi = a + k * leaf, min(a + (k + 1) * leaf, b)
-        want = whole[lo // 2: hi // 2] if upload == "bf16" else whole[8 * lo: 8 * hi]
+        want = whole[spec.upload.value_span(lo, hi)] if momentum else whole[8 * lo: 8 * hi]
         np.testing.assert_allclose(got.double().numpy(), want, rtol=2 ** -7, atol=1e-6)
 
 
@@ -135,6 +141,31 @@ def test_evidence_proves_a_lie_to_anyone_and_nothing_else(tmp_path):
               for x in answers]
     assert check_evidence(make_evidence(raw, signature, reducer.public_key, lie, k, forged)) is None  # votes
     assert check_evidence(b"\x0a\xff" + bytes(100)) is None
+
+
+def test_an_int8_momentum_result_off_by_more_than_a_step_is_convicted():
+    """An int8 momentum part's recount may round to the neighbouring step of a block (another
+    summation order), so one step is tolerated; a value three steps off is a lie an audit proves."""
+    n, part = 4, 1
+    g = torch.Generator().manual_seed(4)
+    codes = [upload_codec("int8").encode(torch.randn(7 * 4000, generator=g)) for _ in range(n)]
+    spec = _spec(n, codes[0].shape[1], "int8", "average")
+    red = asyncio.run(_reduce(spec, part, codes))
+    honest = red.close()
+    header = parse_header(honest.header)
+    answers = [pb.AuditAnswer(version=PROTOCOL_VERSION, leaf=0, voter=v, codes=leaf_of(red.votes[v], header.leaf_bytes, 0),
+                              path=red.trees[v].path(0)) for v in header.counted]
+
+    def moved(steps: int) -> tuple[pb.ResultHeader, bytes]:
+        wire = bytearray(honest.wire)
+        q = np.frombuffer(bytes(wire[1:2]), dtype=np.int8)[0]
+        wire[1:2] = np.array([q - steps if q > 0 else q + steps], dtype=np.int8).tobytes()  # block 0, value 0
+        raw = build_header(spec, part, header.counted, header.roots, header.tag, header.tag_votes, bytes(wire))
+        return parse_header(raw), bytes(wire)
+
+    assert judge(header, honest.wire, 0, answers) is None
+    assert judge(*moved(1), 0, answers) is None
+    assert "differs from the recount" in judge(*moved(3), 0, answers)
 
 
 def _part_vote(codes, a, b, seed, step):
@@ -295,21 +326,27 @@ def test_lying_to_one_voter_is_caught_by_that_voter():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("upload", ["bf16", "int8"])
 @pytest.mark.parametrize("rule", ["average", "trimmed_mean"])
-def test_a_reducer_cannot_push_huge_momenta(rule):
+def test_a_reducer_cannot_push_huge_momenta(rule, upload):
     """Reducer 1 returns 1e30 momenta. Every receiver bounds a momentum result by the maxima the
     counted voters signed (after trimming), so all refuse it and keep their own momenta there (NaN in
     the update); the other parts are the numpy mean / trimmed mean."""
     numel, liar = 4 * 3001, 1
     g = torch.Generator().manual_seed(50)
     values = [torch.randn(numel, generator=g) for _ in range(4)]
-    uploads = [v.to(torch.bfloat16).view(torch.uint8).unsqueeze(0) for v in values]
-    rows = np.stack([v.to(torch.bfloat16).double().numpy() for v in values])
+    codec = upload_codec(upload)
+    uploads = [codec.encode(v) for v in values]
+    rows = np.stack([codec.decode(u).double().numpy()[:numel] for u in uploads])
     want = rows.mean(0) if rule == "average" else np.sort(rows, 0)[1:-1].mean(0)
+    if upload == "int8":  # results are int8 blocks too
+        want = from_int8_blocks(int8_blocks(want))[:numel].astype(np.float64)
     with LocalSwarm(4) as swarm:
         swarm.nodes[liar].reduction_factory = HugeMomentumReduction
-        results = swarm.allreduce(uploads, upload="bf16", result=rule)
-        a, b = (x // 2 for x in (swarm.reports[0].parts[liar].start, swarm.reports[0].parts[liar].stop))
+        results = swarm.allreduce(uploads, upload=upload, result=rule)
+        results = [r[:numel] for r in results]
+        span = codec.value_span(swarm.reports[0].parts[liar].start, swarm.reports[0].parts[liar].stop)
+        a, b = span.start, min(span.stop, numel)
         for i in (0, 2, 3):
             got = results[i].double().numpy()
             assert swarm.reports[i].parts[liar].status == "missing"
@@ -319,11 +356,11 @@ def test_a_reducer_cannot_push_huge_momenta(rule):
             np.testing.assert_allclose(got[keep], want[keep], rtol=1e-2, atol=1e-2)
             assert np.nanmax(np.abs(got)) < 10
         assert all(torch.equal(results[i].nan_to_num(), results[0].nan_to_num()) for i in (0, 2, 3))
-        for step in range(1, 4):  # honest momentum parts survive the audits (recounts in bf16): no false alarm
-            swarm.allreduce(uploads, upload="bf16", result=rule, step=step)
+        for step in range(1, 4):  # honest momentum parts survive the audits (recounts re-encoded): no false alarm
+            swarm.allreduce(uploads, upload=upload, result=rule, step=step)
         swarm.settle_audits()
         assert not any(swarm.nodes[i].catches for i in (0, 2, 3))
-        assert all(swarm.reports[i].audit[2] == "ok" for i in (0, 2, 3))  # each audited an honest bf16 part
+        assert all(swarm.reports[i].audit[2] == "ok" for i in (0, 2, 3))  # each audited an honest momentum part
 
 
 # -- honest reducers are never accused ------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lioncub_p2p import LionCub
+from lioncub_p2p import LionCub, MomentumSchedule
 from lioncub_p2p.cli import coordinator, plot, train
 from lioncub_p2p.sim import launcher
 from lioncub_p2p.swarm import Manifest, checkpoint
@@ -91,6 +91,8 @@ def test_run_id_with_a_dot(capsys, main):
     ("--upload", "l1:99", ["--upload l1:99", "2 <= bits <= 8"]),
     ("--upload", "l1:four", ["whole number"]),
     ("--upload", "bf16", ["not a vote encoding"]),
+    ("--upload", "int8", ["not a vote encoding"]),
+    ("--momentum-wire", "fp4", ["--momentum-wire fp4", "bf16", "int8"]),
     ("--result", "foo", ["--result foo", "majority | ternary | mean"]),
     ("--result", "average", ["not a vote result"]),
 ])
@@ -107,6 +109,16 @@ def test_unknown_vote_encodings(capsys, flag, value, words):
 ])
 def test_numbers_out_of_range(capsys, argv, words):
     one_line_error(train.main, argv, capsys, *words)
+
+
+def test_momentum_wire_alone_keeps_the_default_schedule():
+    def schedule(*argv):
+        return train.momentum_schedule(train.parse_args(list(argv)))
+
+    assert schedule() is None  # the run's
+    assert schedule("--momentum-wire", "int8") == MomentumSchedule(every=20, wire="int8")
+    assert schedule("--momentum-slices", "25", "--momentum-wire", "int8") == MomentumSchedule(slices=25, wire="int8")
+    assert schedule("--momentum-every", "5") == MomentumSchedule(every=5)
 
 
 def test_plot_of_files_that_are_not_metrics(tmp_path, capsys):

@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from lioncub_p2p import ops
-from lioncub_p2p.codecs import (L1Upload, MajorityResult, MeanResult, SignUpload, Tally, TernaryResult, reduce_votes,
+from lioncub_p2p.codecs import (Int8Upload, L1Upload, MajorityResult, MeanResult, SignUpload, Tally, TernaryResult, reduce_votes,
                                 result_codec, upload_codec, wire_bits_per_element)
 
-from reference import stream_bits, unpack
+from reference import from_int8_blocks, stream_bits, unpack
+from reference import int8_blocks as ref_int8_blocks
 
 NUMELS = [13, 1001]
 
@@ -126,3 +127,26 @@ def test_majority_parts_agree_with_whole():
         planes = tally_of(up, [s[:, start:stop] for s in stacks])
         parts.append(res.encode(planes, 4, (stop - start) * 8, seed=2, step=9, offset=start))
     assert torch.equal(torch.cat(parts), whole)
+
+
+def test_int8_blocks_match_the_numpy_reference_and_keep_each_blocks_precision():
+    """Block floating point bytes equal the reference written from the spec; each value is within half
+    a step (1/127 of its block's largest) of the original, so a block of tiny values next to a block of
+    huge ones keeps its own precision; the last block is padded with zeros; re-encoding is exact."""
+    codec = Int8Upload()
+    g = np.random.default_rng(3)
+    values = (g.standard_normal(1000) * np.repeat(10.0 ** g.integers(-30, 30, 143), 7)[:1000]).astype(np.float32)
+    values[7:14] = 0.0  # an all-zero block
+    values[14:21] = [127.0, -127.0, 0.5, 1.5, 2.5, -0.5, 64.0]  # exact steps, ties to even
+    wire = codec.encode(torch.from_numpy(values))
+    assert wire.shape == (1, codec.nbytes_for(1000)) == (1, 8 * 143) and codec.values_in(8 * 143) == 1001
+    np.testing.assert_array_equal(wire[0].numpy(), ref_int8_blocks(values))
+    decoded = codec.decode(wire[0])
+    np.testing.assert_array_equal(decoded.numpy(), from_int8_blocks(ref_int8_blocks(values)))
+    assert decoded[1000] == 0 and torch.equal(decoded[14:21], torch.tensor([127.0, -127, 0, 2, 2, -0, 64]))
+    block_max = np.repeat(np.abs(np.append(values, 0)).reshape(-1, 7).max(1), 7)[:1000]
+    assert np.all(np.abs(decoded[:1000].numpy() - values) <= block_max / 127 * (1 + 1e-6))
+    assert torch.equal(codec.encode(decoded), wire)  # what a reducer keeps re-encodes to the bytes it got
+    assert codec.bits_per_element == 64 / 7 and codec.value_span(16, 40) == slice(14, 35)
+    with pytest.raises(ValueError, match="non-finite"):
+        codec.encode(torch.tensor([1.0, float("inf")]))

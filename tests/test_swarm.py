@@ -26,6 +26,8 @@ from lioncub_p2p.swarm.membership import GroupHistory, GroupRecord, PeerRecord
 from lioncub_p2p.swarm.records import RecordError, seal
 from lioncub_p2p.wire import PROTOCOL_VERSION
 
+from reference import from_int8_blocks, int8_blocks
+
 
 # -- membership records (pure; signed-record checks and attacks are in test_membership.py) ------------
 
@@ -460,7 +462,7 @@ class _MomentumProbe:
 
         async def recording_run_round(spec, upload, tag=b""):
             update, report = await run_round(spec, upload, tag)
-            if spec.upload.name == "bf16":
+            if spec.upload.name in ("bf16", "int8"):  # momentum rounds
                 self._reports.append((spec, report))
             return update, report
 
@@ -480,11 +482,13 @@ class _MomentumProbe:
 @pytest.mark.parametrize("schedule, sync_steps", [
     (MomentumSchedule(geometric=2.0, start=2, params=("0.*",)), [2, 4, 8, 16]),
     (MomentumSchedule(slices=3, params=("0.*",)), list(range(1, 19))),  # streamed: a third per step
-], ids=["geometric", "streamed"])
+    (MomentumSchedule(slices=3, params=("0.*",), wire="int8"), list(range(1, 19))),
+], ids=["geometric", "streamed", "streamed-int8"])
 def test_swarm_momentum_sync_is_the_trimmed_mean_of_the_selected_buffers(schedule, sync_steps):
-    """The momenta after a swarm sync equal an independent numpy trimmed mean (bf16 on the wire) of
-    the peers' selected buffers at that step (the step's slice of each, when streamed), over the
-    voters each part counted; everything else is untouched. The schedule selects layer 0 only."""
+    """The momenta after a swarm sync equal an independent numpy trimmed mean (bf16 or int8 blocks on
+    the wire, both legs) of the peers' selected buffers at that step (the step's slice of each, when
+    streamed), over the voters each part counted; everything else is untouched. The schedule selects
+    layer 0 only."""
     configs = [_config("momentum", momentum=schedule) for _ in range(3)]
     probes = {}
     _train_swarm(configs, 18, instrument=lambda i, swarm: probes.__setitem__(i, _MomentumProbe(swarm)))
@@ -492,7 +496,9 @@ def test_swarm_momentum_sync_is_the_trimmed_mean_of_the_selected_buffers(schedul
     assert steps == [sync_steps] * 3
     selected = ["0.weight", "0.bias"]
 
-    def bf16(a: np.ndarray) -> np.ndarray:
+    def wire(a: np.ndarray) -> np.ndarray:  # what the values are after a trip over the wire
+        if schedule.wire == "int8":
+            return from_int8_blocks(int8_blocks(a))[: len(a)]
         return torch.from_numpy(a).to(torch.bfloat16).float().numpy()
 
     def synced_part(momenta, step):  # the selected elements this step averages, flat
@@ -507,15 +513,17 @@ def test_swarm_momentum_sync_is_the_trimmed_mean_of_the_selected_buffers(schedul
         spec, report = syncs[0][3], syncs[0][4]
         expected = flats[0].copy()
         for part in report.parts:
-            a, b = part.start // 2, part.stop // 2
+            span = spec.upload.value_span(part.start, part.stop)
+            a, b = span.start, min(span.stop, len(expected))
             if b <= a or part.status not in ("ok", "recovered"):
                 continue
-            rows = np.stack([bf16(flats[ids.index(spec.group[v].peer_id)][a:b]) for v in part.counted])
+            rows = np.stack([wire(flats[ids.index(spec.group[v].peer_id)])[a:b] for v in part.counted])
             n = len(rows)
             trim = max(1, int(n * 0.2)) if n >= 3 else 0
             trim = min(trim, (n - 1) // 2)
             kept = np.sort(rows, axis=0)[trim : n - trim]
-            expected[a:b] = bf16(kept.mean(axis=0, dtype=np.float32))
+            mean = kept.mean(axis=0, dtype=np.float32)
+            expected[a:b] = wire(np.append(mean, np.zeros(span.stop - b, np.float32)))[: b - a]  # blocks from a
         for i, (step, before, after, _, peer_report, synced) in enumerate(syncs):
             assert synced and not peer_report.missing_parts
             assert np.array_equal(synced_part(after, step), expected), (k, i)

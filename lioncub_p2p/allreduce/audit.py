@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
-from ..codecs import AverageResult, Bf16Upload, L1Upload, ResultCodec, SignUpload, UploadCodec, result_codec
+from ..codecs import (INT8_BLOCK, AverageResult, Bf16Upload, Int8Upload, L1Upload, ResultCodec, SignUpload, UploadCodec,
+                      is_values, result_codec)
 from ..identity import Verifier, peer_id_of
 from ..ops import unpack_signs
 from ..wire import PROTOCOL_VERSION, WireError, pb
@@ -45,6 +46,8 @@ def codecs_of(header: pb.ResultHeader) -> tuple[UploadCodec, ResultCodec]:
         upload = L1Upload(header.upload_bits)
     elif header.upload == pb.UPLOAD_BF16 and header.upload_bits == 16:
         upload = Bf16Upload()
+    elif header.upload == pb.UPLOAD_INT8 and header.upload_bits == 8:
+        upload = Int8Upload()
     else:
         raise WireError(f"unknown upload encoding ({header.upload}, {header.upload_bits})")
     if header.result == pb.RESULT_TRIMMED_MEAN:
@@ -64,19 +67,19 @@ def leaf_span(header: pb.ResultHeader, k: int) -> tuple[int, int]:
 
 
 def decoded(header: pb.ResultHeader, result: ResultCodec, upload: UploadCodec, wire: bytes) -> torch.Tensor:
-    """The part's result as one float per element (±1, ternary, mean, or bf16 values)."""
+    """The part's result as one float per element (±1, ternary, mean, or momentum values)."""
     numel = 8 * (header.stop - header.start)
     raw = torch.frombuffer(bytearray(wire), dtype=torch.uint8) if wire else torch.zeros(0, dtype=torch.uint8)
     total = len(header.counted) * upload.max_code
     try:
-        values = result.decode(raw, numel, total)
+        values = result.decode(raw, numel, total, codec=upload) if is_values(upload) else result.decode(raw, numel, total)
     except (ValueError, TypeError) as e:
         raise WireError(f"undecodable result: {e}") from e
     return unpack_signs(values, numel) if result.name == "majority" else values.float()
 
 
 def _element_span(upload: UploadCodec, a: int, b: int) -> slice:
-    return slice(a // 2, b // 2) if isinstance(upload, Bf16Upload) else slice(8 * a, 8 * b)
+    return upload.value_span(a, b) if is_values(upload) else slice(8 * a, 8 * b)
 
 
 def recount(header: pb.ResultHeader, upload: UploadCodec, result: ResultCodec, k: int,
@@ -85,9 +88,9 @@ def recount(header: pb.ResultHeader, upload: UploadCodec, result: ResultCodec, k
     a, b = leaf_span(header, k)
     length, planes = b - a, upload.planes
     codes = [torch.frombuffer(bytearray(v), dtype=torch.uint8).view(planes, length) for v in votes]
-    if isinstance(upload, Bf16Upload):
-        rows = torch.stack([c.reshape(-1).view(torch.bfloat16).float() for c in codes])
-        return result.aggregate(rows).to(torch.bfloat16).float()
+    if is_values(upload):
+        rows = torch.stack([upload.decode(c) for c in codes])
+        return upload.decode(upload.encode(result.aggregate(rows)))
     tally = upload.tally(length, header.group_size)
     for voter, c in zip(header.counted, codes):
         tally.add(voter, c, 0)
@@ -103,6 +106,9 @@ def agrees(upload: UploadCodec, got: torch.Tensor, want: torch.Tensor) -> bool:
         return False
     if isinstance(upload, Bf16Upload):
         return bool(torch.all((got - want).abs() <= BF16_RTOL * torch.maximum(got.abs(), want.abs()) + 1e-30))
+    if isinstance(upload, Int8Upload):  # a recount may round to the neighbouring step of its block
+        step = torch.maximum(got.abs(), want.abs()).view(-1, INT8_BLOCK).amax(1, keepdim=True) / 63
+        return bool(torch.all((got - want).abs().view(-1, INT8_BLOCK) <= step + 1e-30))
     return torch.equal(got, want)
 
 
@@ -123,11 +129,11 @@ def judge(header: pb.ResultHeader, wire: bytes, k: int, answers: list[pb.AuditAn
     got = decoded(header, result, upload, wire)[_element_span(upload, a, b)]
     if agrees(upload, got, want):
         return None
-    differ = int((got != want).sum()) if not isinstance(upload, Bf16Upload) else int((got - want).abs().gt(0).sum())
+    differ = int((got != want).sum())
     return f"result differs from the recount of its committed votes in {differ} elements of leaf {k}"
 
 
-def value_bound(header: pb.ResultHeader, result: ResultCodec) -> float:
+def value_bound(header: pb.ResultHeader, result: ResultCodec, upload: UploadCodec) -> float:
     """The largest |value| a momentum result may hold: what the counted voters signed, after trimming
     (a trimmed mean of c values drops k per side, so it is bounded by the (k+1)-th largest bound)."""
     bounds = sorted((s.max_abs for s in header.statements), reverse=True)
@@ -137,7 +143,7 @@ def value_bound(header: pb.ResultHeader, result: ResultCodec) -> float:
         drop = max(1, int(c * result.trim))
         if 2 * drop >= c:
             drop = (c - 1) // 2
-    return bounds[drop] * (1 + BF16_RTOL)
+    return bounds[drop] * (1 + BF16_RTOL) + upload.rounding(bounds[drop])
 
 
 def check_statements(header: pb.ResultHeader, group_ids: list[str], verifier: Verifier) -> None:

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from ..codecs import Bf16Upload
+from ..codecs import is_values
 from ..identity import Identity, Verifier
 from ..ops import unpack_signs
 from ..wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, WireError, close_after_reply, pb, read_frame, write_frame
@@ -252,7 +252,7 @@ class VoteNode:
         roots = {j: root_of(codes[:, a:b], leaf_bytes(b - a, spec.upload.planes))
                  for j, (a, b) in enumerate(spec.bounds) if b > a}
         statements = {j: self._statement(spec, j, upload, roots[j]) for j in roots} \
-            if isinstance(spec.upload, Bf16Upload) and self.identity is not None else {}
+            if is_values(spec.upload) and self.identity is not None else {}
         red = state.reduction
         if red is not None and not red.closed:
             a, b = spec.bounds[me]
@@ -333,7 +333,7 @@ class VoteNode:
 
     def _statement(self, spec: RoundSpec, j: int, upload: torch.Tensor, root: bytes) -> pb.VoterStatement:
         a, b = spec.bounds[j]
-        values = upload[0, a:b].contiguous().view(torch.bfloat16).float()
+        values = spec.upload.decode(upload[0, a:b])
         max_abs = float(values.abs().max()) if values.numel() else 0.0
         signature = self.identity.sign(statement_signed_bytes(spec.round_id, j, root, max_abs))
         return pb.VoterStatement(root=root, max_abs=max_abs, signature=signature, public_key=self.identity.public_key)
@@ -559,11 +559,11 @@ class VoteNode:
             if not self.verifier.verify(spec.group[j].peer_id, outcome.public_key, result_signed_bytes(outcome.header),
                                         outcome.signature):
                 raise WireError("the result is not signed by the part's reducer")
-        if isinstance(spec.upload, Bf16Upload):
+        if is_values(spec.upload):
             if header.statements:
                 check_statements(header, [p.peer_id for p in spec.group], self.verifier)
                 values = decoded(header, spec.result, spec.upload, outcome.wire)
-                bound = value_bound(header, spec.result)
+                bound = value_bound(header, spec.result, spec.upload)
                 if values.numel() and not float(values.abs().max()) <= bound:
                     raise WireError(f"momentum result holds |value| {float(values.abs().max()):.3g} above the "
                                     f"bound {bound:.3g} its counted voters signed")
@@ -893,7 +893,7 @@ class VoteNode:
     def _take_statement(self, state: RoundState, red: PartReduction, voter: int, peer: str,
                         chunk: pb.VoteChunk) -> None:
         """Momentum rounds: the voter's signed root and bound (required from everyone when this peer signs)."""
-        if not isinstance(state.spec.upload, Bf16Upload):
+        if not is_values(state.spec.upload):
             if chunk.HasField("statement"):
                 raise WireError("a statement in a vote round")
             return
@@ -1069,7 +1069,7 @@ def assemble(spec: RoundSpec, outcomes: dict[int, PartResult | None]) -> tuple[t
     Packed bits (nbytes,) if every part has a majority result, else float32 (nbytes*8,) with zeros
     where a part is missing or undecodable (every peer holding the same bytes decides the same)."""
     parts = sorted(outcomes)
-    if isinstance(spec.upload, Bf16Upload):  # values, not votes: NaN marks what the caller keeps locally
+    if is_values(spec.upload):  # values, not votes: NaN marks what the caller keeps locally
         return _assemble_values(spec, outcomes)
     if spec.result.name == "majority" and all(outcomes[j] is not None for j in parts):
         joined = bytearray(b"".join(outcomes[j].wire for j in parts))
@@ -1092,14 +1092,15 @@ def assemble(spec: RoundSpec, outcomes: dict[int, PartResult | None]) -> tuple[t
 
 
 def _assemble_values(spec: RoundSpec, outcomes: dict[int, PartResult | None]) -> tuple[torch.Tensor, dict[int, str]]:
-    values, bad = torch.full((spec.nbytes // 2,), float("nan")), {}
+    values, bad = torch.full((spec.upload.values_in(spec.nbytes),), float("nan")), {}
     for j, outcome in outcomes.items():
         if outcome is None:
             continue
         a, b = spec.bounds[j]
         try:
-            values[a // 2 : b // 2] = spec.result.decode(torch.frombuffer(bytearray(outcome.wire), dtype=torch.uint8),
-                                                         8 * (b - a), len(outcome.counted))
+            values[spec.upload.value_span(a, b)] = spec.result.decode(
+                torch.frombuffer(bytearray(outcome.wire), dtype=torch.uint8), 8 * (b - a), len(outcome.counted),
+                codec=spec.upload)
         except ValueError as e:
             bad[j] = str(e)
     return values, bad

@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from ..codecs import Bf16Upload, FloatTally
+from ..codecs import FloatTally, is_values
 from ..wire import WireError, pb
 from .commit import MAX_TAG_BYTES, MerkleTree, build_header, leaf_bytes
 from .partition import quorum
@@ -74,8 +74,8 @@ class PartReduction:
             raise WireError(f"chunk ends at {offset + length} of {self.nbytes} bytes but last={last}")
         if not last and length % 8:
             raise WireError(f"a non-final chunk of {length} bytes is not a multiple of 8")
-        if voter in self.statements and length % 2 == 0:
-            values = codes.reshape(-1).contiguous().view(torch.bfloat16).float()
+        if voter in self.statements and length % self.spec.upload.align == 0:
+            values = self.spec.upload.decode(codes)
             if values.numel() and float(values.abs().max()) > self.statements[voter].max_abs:
                 raise WireError(f"values above the bound {self.statements[voter].max_abs} the voter signed")
         self.first_in.set()
@@ -138,7 +138,7 @@ class PartReduction:
             self.votes[voter] = self._codes_of(voter)
             self.trees[voter] = MerkleTree(self.votes[voter], leaf)
             statement = self.statements.get(voter)
-            if isinstance(self.spec.upload, Bf16Upload) and statement is not None \
+            if is_values(self.spec.upload) and statement is not None \
                     and statement.root != self.trees[voter].root:
                 self._remove(voter, "codes do not match the root it signed")
                 del self.votes[voter], self.trees[voter]
@@ -163,7 +163,7 @@ class PartReduction:
     def _codes_of(self, voter: int) -> np.ndarray:
         """A complete voter's (planes, nbytes) codes for the part, as received."""
         if isinstance(self.tally, FloatTally):
-            return self.tally.rows[voter].to(torch.bfloat16).view(torch.uint8).numpy().reshape(1, -1).copy()
+            return self.tally.raw[voter].numpy().reshape(1, -1).copy()
         return torch.cat([codes for _, codes in self.tally.kept[voter]], dim=1).numpy()
 
     def codes_from(self, chunk: pb.VoteChunk) -> torch.Tensor:

@@ -3,8 +3,8 @@
 n simulated workers each hold a replica of the model, draw their own batches and keep their own
 momentum. Every step each worker packs its direction with the real upload codec, one reducer
 tallies all uploads with the real codecs, and every worker applies the decoded result; momenta are
-averaged on a ``MomentumSchedule``, exactly or as the swarm does it (bf16 on the wire, trimmed
-mean). Global Lion is data-parallel Lion: gradients averaged over the workers' batches (the same
+averaged on a ``MomentumSchedule``, exactly or as the swarm does it (bf16 or int8 blocks on the
+wire, trimmed mean). Global Lion is data-parallel Lion: gradients averaged over the workers' batches (the same
 samples) and one shared momentum.
 
 Quality is read the way ``lioncub_p2p.sim.quality`` explains: the workers' mean training loss per
@@ -14,7 +14,7 @@ method's own best lr on a separate seed first.
 
 Bits per element per step count what one peer sends plus receives, before the butterfly's
 (n−1)/n factor: global Lion 32 up + 32 down (fp32); a vote = upload bits + result bits; a momentum
-sync adds 16 + 16 (bf16 all-reduce) per synced element on the steps it runs.
+sync adds 16 + 16 (bf16 all-reduce; 64/7 + 64/7 in int8 blocks) per synced element on the steps it runs.
 
     lioncub-compare --task byte-gpt --hidden 64 --steps 300 --seeds 3 --lr-sweep 5e-4,1e-3,2e-3
 """
@@ -34,14 +34,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..codecs import (AverageResult, Bf16Upload, pack_planes, reduce_votes, result_codec, unpack_planes, upload_codec,
+from ..codecs import (AverageResult, pack_planes, reduce_votes, result_codec, unpack_planes, upload_codec,
                       wire_bits_per_element)
 from ..momentum import MomentumSchedule, average_in_process
 from ..optim import LionCub
 from ..tasks import BUILTIN, TaskError, TrainingTask, load_task
 from . import quality
 
-MOMENTUM_SYNC_BITS = 32.0  # bf16 all-reduce: 16 bits up + 16 down per element
+def momentum_wire_bits(schedule: MomentumSchedule) -> float:
+    """Bits per synced element in each direction of a momentum round (16 in bf16, 64/7 in int8 blocks)."""
+    return upload_codec(schedule.wire).bits_per_element
+
+
 FP32_BITS = 32.0
 MOMENTUM_RULES = ("exact", "trimmed_mean", "average")  # exact mean in fp32; the swarm's bf16 rules
 
@@ -66,7 +70,7 @@ def parse_method(spec: str) -> Method:
 
     Options: ``syncK`` momentum average every K steps, ``geoR`` at steps 1, R, R², ... , ``streamK``
     1/K of it every step (``MomentumSchedule(slices=K)``), ``untilT`` none after step T, ``bf16`` the swarm's bf16 trimmed mean instead of an exact one (``bf16mean``: its
-    plain mean), ``lrX`` this method's own lr; any other option names a variant of ``sim/variants.py``."""
+    plain mean; ``int8``, ``int8mean``: the same in int8 blocks), ``lrX`` this method's own lr; any other option names a variant of ``sim/variants.py``."""
     spec = spec.strip()
     if spec == "global":
         return Method("global")
@@ -79,7 +83,7 @@ def parse_method(spec: str) -> Method:
     if result in ("average", "trimmed_mean"):
         raise ValueError(f"method {spec!r}: {result} is the momentum rule, not a vote result; use majority, "
                          f"ternary or mean")
-    every, geometric, until, slices, rule, lr, variant = 0, None, None, 0, "exact", None, []
+    every, geometric, until, slices, rule, lr, variant, wire = 0, None, None, 0, "exact", None, [], "bf16"
     for option in options:
         try:
             if option.startswith("sync"):
@@ -90,8 +94,9 @@ def parse_method(spec: str) -> Method:
                 until = int(option[5:])
             elif option.startswith("stream"):
                 slices = int(option[6:])
-            elif option in ("bf16", "bf16mean"):
-                rule = "trimmed_mean" if option == "bf16" else "average"
+            elif option in ("bf16", "bf16mean", "int8", "int8mean"):
+                rule = "average" if option.endswith("mean") else "trimmed_mean"
+                wire = option[:4]
             elif option.startswith("lr") and option[2:3].isdigit():
                 lr = float(option[2:])
             else:
@@ -100,7 +105,7 @@ def parse_method(spec: str) -> Method:
             raise ValueError(f"method {spec!r}: option {option!r} needs a number, e.g. sync25, geo1.5, stream25, until100, "
                              f"lr1e-3") from None
     try:
-        schedule = MomentumSchedule(every=every, geometric=geometric, until=until, slices=slices)
+        schedule = MomentumSchedule(every=every, geometric=geometric, until=until, slices=slices, wire=wire)
     except ValueError as e:
         raise ValueError(f"method {spec!r}: {e}") from None
     if variant:
@@ -264,24 +269,25 @@ def average_momenta(momenta: list[list[tuple[str, torch.Tensor]]], schedule: Mom
                     step: int = 1) -> int:
     """One momentum sync over peers after ``step`` (its slice of each tensor, with ``slices``), in
     place; returns elements synced. ``exact``: the fp32 mean; ``trimmed_mean`` / ``average``: what a
-    swarm's momentum round does (each peer's momenta in bf16 on the wire, the reducer's rule, the
-    result in bf16, ``codecs.AverageResult``)."""
+    swarm's momentum round does (each peer's momenta in the schedule's ``wire`` format, bf16 or int8
+    blocks, the reducer's rule, the result in the same format, ``codecs.AverageResult``)."""
     if rule == "exact":
         return average_in_process(momenta, schedule, step)
     if rule not in MOMENTUM_RULES:
         raise ValueError(f"unknown momentum rule {rule!r}; use one of {MOMENTUM_RULES}")
     schedule.check_names(name for name, _ in momenta[0])
-    codec, reducer, synced = Bf16Upload(), AverageResult(trimmed=rule == "trimmed_mean"), 0
+    codec, reducer, synced = upload_codec(schedule.wire), AverageResult(trimmed=rule == "trimmed_mean"), 0
     for buffers in zip(*momenta):
         if not schedule.selects(buffers[0][0]):
             continue
         lo, hi = schedule.slice_of(step, buffers[0][1].numel())
         numel = hi - lo
-        tally = codec.tally(2 * numel, len(buffers))
+        nbytes = codec.nbytes_for(numel)
+        tally = codec.tally(nbytes, len(buffers))
         for voter, (_, m) in enumerate(buffers):
             tally.add(voter, codec.encode(m.view(-1)[lo:hi]), 0)
         wire = tally.encode(reducer, list(range(len(buffers))), seed=0, step=0, offset=0)
-        mean = reducer.decode(wire, 16 * numel, len(buffers))
+        mean = reducer.decode(wire, 8 * nbytes, len(buffers), codec=codec)[:numel]
         for _, m in buffers:
             m.view(-1)[lo:hi] = mean
         synced += numel
@@ -371,7 +377,7 @@ def run_method(method: Method, task: Any, *, workers: int = 4, steps: int = 300,
             evals.append((step + 1, task.evaluate(replicas[0])))
     identical = all(torch.equal(a, b) for m in replicas[1:] for a, b in zip(replicas[0].parameters(), m.parameters()))
     done = max(len(curve), 1)
-    sync_bits = MOMENTUM_SYNC_BITS / 2 * synced / numel / done  # per direction
+    sync_bits = momentum_wire_bits(method.momentum) * synced / numel / done  # per direction
     return _outcome(method, task, replicas[0], curve, evals, workers,
                     wire_bits_per_element(up, res, workers) + 2 * sync_bits, up.bits_per_element + sync_bits,
                     identical, start, lr, seed, clock)

@@ -45,8 +45,8 @@ from torch import nn
 from .. import ops
 from ..codecs import UploadCodec, reduce_votes, result_codec, upload_codec
 from ..ops.randbits import derive_key
-from .inprocess import (MOMENTUM_SYNC_BITS, Clock, CompareTask, DataExhausted, Method, Outcome,
-                        average_momenta, worker_loss)
+from .inprocess import (Clock, CompareTask, DataExhausted, Method, Outcome,
+                        average_momenta, momentum_wire_bits, worker_loss)
 
 FLAGS = ("ef", "efvote", "weighted", "tieprev", "agree")
 NUMBERED = ("efdecay", "beta", "abstain", "tieema", "delay")
@@ -215,7 +215,7 @@ def run_variant(method: Method, task: CompareTask, *, workers: int, steps: int, 
         if step + 1 in wanted:
             evals.append((step + 1, task.evaluate(model)))
     done = max(len(curve), 1)
-    sync_bits = MOMENTUM_SYNC_BITS / 2 * synced / numel / done
+    sync_bits = momentum_wire_bits(method.momentum) * synced / numel / done
     extra_up, extra_down = side_up / done, side_down / done
     bits = (up.bits_per_element + res.bits_per_element(workers * up.max_code) + 2 * sync_bits
             + extra_up + extra_down)

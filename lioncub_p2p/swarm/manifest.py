@@ -32,7 +32,7 @@ from typing import Any
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from ..codecs import L1Upload, result_codec, upload_codec
+from ..codecs import L1Upload, is_values, result_codec, upload_codec
 from ..identity import Identity, Verifier
 from ..momentum import MomentumSchedule
 from ..wire import PROTOCOL_VERSION
@@ -44,7 +44,7 @@ SWARM_FIELDS = ("upload", "result", "transport", "momentum", "momentum_rule", "f
 # fields older versions wrote that mean nothing now: read and dropped (audit_every: voters audit every round since
 # protocol 2), so their run files still load
 LEGACY_FIELDS = ("audit_every",)
-_MOMENTUM_KEYS = {"every", "until", "geometric", "start", "params", "slices"}
+_MOMENTUM_KEYS = {"every", "until", "geometric", "start", "params", "slices", "wire"}
 
 
 class ManifestError(ValueError):
@@ -86,6 +86,9 @@ def upload_name(spec: Any) -> str:
         codec = upload_codec(spec)
     except (ValueError, TypeError) as e:
         raise ManifestError(f"upload: {e}") from None
+    if is_values(codec):
+        raise ManifestError(f"upload: {codec.name} is a momentum format, not a vote's: use sign or l1:BITS here and "
+                            f"momentum.wire for the momentum rounds")
     return f"l1:{codec.bits}" if isinstance(codec, L1Upload) else codec.name
 
 
@@ -99,6 +102,8 @@ def momentum_map(schedule: MomentumSchedule) -> dict[str, Any]:
         value["params"] = list(schedule.params)
     if schedule.slices:
         value["slices"] = schedule.slices
+    if schedule.wire != "bf16":  # absent: bf16 (manifests from before int8 read the same)
+        value["wire"] = schedule.wire
     return value
 
 
@@ -119,7 +124,8 @@ def _momentum(value: Any) -> dict[str, Any]:
                                     _positive(value["geometric"], "momentum.geometric"),
                                     start=_integer(value.get("start", 1), "momentum.start", 1, 1 << 53),
                                     params=tuple(params),
-                                    slices=_integer(value.get("slices", 0), "momentum.slices", 0, 1 << 16))
+                                    slices=_integer(value.get("slices", 0), "momentum.slices", 0, 1 << 16),
+                                    wire=value.get("wire", "bf16"))
     except ValueError as e:
         raise ManifestError(f"momentum: {e}") from None
     return momentum_map(schedule)

@@ -5,7 +5,7 @@ momentum buffers and the swarm only through a function that runs one round, so i
 without a network (``tests/test_momentum_sync.py``).
 
 Every element a sync selects (the schedule's parameters; with ``slices``, the step's slice of
-each) travels in bf16 to the reducers, which return the group's average or trimmed mean. Parts
+each) travels in the schedule's ``wire`` format (bf16, or int8 block floating point) to the reducers, which return the group's average or trimmed mean. Parts
 nobody returned (a reducer left, the round failed) keep this peer's own values: a missed part
 costs drift, never a wrong value.
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from ..allreduce import PeerSpec, RoundReport, RoundSpec
-from ..codecs import AverageResult, Bf16Upload
+from ..codecs import AverageResult, upload_codec
 from ..momentum import MomentumSchedule
 
 logger = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ class MomentumSync:
     def __init__(self, schedule: MomentumSchedule, rule: str, buffers: Buffers, seed: int):
         self.schedule, self.buffers, self.seed = schedule, buffers, seed
         self.result = AverageResult(trimmed=rule == "trimmed_mean")
+        self.codec = upload_codec(schedule.wire)
 
     def due(self, step: int) -> bool:
         return self.schedule.due(step)
@@ -41,14 +42,15 @@ class MomentumSync:
 
     def spec(self, round_id: bytes, step: int, members: tuple[PeerSpec, ...]) -> RoundSpec:
         numel = sum(hi - lo for _, lo, hi in self.selected(step))
-        return RoundSpec(round_id, step, members, 2 * numel, Bf16Upload(), self.result, self.seed)
+        return RoundSpec(round_id, step, members, self.codec.nbytes_for(numel), self.codec, self.result, self.seed)
 
     def average(self, spec: RoundSpec, run_round: RunRound) -> bool:
         """Run ``spec``'s round with this peer's selected momenta and keep what came back; True when
         every part did. Exceptions of ``run_round`` propagate: the caller logs and skips the sync."""
         selected = self.selected(spec.step)
         flat = torch.cat([m.detach().view(-1)[lo:hi].float() for m, lo, hi in selected])
-        averaged, report = run_round(spec, Bf16Upload().encode(flat))
+        averaged, report = run_round(spec, self.codec.encode(flat))
+        averaged = averaged[: flat.numel()]  # int8: the last block's padding
         if report.missing_parts:
             logger.warning("step %d: momentum averaging missed parts %s; they stay local", spec.step,
                            report.missing_parts)
