@@ -14,10 +14,10 @@ Lion Cub averages them now and then. Tuning guide:
   steps, as with ``every=K``, at the same bytes, but spread evenly: no step carries a whole-buffer
   round that every peer waits through (a 21 s stall every 25 steps at 10 Mbit/s for 5.45M
   parameters). Costs one small round per step (its latency); replaces ``every``/``geometric``.
-* ``wire="int8"``: momentum values travel as block floating point, 64/7 ≈ 9.1 bits per value
-  instead of bf16's 16 (each value within 1/127 of its 7-value block's largest; ``codecs.Int8Upload``),
-  on both legs of the round: 43% fewer momentum bytes. Within 2% loss at equal steps is what to
-  check on your model (``docs/benchmarks.md``).
+* ``wire="fp8"``: momentum values travel as e4m3 codes sharing a power-of-two exponent per 7
+  values, 64/7 ≈ 9.1 bits per value instead of bf16's 16, on both legs of the round: 43% fewer
+  momentum bytes. Each value keeps 4 significant bits (``codecs.Fp8Upload``); measured as good as
+  bf16 at equal steps (``docs/benchmarks.md``).
 * ``params=("encoder.*", ...)``: only parameters whose names match (fnmatch patterns), e.g. the
   layers whose momenta drift most. The names are the model's own only when the optimizer was
   built from ``model.named_parameters()``; ``check_names`` refuses patterns that select nothing.
@@ -42,11 +42,11 @@ class MomentumSchedule:
     start: int = 1
     params: tuple[str, ...] = field(default_factory=tuple)
     slices: int = 0
-    wire: str = "bf16"  # or "int8"
+    wire: str = "bf16"  # or "fp8"
 
     def __post_init__(self) -> None:
-        if self.wire not in ("bf16", "int8"):
-            raise ValueError(f"wire must be bf16 or int8, got {self.wire!r}")
+        if self.wire not in ("bf16", "fp8"):
+            raise ValueError(f"wire must be bf16 or fp8, got {self.wire!r}")
         if self.slices < 0:
             raise ValueError(f"slices must be >= 0, got {self.slices}")
         if self.slices and (self.every or self.geometric is not None):

@@ -18,7 +18,7 @@ from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
 from lioncub_p2p.wire import PROTOCOL_VERSION, pb, write_frame
 from hivemind.p2p import PeerID
 
-from reference import from_int8_blocks, int8_blocks, stream_bits, unpack
+from reference import from_fp8_blocks, fp8_blocks, stream_bits, unpack
 
 
 def _codes(upload: str, n: int, numel: int, seed: int = 0) -> list[torch.Tensor]:
@@ -278,11 +278,11 @@ def test_rogue_messages_are_rejected_and_logged(kind, rogue_swarm, caplog):
     np.testing.assert_array_equal(values[0], expected)
 
 
-@pytest.mark.parametrize("upload", ["bf16", "int8"])
+@pytest.mark.parametrize("upload", ["bf16", "fp8"])
 @pytest.mark.parametrize("rule", ["average", "trimmed_mean"])
 def test_momentum_average_rounds(rule, upload, uneven_swarm):
-    """Momentum averaging rides the same butterfly: bf16 or int8 block values, mean or trimmed mean
-    per element, returned in the same format (numpy reference of the int8 blocks)."""
+    """Momentum averaging rides the same butterfly: bf16 or fp8 block values, mean or trimmed mean
+    per element, returned in the same format (numpy reference of the fp8 blocks)."""
     numel = 4 * 1001
     g = torch.Generator().manual_seed(8)
     values = [torch.randn(numel, generator=g) for _ in range(uneven_swarm.n)]
@@ -295,14 +295,14 @@ def test_momentum_average_rounds(rule, upload, uneven_swarm):
     if upload == "bf16":
         rows = np.stack([v.to(torch.bfloat16).double().numpy() for v in values])
     else:
-        rows = np.stack([from_int8_blocks(int8_blocks(v.numpy())).astype(np.float64) for v in values])
+        rows = np.stack([from_fp8_blocks(fp8_blocks(v.numpy())).astype(np.float64) for v in values])
     if rule == "average":
         expected = rows.mean(0)
     else:  # n = 4: drop the largest and smallest value of each element
         expected = np.sort(rows, 0)[1:-1].mean(0)
         assert np.abs(expected[:numel]).max() < 10  # bounded despite the 1e30 values
-    if upload == "int8":  # the result travels as int8 blocks too
-        expected = from_int8_blocks(int8_blocks(expected))[:numel]
+    if upload == "fp8":  # the result travels as fp8 blocks too
+        expected = from_fp8_blocks(fp8_blocks(expected))[:numel]
     for update in results:
         got = update.double().numpy()[:numel]
         np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2)

@@ -30,7 +30,7 @@ from lioncub_p2p.testing import (FAST_CONFIG, HugeMomentumReduction, LocalSwarm,
                                  start_outsider, trickler)
 from lioncub_p2p.wire import PROTOCOL_VERSION, pb, write_frame
 
-from reference import from_int8_blocks, int8_blocks
+from reference import from_fp8_blocks, fp8_blocks
 from test_allreduce import _codes, as_values, numpy_vote
 
 
@@ -63,14 +63,14 @@ def test_merkle_openings_bind_each_leaf(nbytes, planes):
 
 
 CASES = [("sign", "majority"), ("sign", "ternary"), ("l1:4", "mean"), ("l1:3", "majority"),
-         ("bf16", "average"), ("bf16", "trimmed_mean"), ("int8", "average"), ("int8", "trimmed_mean")]
+         ("bf16", "average"), ("bf16", "trimmed_mean"), ("fp8", "average"), ("fp8", "trimmed_mean")]
 
 
 @pytest.mark.parametrize("upload,result", CASES)
 def test_recount_of_each_leaf_equals_the_numpy_reference(upload, result):
     """What an auditor recomputes from one leaf's opened votes is the numpy vote at those positions."""
     n, part = 5, 2
-    momentum = upload in ("bf16", "int8")
+    momentum = upload in ("bf16", "fp8")
     numel = 8 * 40_000 if not momentum else 40_000
     if momentum:
         g = torch.Generator().manual_seed(1)
@@ -89,11 +89,11 @@ def test_recount_of_each_leaf_equals_the_numpy_reference(upload, result):
     header = parse_header(build_header(spec, part, counted, roots, b"", 0, b""))
     if momentum:
         decode = (lambda c: c.view(torch.bfloat16).double().numpy()) if upload == "bf16" else \
-            (lambda c: from_int8_blocks(c.numpy()).astype(np.float64))
+            (lambda c: from_fp8_blocks(c.numpy()).astype(np.float64))
         rows = np.stack([decode(codes[v][0]) for v in counted])
         whole = rows.mean(0) if result == "average" else np.sort(rows, 0)[1:-1].mean(0)  # 4 rows: trim 1 each end
-        if upload == "int8":  # the result is int8 blocks too
-            whole = from_int8_blocks(int8_blocks(whole)).astype(np.float64)
+        if upload == "fp8":  # the result is fp8 blocks too
+            whole = from_fp8_blocks(fp8_blocks(whole)).astype(np.float64)
     else:
         whole = numpy_vote([codes[v] for v in counted], upload, result, 8 * nbytes, spec.seed, spec.step)
     for k in (0, leaf_count(b - a, leaf) - 1):
@@ -143,25 +143,27 @@ def test_evidence_proves_a_lie_to_anyone_and_nothing_else(tmp_path):
     assert check_evidence(b"\x0a\xff" + bytes(100)) is None
 
 
-def test_an_int8_momentum_result_off_by_more_than_a_step_is_convicted():
-    """An int8 momentum part's recount may round to the neighbouring step of a block (another
-    summation order), so one step is tolerated; a value three steps off is a lie an audit proves."""
+def test_an_fp8_momentum_result_off_by_more_than_a_step_is_convicted():
+    """An fp8 momentum part's recount may round to the neighbouring e4m3 value (another summation
+    order), so one step is tolerated; a value three steps off is a lie an audit proves."""
     n, part = 4, 1
     g = torch.Generator().manual_seed(4)
-    codes = [upload_codec("int8").encode(torch.randn(7 * 4000, generator=g)) for _ in range(n)]
-    spec = _spec(n, codes[0].shape[1], "int8", "average")
+    codes = [upload_codec("fp8").encode(torch.randn(7 * 4000, generator=g)) for _ in range(n)]
+    spec = _spec(n, codes[0].shape[1], "fp8", "average")
     red = asyncio.run(_reduce(spec, part, codes))
     honest = red.close()
     header = parse_header(honest.header)
     answers = [pb.AuditAnswer(version=PROTOCOL_VERSION, leaf=0, voter=v, codes=leaf_of(red.votes[v], header.leaf_bytes, 0),
                               path=red.trees[v].path(0)) for v in header.counted]
 
-    def moved(steps: int) -> tuple[pb.ResultHeader, bytes]:
-        wire = bytearray(honest.wire)
-        q = np.frombuffer(bytes(wire[1:2]), dtype=np.int8)[0]
-        wire[1:2] = np.array([q - steps if q > 0 else q + steps], dtype=np.int8).tobytes()  # block 0, value 0
-        raw = build_header(spec, part, header.counted, header.roots, header.tag, header.tag_votes, bytes(wire))
-        return parse_header(raw), bytes(wire)
+    wire = honest.wire
+    at = next(i for i in range(len(wire)) if i % 8 and 0x20 <= wire[i] & 0x7F < 0x60)  # a normal e4m3 value
+
+    def moved(steps: int) -> tuple[pb.ResultHeader, bytes]:  # its magnitude that many e4m3 steps up
+        lie = bytearray(wire)
+        lie[at] += steps  # sign and magnitude: the next byte is the next larger magnitude
+        raw = build_header(spec, part, header.counted, header.roots, header.tag, header.tag_votes, bytes(lie))
+        return parse_header(raw), bytes(lie)
 
     assert judge(header, honest.wire, 0, answers) is None
     assert judge(*moved(1), 0, answers) is None
@@ -326,7 +328,7 @@ def test_lying_to_one_voter_is_caught_by_that_voter():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("upload", ["bf16", "int8"])
+@pytest.mark.parametrize("upload", ["bf16", "fp8"])
 @pytest.mark.parametrize("rule", ["average", "trimmed_mean"])
 def test_a_reducer_cannot_push_huge_momenta(rule, upload):
     """Reducer 1 returns 1e30 momenta. Every receiver bounds a momentum result by the maxima the
@@ -339,8 +341,8 @@ def test_a_reducer_cannot_push_huge_momenta(rule, upload):
     uploads = [codec.encode(v) for v in values]
     rows = np.stack([codec.decode(u).double().numpy()[:numel] for u in uploads])
     want = rows.mean(0) if rule == "average" else np.sort(rows, 0)[1:-1].mean(0)
-    if upload == "int8":  # results are int8 blocks too
-        want = from_int8_blocks(int8_blocks(want))[:numel].astype(np.float64)
+    if upload == "fp8":  # results are fp8 blocks too
+        want = from_fp8_blocks(fp8_blocks(want))[:numel].astype(np.float64)
     with LocalSwarm(4) as swarm:
         swarm.nodes[liar].reduction_factory = HugeMomentumReduction
         results = swarm.allreduce(uploads, upload=upload, result=rule)

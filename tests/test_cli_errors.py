@@ -91,8 +91,8 @@ def test_run_id_with_a_dot(capsys, main):
     ("--upload", "l1:99", ["--upload l1:99", "2 <= bits <= 8"]),
     ("--upload", "l1:four", ["whole number"]),
     ("--upload", "bf16", ["not a vote encoding"]),
-    ("--upload", "int8", ["not a vote encoding"]),
-    ("--momentum-wire", "fp4", ["--momentum-wire fp4", "bf16", "int8"]),
+    ("--upload", "fp8", ["not a vote encoding"]),
+    ("--momentum-wire", "fp4", ["--momentum-wire fp4", "bf16", "fp8"]),
     ("--result", "foo", ["--result foo", "majority | ternary | mean"]),
     ("--result", "average", ["not a vote result"]),
 ])
@@ -116,8 +116,8 @@ def test_momentum_wire_alone_keeps_the_default_schedule():
         return train.momentum_schedule(train.parse_args(list(argv)))
 
     assert schedule() is None  # the run's
-    assert schedule("--momentum-wire", "int8") == MomentumSchedule(every=20, wire="int8")
-    assert schedule("--momentum-slices", "25", "--momentum-wire", "int8") == MomentumSchedule(slices=25, wire="int8")
+    assert schedule("--momentum-wire", "fp8") == MomentumSchedule(every=20, wire="fp8")
+    assert schedule("--momentum-slices", "25", "--momentum-wire", "fp8") == MomentumSchedule(slices=25, wire="fp8")
     assert schedule("--momentum-every", "5") == MomentumSchedule(every=5)
 
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from lioncub_p2p import ops
-from lioncub_p2p.codecs import (Int8Upload, L1Upload, MajorityResult, MeanResult, SignUpload, Tally, TernaryResult, reduce_votes,
+from lioncub_p2p.codecs import (Fp8Upload, L1Upload, MajorityResult, MeanResult, SignUpload, Tally, TernaryResult, reduce_votes,
                                 result_codec, upload_codec, wire_bits_per_element)
 
-from reference import from_int8_blocks, stream_bits, unpack
-from reference import int8_blocks as ref_int8_blocks
+from reference import from_fp8_blocks, stream_bits, unpack
+from reference import fp8_blocks as ref_fp8_blocks
 
 NUMELS = [13, 1001]
 
@@ -109,7 +109,7 @@ def test_decode_rejects_bad_wire():
     with pytest.raises(ValueError, match="above its total"):
         MeanResult().decode(torch.full((6,), 255, dtype=torch.uint8), 16, 4)
     with pytest.raises(ValueError, match="unknown upload"):
-        upload_codec("fp8")
+        upload_codec("fp4")
     with pytest.raises(ValueError, match="unknown result"):
         result_codec("median")
     with pytest.raises(ValueError, match="bits"):
@@ -129,24 +129,29 @@ def test_majority_parts_agree_with_whole():
     assert torch.equal(torch.cat(parts), whole)
 
 
-def test_int8_blocks_match_the_numpy_reference_and_keep_each_blocks_precision():
-    """Block floating point bytes equal the reference written from the spec; each value is within half
-    a step (1/127 of its block's largest) of the original, so a block of tiny values next to a block of
-    huge ones keeps its own precision; the last block is padded with zeros; re-encoding is exact."""
-    codec = Int8Upload()
+def test_fp8_blocks_match_the_numpy_reference_and_keep_each_value_precise():
+    """fp8 block bytes equal the reference written from the spec (its own e4m3 rounding); each value
+    is within 1/16 of itself, or 2**-17 of its block's largest when tiny, so a block of tiny values next
+    to a block of huge ones keeps its precision, and values down to 2**-15 of a block's largest keep 4
+    significant bits;
+    the last block is padded with zeros; decoded values survive a second trip unchanged."""
+    codec = Fp8Upload()
     g = np.random.default_rng(3)
     values = (g.standard_normal(1000) * np.repeat(10.0 ** g.integers(-30, 30, 143), 7)[:1000]).astype(np.float32)
     values[7:14] = 0.0  # an all-zero block
-    values[14:21] = [127.0, -127.0, 0.5, 1.5, 2.5, -0.5, 64.0]  # exact steps, ties to even
+    values[14:21] = [448.0, -1e-3, 1e-4, 17.0, 18.0, -0.0, 3e-7]  # small values beside a large one
     wire = codec.encode(torch.from_numpy(values))
     assert wire.shape == (1, codec.nbytes_for(1000)) == (1, 8 * 143) and codec.values_in(8 * 143) == 1001
-    np.testing.assert_array_equal(wire[0].numpy(), ref_int8_blocks(values))
+    np.testing.assert_array_equal(wire[0].numpy(), ref_fp8_blocks(values))
     decoded = codec.decode(wire[0])
-    np.testing.assert_array_equal(decoded.numpy(), from_int8_blocks(ref_int8_blocks(values)))
-    assert decoded[1000] == 0 and torch.equal(decoded[14:21], torch.tensor([127.0, -127, 0, 2, 2, -0, 64]))
+    np.testing.assert_array_equal(decoded.numpy(), from_fp8_blocks(ref_fp8_blocks(values)))
+    assert decoded[1000] == 0  # padding
+    # beside 448 the step is 1 from 256 up (16 rounds to even: 17 -> 16) and 2**-9 below 2**-6 (subnormals)
+    assert decoded[14:21].tolist() == [448.0, -2.0 ** -9, 0.0, 16.0, 18.0, -0.0, 0.0]
     block_max = np.repeat(np.abs(np.append(values, 0)).reshape(-1, 7).max(1), 7)[:1000]
-    assert np.all(np.abs(decoded[:1000].numpy() - values) <= block_max / 127 * (1 + 1e-6))
-    assert torch.equal(codec.encode(decoded), wire)  # what a reducer keeps re-encodes to the bytes it got
+    error = np.abs(decoded[:1000].numpy() - values)
+    assert np.all(error <= np.maximum(np.abs(values) / 16, block_max * 2.0 ** -17) * (1 + 1e-6))
+    assert torch.equal(codec.decode(codec.encode(decoded)), decoded)
     assert codec.bits_per_element == 64 / 7 and codec.value_span(16, 40) == slice(14, 35)
     with pytest.raises(ValueError, match="non-finite"):
         codec.encode(torch.tensor([1.0, float("inf")]))

@@ -9,7 +9,7 @@ from lioncub_p2p.allreduce.punctuality import Punctuality
 from lioncub_p2p.allreduce.reducer import PartReduction
 from lioncub_p2p.codecs import result_codec, upload_codec
 from lioncub_p2p.swarm.follow import FollowRule, link_role
-from lioncub_p2p.swarm.membership import PeerRecord, reducer_floor
+from lioncub_p2p.swarm.membership import PeerRecord, assigned_weight, reducer_floor
 
 
 def test_punctuality_excuses_after_rounds_in_a_row_and_takes_back_after_more():
@@ -144,6 +144,11 @@ def test_a_member_far_below_the_median_weight_reduces_nothing():
     assert reducer_floor([100, 100, 100, 100, 1]) == pytest.approx(10.0)  # the 1 Mbit/s peer: no part
     assert reducer_floor([3, 1, 2, 1]) == pytest.approx(0.15)  # uneven but comparable: everyone reduces
     assert reducer_floor([]) == 0.0
+    floor = reducer_floor([100, 100, 100, 100, 1])
+    given = lambda w, **kw: assigned_weight(w, **{"syncing": False, "following": False, "floor": floor,  # noqa: E731
+                                                  "lone_reducers": False, **kw})
+    assert (given(100), given(1), given(1, lone_reducers=True)) == (100, 0.0, 1)  # a group always has a reducer
+    assert given(100, syncing=True) == given(100, following=True) == given(100, following=True, lone_reducers=True) == 0
 
 
 def test_a_follower_nobody_serves_any_more_stops_instead_of_training_on_zeros():

@@ -34,10 +34,10 @@ def test_manifest_from_yaml_reads_a_run_file(tmp_path):
     assert Manifest.from_payload(m.payload()) == m and Manifest.from_payload(m.payload()).digest() == m.digest()
     streamed = Manifest(momentum={"slices": 25})
     assert Manifest.from_payload(streamed.payload()).momentum_schedule() == MomentumSchedule(slices=25)
-    assert "wire" not in streamed.momentum  # bf16: the map of a manifest from before int8
-    int8 = Manifest(momentum={"slices": 25, "wire": "int8"})
-    assert Manifest.from_payload(int8.payload()).momentum_schedule() == MomentumSchedule(slices=25, wire="int8")
-    assert int8.digest() != streamed.digest()
+    assert "wire" not in streamed.momentum  # bf16: the map of a manifest from before fp8
+    fp8 = Manifest(momentum={"slices": 25, "wire": "fp8"})
+    assert Manifest.from_payload(fp8.payload()).momentum_schedule() == MomentumSchedule(slices=25, wire="fp8")
+    assert fp8.digest() != streamed.digest()
     # a run file of an older version: audit_every (voters audit every round now) is read and dropped
     (tmp_path / "old.yaml").write_text(path.read_text() + "audit_every: 5\n")
     old = Manifest.from_yaml(tmp_path / "old.yaml")
@@ -59,8 +59,8 @@ def test_manifest_from_yaml_reads_a_run_file(tmp_path):
     ("momentum: {often: 3}\n", "momentum must be a map"),
     ("momentum: {slices: -2}\n", "momentum.slices must be an integer"),
     ("momentum: {every: 20, slices: 4}\n", "slices (streamed averaging) replaces every"),
-    ("momentum: {every: 20, wire: fp4}\n", "momentum: wire must be bf16 or int8, got 'fp4'"),
-    ("upload: int8\n", "upload: int8 is a momentum format, not a vote's"),
+    ("momentum: {every: 20, wire: fp4}\n", "momentum: wire must be bf16 or fp8, got 'fp4'"),
+    ("upload: fp8\n", "upload: fp8 is a momentum format, not a vote's"),
     ("batch_size: 0\n", "batch_size must be an integer"),
     ("betas: [0.9, 1.0]\n", "betas must be two numbers"),
     ("layout_hash: xyz\n", "layout_hash must be 32 hex digits"),

@@ -7,7 +7,7 @@ from lioncub_p2p.allreduce.round import PartReport, RoundReport
 from lioncub_p2p.momentum import MomentumSchedule
 from lioncub_p2p.swarm.momentum_sync import MomentumSync
 
-from reference import from_int8_blocks, int8_blocks
+from reference import from_fp8_blocks, fp8_blocks
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
@@ -61,22 +61,22 @@ def test_a_whole_buffer_sync_with_every_part_back_reports_success():
     assert torch.equal(buffers[0][1], torch.full((8,), 0.5))
 
 
-def test_an_int8_sync_uploads_blocks_and_drops_the_padding_of_the_last():
-    """``wire="int8"``: the selected values travel as int8 blocks (numpy reference), 8 bytes per 7
+def test_an_fp8_sync_uploads_blocks_and_drops_the_padding_of_the_last():
+    """``wire="fp8"``: the selected values travel as fp8 blocks (numpy reference), 8 bytes per 7
     values with the last block padded; what comes back replaces them, without the padding."""
     buffers = [("w", torch.linspace(-3, 3, 10)), ("b", torch.tensor([1e-6, -2e-6, 3e-6]))]
-    sync = MomentumSync(MomentumSchedule(every=2, wire="int8"), "average", lambda: buffers, seed=0)
+    sync = MomentumSync(MomentumSchedule(every=2, wire="fp8"), "average", lambda: buffers, seed=0)
     spec = sync.spec(b"q" * 16, 2, (PeerSpec("a", 1.0),))
-    assert spec.nbytes == 8 * 2 and spec.upload.name == "int8"  # 13 values: two blocks
+    assert spec.nbytes == 8 * 2 and spec.upload.name == "fp8"  # 13 values: two blocks
     sent = np.concatenate([buffers[0][1].numpy(), buffers[1][1].numpy()])
     seen = {}
 
     def run_round(spec_, upload):
         seen["upload"] = upload.numpy().ravel()
-        return torch.from_numpy(from_int8_blocks(seen["upload"])) * 2, RoundReport("q", 2, 0, [
+        return torch.from_numpy(from_fp8_blocks(seen["upload"])) * 2, RoundReport("q", 2, 0, [
             PartReport(0, 0, 0, 16, "ok")])
 
     assert sync.average(spec, run_round) is True
-    np.testing.assert_array_equal(seen["upload"], int8_blocks(sent))
+    np.testing.assert_array_equal(seen["upload"], fp8_blocks(sent))
     got = np.concatenate([m.numpy() for _, m in buffers])
-    np.testing.assert_array_equal(got, 2 * from_int8_blocks(int8_blocks(sent))[:13])
+    np.testing.assert_array_equal(got, 2 * from_fp8_blocks(fp8_blocks(sent))[:13])

@@ -15,7 +15,7 @@ from lioncub_p2p.sim.inprocess import (Method, MethodRuns, Outcome, SpecTask, av
 from lioncub_p2p.sim.variants import (_agreement_scales, _ties_to_previous, _weighted_vote, Options,
                                       run_variant)
 
-from reference import from_int8_blocks, int8_blocks
+from reference import from_fp8_blocks, fp8_blocks
 
 LOSSES = [4.0, 2.0, 3.0, 1.0, 0.5]
 
@@ -85,8 +85,8 @@ def test_method_specs():
     assert parse_method("l1:3/ternary+geo1.5").momentum == MomentumSchedule(geometric=1.5)
     assert parse_method("sign/majority+ef+stream32").variant == ("ef",)
     assert parse_method("sign/majority+ef+stream32").momentum == MomentumSchedule(slices=32)
-    assert (parse_method("sign/majority+stream20+int8mean").momentum, parse_method("sign/majority+int8").momentum_rule) \
-        == (MomentumSchedule(slices=20, wire="int8"), "trimmed_mean")
+    assert (parse_method("sign/majority+stream20+fp8mean").momentum, parse_method("sign/majority+fp8").momentum_rule) \
+        == (MomentumSchedule(slices=20, wire="fp8"), "trimmed_mean")
     assert parse_method("global").upload is None
     for bad, message in (("sign", "UPLOAD/RESULT"), ("sign/average", "momentum rule"), ("l1:9/majority", "bits"),
                          ("sign/majority+syncx", "needs a number"), ("sign/majority+bogus", "unknown option")):
@@ -113,10 +113,10 @@ def test_swarm_momentum_rule_is_a_bf16_trimmed_mean():
             np.testing.assert_array_equal(m.numpy(), expected[name])
             assert not np.allclose(m.numpy(), exact[name], atol=1e-3)  # and it is not the exact mean
     blocks = _momenta(4)
-    want = {name: from_int8_blocks(int8_blocks(np.sort(np.stack([from_int8_blocks(int8_blocks(dict(m)[name].numpy()))[
+    want = {name: from_fp8_blocks(fp8_blocks(np.sort(np.stack([from_fp8_blocks(fp8_blocks(dict(m)[name].numpy()))[
         : dict(m)[name].numel()] for m in blocks]), 0)[1:3].mean(0, dtype=np.float32)))[: dict(blocks[0])[name].numel()]
-        for name in ("w", "b")}  # the same in int8 blocks (numpy reference), per tensor
-    assert average_momenta(blocks, MomentumSchedule(every=1, wire="int8"), "trimmed_mean") == 42
+        for name in ("w", "b")}  # the same in fp8 blocks (numpy reference), per tensor
+    assert average_momenta(blocks, MomentumSchedule(every=1, wire="fp8"), "trimmed_mean") == 42
     for peer in blocks:
         for name, m in peer:
             np.testing.assert_array_equal(m.numpy().ravel(), want[name])

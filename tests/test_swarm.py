@@ -26,7 +26,7 @@ from lioncub_p2p.swarm.membership import GroupHistory, GroupRecord, PeerRecord
 from lioncub_p2p.swarm.records import RecordError, seal
 from lioncub_p2p.wire import PROTOCOL_VERSION
 
-from reference import from_int8_blocks, int8_blocks
+from reference import from_fp8_blocks, fp8_blocks
 
 
 # -- membership records (pure; signed-record checks and attacks are in test_membership.py) ------------
@@ -462,7 +462,7 @@ class _MomentumProbe:
 
         async def recording_run_round(spec, upload, tag=b""):
             update, report = await run_round(spec, upload, tag)
-            if spec.upload.name in ("bf16", "int8"):  # momentum rounds
+            if spec.upload.name in ("bf16", "fp8"):  # momentum rounds
                 self._reports.append((spec, report))
             return update, report
 
@@ -482,10 +482,10 @@ class _MomentumProbe:
 @pytest.mark.parametrize("schedule, sync_steps", [
     (MomentumSchedule(geometric=2.0, start=2, params=("0.*",)), [2, 4, 8, 16]),
     (MomentumSchedule(slices=3, params=("0.*",)), list(range(1, 19))),  # streamed: a third per step
-    (MomentumSchedule(slices=3, params=("0.*",), wire="int8"), list(range(1, 19))),
-], ids=["geometric", "streamed", "streamed-int8"])
+    (MomentumSchedule(slices=3, params=("0.*",), wire="fp8"), list(range(1, 19))),
+], ids=["geometric", "streamed", "streamed-fp8"])
 def test_swarm_momentum_sync_is_the_trimmed_mean_of_the_selected_buffers(schedule, sync_steps):
-    """The momenta after a swarm sync equal an independent numpy trimmed mean (bf16 or int8 blocks on
+    """The momenta after a swarm sync equal an independent numpy trimmed mean (bf16 or fp8 blocks on
     the wire, both legs) of the peers' selected buffers at that step (the step's slice of each, when
     streamed), over the voters each part counted; everything else is untouched. The schedule selects
     layer 0 only."""
@@ -497,8 +497,8 @@ def test_swarm_momentum_sync_is_the_trimmed_mean_of_the_selected_buffers(schedul
     selected = ["0.weight", "0.bias"]
 
     def wire(a: np.ndarray) -> np.ndarray:  # what the values are after a trip over the wire
-        if schedule.wire == "int8":
-            return from_int8_blocks(int8_blocks(a))[: len(a)]
+        if schedule.wire == "fp8":
+            return from_fp8_blocks(fp8_blocks(a))[: len(a)]
         return torch.from_numpy(a).to(torch.bfloat16).float().numpy()
 
     def synced_part(momenta, step):  # the selected elements this step averages, flat

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
-from ..codecs import (INT8_BLOCK, AverageResult, Bf16Upload, Int8Upload, L1Upload, ResultCodec, SignUpload, UploadCodec,
+from ..codecs import (FP8_BLOCK, AverageResult, Bf16Upload, Fp8Upload, L1Upload, ResultCodec, SignUpload, UploadCodec,
                       is_values, result_codec)
 from ..identity import Verifier, peer_id_of
 from ..ops import unpack_signs
@@ -46,8 +46,8 @@ def codecs_of(header: pb.ResultHeader) -> tuple[UploadCodec, ResultCodec]:
         upload = L1Upload(header.upload_bits)
     elif header.upload == pb.UPLOAD_BF16 and header.upload_bits == 16:
         upload = Bf16Upload()
-    elif header.upload == pb.UPLOAD_INT8 and header.upload_bits == 8:
-        upload = Int8Upload()
+    elif header.upload == pb.UPLOAD_FP8 and header.upload_bits == 8:
+        upload = Fp8Upload()
     else:
         raise WireError(f"unknown upload encoding ({header.upload}, {header.upload_bits})")
     if header.result == pb.RESULT_TRIMMED_MEAN:
@@ -106,9 +106,11 @@ def agrees(upload: UploadCodec, got: torch.Tensor, want: torch.Tensor) -> bool:
         return False
     if isinstance(upload, Bf16Upload):
         return bool(torch.all((got - want).abs() <= BF16_RTOL * torch.maximum(got.abs(), want.abs()) + 1e-30))
-    if isinstance(upload, Int8Upload):  # a recount may round to the neighbouring step of its block
-        step = torch.maximum(got.abs(), want.abs()).view(-1, INT8_BLOCK).amax(1, keepdim=True) / 63
-        return bool(torch.all((got - want).abs().view(-1, INT8_BLOCK) <= step + 1e-30))
+    if isinstance(upload, Fp8Upload):  # a recount may round to the neighbouring e4m3 value: one step is
+        # at most 1/8 of the value, or a subnormal step (below 2**-16 of the block's largest)
+        larger = torch.maximum(got.abs(), want.abs()).view(-1, FP8_BLOCK)
+        tolerance = larger / 8 + larger.amax(1, keepdim=True) * 2.0 ** -16
+        return bool(torch.all((got - want).abs().view(-1, FP8_BLOCK) <= tolerance + 1e-30))
     return torch.equal(got, want)
 
 

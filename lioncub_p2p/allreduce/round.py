@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..codecs import Bf16Upload, Int8Upload, MajorityResult, ResultCodec, SignUpload, UploadCodec
+from ..codecs import Bf16Upload, Fp8Upload, MajorityResult, ResultCodec, SignUpload, UploadCodec
 from ..wire import MAX_CHUNK_BYTES, WireError, pb
 from .partition import PeerSpec, part_bounds
 
@@ -101,8 +101,8 @@ def upload_wire(codec: UploadCodec) -> tuple[int, int]:
         return pb.UPLOAD_SIGN, 1
     if isinstance(codec, Bf16Upload):
         return pb.UPLOAD_BF16, 16
-    if isinstance(codec, Int8Upload):
-        return pb.UPLOAD_INT8, 8
+    if isinstance(codec, Fp8Upload):
+        return pb.UPLOAD_FP8, 8
     return pb.UPLOAD_L1, codec.bits
 
 

@@ -3,7 +3,7 @@
 n simulated workers each hold a replica of the model, draw their own batches and keep their own
 momentum. Every step each worker packs its direction with the real upload codec, one reducer
 tallies all uploads with the real codecs, and every worker applies the decoded result; momenta are
-averaged on a ``MomentumSchedule``, exactly or as the swarm does it (bf16 or int8 blocks on the
+averaged on a ``MomentumSchedule``, exactly or as the swarm does it (bf16 or fp8 blocks on the
 wire, trimmed mean). Global Lion is data-parallel Lion: gradients averaged over the workers' batches (the same
 samples) and one shared momentum.
 
@@ -14,7 +14,7 @@ method's own best lr on a separate seed first.
 
 Bits per element per step count what one peer sends plus receives, before the butterfly's
 (n−1)/n factor: global Lion 32 up + 32 down (fp32); a vote = upload bits + result bits; a momentum
-sync adds 16 + 16 (bf16 all-reduce; 64/7 + 64/7 in int8 blocks) per synced element on the steps it runs.
+sync adds 16 + 16 (bf16 all-reduce; 64/7 + 64/7 in fp8 blocks) per synced element on the steps it runs.
 
     lioncub-compare --task byte-gpt --hidden 64 --steps 300 --seeds 3 --lr-sweep 5e-4,1e-3,2e-3
 """
@@ -42,7 +42,7 @@ from ..tasks import BUILTIN, TaskError, TrainingTask, load_task
 from . import quality
 
 def momentum_wire_bits(schedule: MomentumSchedule) -> float:
-    """Bits per synced element in each direction of a momentum round (16 in bf16, 64/7 in int8 blocks)."""
+    """Bits per synced element in each direction of a momentum round (16 in bf16, 64/7 in fp8 blocks)."""
     return upload_codec(schedule.wire).bits_per_element
 
 
@@ -70,7 +70,7 @@ def parse_method(spec: str) -> Method:
 
     Options: ``syncK`` momentum average every K steps, ``geoR`` at steps 1, R, R², ... , ``streamK``
     1/K of it every step (``MomentumSchedule(slices=K)``), ``untilT`` none after step T, ``bf16`` the swarm's bf16 trimmed mean instead of an exact one (``bf16mean``: its
-    plain mean; ``int8``, ``int8mean``: the same in int8 blocks), ``lrX`` this method's own lr; any other option names a variant of ``sim/variants.py``."""
+    plain mean; ``fp8``, ``fp8mean``: the same in fp8 blocks), ``lrX`` this method's own lr; any other option names a variant of ``sim/variants.py``."""
     spec = spec.strip()
     if spec == "global":
         return Method("global")
@@ -94,9 +94,9 @@ def parse_method(spec: str) -> Method:
                 until = int(option[5:])
             elif option.startswith("stream"):
                 slices = int(option[6:])
-            elif option in ("bf16", "bf16mean", "int8", "int8mean"):
+            elif option in ("bf16", "bf16mean", "fp8", "fp8mean"):
                 rule = "average" if option.endswith("mean") else "trimmed_mean"
-                wire = option[:4]
+                wire = "bf16" if option.startswith("bf16") else "fp8"
             elif option.startswith("lr") and option[2:3].isdigit():
                 lr = float(option[2:])
             else:
@@ -269,7 +269,7 @@ def average_momenta(momenta: list[list[tuple[str, torch.Tensor]]], schedule: Mom
                     step: int = 1) -> int:
     """One momentum sync over peers after ``step`` (its slice of each tensor, with ``slices``), in
     place; returns elements synced. ``exact``: the fp32 mean; ``trimmed_mean`` / ``average``: what a
-    swarm's momentum round does (each peer's momenta in the schedule's ``wire`` format, bf16 or int8
+    swarm's momentum round does (each peer's momenta in the schedule's ``wire`` format, bf16 or fp8
     blocks, the reducer's rule, the result in the same format, ``codecs.AverageResult``)."""
     if rule == "exact":
         return average_in_process(momenta, schedule, step)

@@ -102,7 +102,7 @@ def momentum_map(schedule: MomentumSchedule) -> dict[str, Any]:
         value["params"] = list(schedule.params)
     if schedule.slices:
         value["slices"] = schedule.slices
-    if schedule.wire != "bf16":  # absent: bf16 (manifests from before int8 read the same)
+    if schedule.wire != "bf16":  # absent: bf16 (manifests from before fp8 read the same)
         value["wire"] = schedule.wire
     return value
 

@@ -5,7 +5,7 @@ momentum buffers and the swarm only through a function that runs one round, so i
 without a network (``tests/test_momentum_sync.py``).
 
 Every element a sync selects (the schedule's parameters; with ``slices``, the step's slice of
-each) travels in the schedule's ``wire`` format (bf16, or int8 block floating point) to the reducers, which return the group's average or trimmed mean. Parts
+each) travels in the schedule's ``wire`` format (bf16, or e4m3 values sharing an exponent per 7) to the reducers, which return the group's average or trimmed mean. Parts
 nobody returned (a reducer left, the round failed) keep this peer's own values: a missed part
 costs drift, never a wrong value.
 """
@@ -50,7 +50,7 @@ class MomentumSync:
         selected = self.selected(spec.step)
         flat = torch.cat([m.detach().view(-1)[lo:hi].float() for m, lo, hi in selected])
         averaged, report = run_round(spec, self.codec.encode(flat))
-        averaged = averaged[: flat.numel()]  # int8: the last block's padding
+        averaged = averaged[: flat.numel()]  # fp8: the last block's padding
         if report.missing_parts:
             logger.warning("step %d: momentum averaging missed parts %s; they stay local", spec.step,
                            report.missing_parts)

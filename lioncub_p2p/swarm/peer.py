@@ -73,7 +73,8 @@ from .accuse import Accusation, AccuseServer, Refused, Suspicions, send_accusati
 from .admit import AdmitServer, ask_admission
 from .follow import FollowRule
 from .manifest import DEFAULTS, Manifest, ManifestError, ManifestMismatch
-from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, announced_step, next_group, reducer_floor
+from .membership import (Directory, GroupHistory, GroupRecord, PeerRecord, announced_step, assigned_weight, next_group,
+                         reducer_floor)
 from .momentum_sync import MomentumSync
 from .probe import serve_probe
 from .records import RateLimitedLog, RunRecordValidator
@@ -567,8 +568,10 @@ class Swarm:
 
             def weighted(m: PeerSpec) -> bool:  # the group gives it the part its record asks for (none: none)
                 record = self.records.get(m.peer_id)
-                return m.reduces or m.client_mode or record is None and m.weight == 0 or record is not None and (
-                    record.weight == 0 or record.weight < floor or record.following)
+                if m.reduces or m.client_mode or record is None:
+                    return m.reduces or m.client_mode or m.weight == 0
+                return assigned_weight(record.weight, syncing=False, following=record.following, floor=floor,
+                                       lone_reducers=False) == 0
 
             settled = latest is not None and all(  # every member synced, and the group says so (weights back)
                 m.peer_id in synced and weighted(m) for m in latest.members)
@@ -1149,8 +1152,8 @@ class Swarm:
             return pid == self.peer_id or (pid in alive and (self.failures[pid] < limit or recent or pid in following))
 
         def spec(pid: str, weight: float, client_mode: bool) -> PeerSpec:
-            zero = pid in syncing or pid in following or weight < floor and not lone_reducers
-            return PeerSpec(pid, 0.0 if zero else weight, client_mode)
+            return PeerSpec(pid, assigned_weight(weight, syncing=pid in syncing, following=pid in following,
+                                                 floor=floor, lone_reducers=lone_reducers), client_mode)
 
         leader = next((m.peer_id for m in latest.members if m.reduces and healthy(m.peer_id)), None)
         step = self.optimizer.step_count
