@@ -128,8 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="stream momentum averaging instead: every step averages 1/K of it, so no step waits "
                             "for a whole-buffer round (replaces --momentum-every) [off]")
     proto.add_argument("--momentum-wire", default=None,
-                       help="momentum values on the wire, bf16 or fp8 (e4m3 sharing an exponent per 7 values, 9.1 bits: 43%% fewer "
-                            "momentum bytes); alone it applies to the default schedule (every 20) [bf16]")
+                       help="momentum values on the wire, bf16 or fp8 (e4m3 sharing an exponent per 7 values, "
+                            "9.1 bits: 43%% fewer momentum bytes); alone it applies to the default schedule "
+                            "(every 20) [bf16]")
     proto.add_argument("--delay", type=int, default=None, choices=(0, 1),
                        help="1: overlapped rounds, each vote travels during the next step's compute and is "
                             "applied one step late [0]")
@@ -266,7 +267,8 @@ def momentum_schedule(args: argparse.Namespace) -> MomentumSchedule | None:
     """The schedule the flags ask for; None: the run's."""
     wire = args.momentum_wire or "bf16"
     if wire not in ("bf16", "fp8"):
-        raise UsageError(f"--momentum-wire {wire}: use bf16 (16 bits per value) or fp8 (e4m3 in blocks of 7 values, 9.1 bits)")
+        raise UsageError(f"--momentum-wire {wire}: use bf16 (16 bits per value) or fp8 (e4m3 in blocks of 7 values, "
+                         f"9.1 bits)")
     if args.momentum_slices:
         if args.momentum_every:
             raise UsageError("--momentum-slices replaces --momentum-every: give one of them")

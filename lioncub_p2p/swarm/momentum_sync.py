@@ -5,7 +5,8 @@ momentum buffers and the swarm only through a function that runs one round, so i
 without a network (``tests/test_momentum_sync.py``).
 
 Every element a sync selects (the schedule's parameters; with ``slices``, the step's slice of
-each) travels in the schedule's ``wire`` format (bf16, or e4m3 values sharing an exponent per 7) to the reducers, which return the group's average or trimmed mean. Parts
+each) travels in the schedule's ``wire`` format (bf16, or e4m3 values sharing an exponent per 7)
+to the reducers, which return the group's average or trimmed mean in the same format. Parts
 nobody returned (a reducer left, the round failed) keep this peer's own values: a missed part
 costs drift, never a wrong value.
 """
