@@ -415,10 +415,10 @@ def test_a_peer_dropped_near_the_end_still_ends_with_the_final_state(monkeypatch
     back to a group it is no longer in and rejoins: the leader starts that group at the last step (not
     past it, where nobody would ever serve a state), and peer 2 downloads the final state from a peer
     that finished. All end bitwise equal."""
-    from lioncub_p2p.swarm import peer as peer_module
+    from lioncub_p2p.swarm import lead
 
     drop_after = 2.0  # the leader drops a member after this long without its votes (5 s in a real run)
-    monkeypatch.setattr(peer_module, "DROP_AFTER_S", drop_after)
+    monkeypatch.setattr(lead, "DROP_AFTER_S", drop_after)
     configs = [_config("late-end") for _ in range(3)]
     with caplog.at_level(logging.INFO, logger="lioncub_p2p.swarm.peer"):
         out = _train_swarm(configs, 30, stall=(2, 20, 3 * drop_after))

@@ -73,6 +73,7 @@ from .accuse import Accusation, AccuseServer, Refused, Suspicions, send_accusati
 from .admit import AdmitServer, ask_admission
 from .follow import FollowRule
 from .manifest import DEFAULTS, Manifest, ManifestError, ManifestMismatch
+from .lead import Health, leader_of, plan_group
 from .membership import (Directory, GroupHistory, GroupRecord, PeerRecord, announced_step, assigned_weight, next_group,
                          reducer_floor)
 from .momentum_sync import MomentumSync
@@ -84,9 +85,7 @@ from .verdicts import Verdicts
 logger = logging.getLogger(__name__)
 
 
-SYNC_GRACE_ROUNDS = 30  # rounds a joining member may miss before it is dropped
 STRANDED_AFTER_S = 30.0  # with no live peer that can count votes for this long, a peer that cannot lead stops
-DROP_AFTER_S = 5.0  # ...and seconds any member may miss rounds: fast rounds must not drop a peer that is starting up
 SKIP_TRIES = 3  # failed state downloads in a row after which a follower that fell out stops
 STEP_WINDOW = 100  # steps a member's announced step may lead the leader's and still count (forged far-future steps)
 MAX_CANDIDATES = 8  # group records a newcomer asks for admission, most populated first
@@ -1126,53 +1125,24 @@ class Swarm:
         return problem is None
 
     async def _lead(self) -> None:
-        """If this peer leads the group, keep it equal to the live, admitted, compatible peers.
-
-        A member that is still downloading the swarm's state votes with weight 0 (it reduces no part,
-        so nobody waits for its part); it gets its weight once its record says it is synced. A member
-        that was not counted in two rounds in a row, for at least ``DROP_AFTER_S``, is dropped; one still
-        syncing gets ``SYNC_GRACE_ROUNDS`` before that; a peer proven to lie (audit evidence, refused for
-        the rest of the run), suspected by two members for one round, or that announced it is leaving, is
-        dropped at once. Only signed, validated records count, and a member's step
-        counts only within ``STEP_WINDOW`` of this peer's."""
+        """If this peer leads the group, keep it equal to the live, admitted, compatible peers: who stays,
+        who joins and with which weight is ``lead.plan_group``'s (the rules are in ``lead.py``); this
+        publishes it, starting ``lead_steps`` past the fastest member's step, where a member's step
+        counts only within ``STEP_WINDOW`` of this peer's (a far-future step is a lie, not progress)."""
         latest = self.history.latest
         if latest is None or self.optimizer is None or not self._synced:
             return
-        alive = {pid for pid, r in self.records.items() if not r.leaving} | {self.peer_id}
-        syncing = {pid for pid, r in self.records.items() if not r.synced}
-        # behind the group by its own account (``follow.py``): kept, but given no part to reduce
-        following = {pid for pid, r in self.records.items() if r.following and not r.leaving}
         suspects = self.suspects()
-
-        def healthy(pid: str) -> bool:
-            if pid in suspects:
-                return False
-            limit = SYNC_GRACE_ROUNDS if pid in syncing else 2
-            recent = time.monotonic() - self.failing_since.get(pid, time.monotonic()) < DROP_AFTER_S
-            return pid == self.peer_id or (pid in alive and (self.failures[pid] < limit or recent or pid in following))
-
-        def spec(pid: str, weight: float, client_mode: bool) -> PeerSpec:
-            return PeerSpec(pid, assigned_weight(weight, syncing=pid in syncing, following=pid in following,
-                                                 floor=floor, lone_reducers=lone_reducers), client_mode)
-
-        leader = next((m.peer_id for m in latest.members if m.reduces and healthy(m.peer_id)), None)
+        healthy = Health(self.records, me=self.peer_id, now=time.monotonic(), failures=self.failures,
+                         failing_since=self.failing_since, suspects=suspects)
         step = self.optimizer.step_count
-        if leader != self.peer_id or step < latest.from_step:
+        if leader_of(latest, healthy) != self.peer_id or step < latest.from_step:
             return
         if self.run_manifest is not None and time.monotonic() - self._manifest_published > manifests.MANIFEST_TTL / 3:
             self._manifest_published = time.monotonic()  # the leader keeps the run's manifest alive
             await manifests.store(self.dht, self.config.run_id, self.run_manifest, self.identity)
-        known = {m.peer_id for m in latest.members}
-        weights = [self._weight_of(m) for m in latest.members if not m.client_mode]
-        weights += [r.weight for r in self.records.values() if r.peer_id not in known and not r.client_mode]
-        floor = reducer_floor(weights)
-        # the floor never leaves the group without a reducer (a slow founder while the others sync)
-        reducible = [self._weight_of(m) for m in latest.members
-                     if m.peer_id not in syncing and m.peer_id not in following and not m.client_mode]
-        lone_reducers = bool(reducible) and max(reducible) < floor
-        dropped = [m for m in latest.members if not healthy(m.peer_id)]
-        keep = [spec(m.peer_id, self._weight_of(m), m.client_mode) for m in latest.members if m not in dropped]
-        for m in dropped:  # remember what the record of a dropped member said when it was dropped
+        plan = plan_group(latest, healthy, evicted=self.evicted, may_join=self._may_join)
+        for m in plan.dropped:  # remember what the record of a dropped member said when it was dropped
             if m.peer_id in self.records:
                 self.evicted[m.peer_id] = self.records[m.peer_id].expires
             if m.peer_id in self.liars:
@@ -1180,15 +1150,10 @@ class Swarm:
             elif m.peer_id in suspects:
                 logger.warning("dropping %s from the group: suspected (%s)", m.peer_id,
                                "; ".join(self.suspicions.reasons(m.peer_id)))
-        # a dropped peer comes back only with a record announced since (a dead peer's record lingers
-        # until it expires; re-adding it would make the group flap)
-        new = [spec(r.peer_id, r.weight, r.client_mode) for r in self.records.values()
-               if r.peer_id not in known and not r.leaving and r.expires > self.evicted.get(r.peer_id, 0.0)
-               and r.peer_id not in suspects and self._may_join(r)]
-        for m in new:  # a returning peer starts with a clean slate
+        for m in plan.joined:  # a returning peer starts with a clean slate
             self.failures[m.peer_id] = 0
             self.failing_since.pop(m.peer_id, None)
-        desired = tuple(sorted(keep + new, key=lambda m: m.peer_id))
+        desired = plan.members
         if set(desired) == set(latest.members) or not any(m.reduces for m in desired):
             if time.monotonic() - self._published > 20.0:  # keep the record from expiring (under our own subkey)
                 self._published = time.monotonic()
@@ -1196,6 +1161,7 @@ class Swarm:
                     latest = GroupRecord(latest.epoch, latest.from_step, latest.members, latest.previous, self.peer_id)
                 await self.directory.publish_group(latest, ttl=60.0)
             return
+        known = {m.peer_id for m in latest.members}
         steps = [r.step for pid, r in self.records.items() if pid in known and step <= r.step <= step + STEP_WINDOW]
         ahead = max([step] + steps)  # the fastest member (a step beyond the window is a lie, not progress)
         lead = 0 if self._idle and ahead == step else self.config.lead_steps  # nobody steps yet: at once
@@ -1207,7 +1173,7 @@ class Swarm:
             self._published = time.monotonic()
             self._trust(record)
             logger.info("group epoch %d from step %d: %d members (+%d, -%d), %d reducing", record.epoch,
-                        record.from_step, len(desired), len(new), len(dropped),
+                        record.from_step, len(desired), len(plan.joined), len(plan.dropped),
                         sum(m.reduces for m in desired))
 
     # -- leaving -----------------------------------------------------------------------------------

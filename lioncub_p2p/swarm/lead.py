@@ -1,0 +1,93 @@
+"""What a leader makes of its group: who leads, who stays, who joins, and with which weight.
+
+Pure: it reads the group, the validated peer records and what this peer observed of the rounds, and
+returns a plan; ``Swarm._lead`` (the event loop's thread) does the I/O, publishes the plan as the next
+group and logs why members were dropped. Tested without a network (``tests/test_lead.py``).
+
+The rules:
+
+* a member is **healthy** unless it is suspected (``verdicts.py``: proven lies, two members' suspicion,
+  its own ``leaving`` record), its record is gone, or it was not counted in ``2`` rounds in a row
+  (``sync_grace`` while its record says it is still downloading the state) for at least ``drop_after``
+  seconds; a member that announced ``following`` (``follow.py``) is never dropped for missed votes;
+* the **leader** is the first healthy member that reduces, in group order (``leader_of``);
+* the unhealthy are dropped; a peer not in the group joins when its record is newer than the one it
+  had when it was dropped (a dead peer's record lingers until it expires), it is not suspected and
+  ``may_join`` admits it (protocol version, manifest, allow-list, run secret);
+* weights: ``membership.assigned_weight``, with the floor computed over the members' and newcomers'
+  announced weights, and the lone-reducer exception when no member that could reduce reaches it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from ..allreduce import PeerSpec
+from .membership import GroupRecord, PeerRecord, assigned_weight, reducer_floor
+
+SYNC_GRACE_ROUNDS = 30  # rounds a joining member may miss before it is dropped (it downloads the state)...
+DROP_AFTER_S = 5.0  # ...and seconds any member may miss rounds: fast rounds must not drop a peer that is starting up
+
+
+class Health:
+    """Which members a leader keeps (the first rule above), from one moment's records and observations."""
+
+    def __init__(self, records: Mapping[str, PeerRecord], *, me: str, now: float, failures: Mapping[str, int],
+                 failing_since: Mapping[str, float], suspects: set[str]):
+        self.records, self.me, self.now, self.suspects = records, me, now, suspects
+        self.failures, self.failing_since = failures, failing_since
+        self.alive = {pid for pid, r in records.items() if not r.leaving} | {me}
+        self.syncing = {pid for pid, r in records.items() if not r.synced}
+        self.following = {pid for pid, r in records.items() if r.following and not r.leaving}
+
+    def __call__(self, pid: str) -> bool:
+        if pid in self.suspects:
+            return False
+        limit = SYNC_GRACE_ROUNDS if pid in self.syncing else 2
+        recent = self.now - self.failing_since.get(pid, self.now) < DROP_AFTER_S
+        return pid == self.me or (pid in self.alive and (self.failures.get(pid, 0) < limit or recent
+                                                         or pid in self.following))
+
+
+def leader_of(latest: GroupRecord, healthy: Health) -> str | None:
+    """The first healthy member that reduces: only it publishes the next group."""
+    return next((m.peer_id for m in latest.members if m.reduces and healthy(m.peer_id)), None)
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    members: tuple[PeerSpec, ...]  # the next group, sorted by peer id
+    dropped: tuple[PeerSpec, ...]
+    joined: tuple[PeerSpec, ...]
+
+
+def plan_group(latest: GroupRecord, healthy: Health, *, evicted: Mapping[str, float],
+               may_join: Callable[[PeerRecord], bool]) -> GroupPlan:
+    """The next group as its leader makes it. ``evicted``: the expiry of a dropped peer's record when it
+    was dropped; ``may_join`` is asked only about peers that would join otherwise (it may log why not)."""
+    records, syncing, following = healthy.records, healthy.syncing, healthy.following
+
+    def announced(m: PeerSpec) -> float:  # a member's group weight is 0 while it syncs: its record says more
+        return records[m.peer_id].weight if m.peer_id in records else m.weight
+
+    known = {m.peer_id for m in latest.members}
+    floor = reducer_floor([announced(m) for m in latest.members if not m.client_mode]
+                          + [r.weight for r in records.values() if r.peer_id not in known and not r.client_mode])
+    # the floor never leaves the group without a reducer (a slow founder while the others sync)
+    reducible = [announced(m) for m in latest.members
+                 if m.peer_id not in syncing and m.peer_id not in following and not m.client_mode]
+    lone_reducers = bool(reducible) and max(reducible) < floor
+
+    def spec(pid: str, weight: float, client_mode: bool) -> PeerSpec:
+        return PeerSpec(pid, assigned_weight(weight, syncing=pid in syncing, following=pid in following,
+                                             floor=floor, lone_reducers=lone_reducers), client_mode)
+
+    dropped = tuple(m for m in latest.members if not healthy(m.peer_id))
+    kept = [spec(m.peer_id, announced(m), m.client_mode) for m in latest.members if m not in dropped]
+    joined = tuple(spec(r.peer_id, r.weight, r.client_mode) for r in records.values()
+                   if r.peer_id not in known and not r.leaving and r.expires > evicted.get(r.peer_id, 0.0)
+                   and r.peer_id not in healthy.suspects and may_join(r))
+    return GroupPlan(tuple(sorted(kept + list(joined), key=lambda m: m.peer_id)), dropped, joined)
+
+
+__all__ = ["Health", "GroupPlan", "leader_of", "plan_group", "SYNC_GRACE_ROUNDS", "DROP_AFTER_S"]

@@ -1,0 +1,75 @@
+"""The leader's plan for the next group (``swarm/lead.py``), without a network: each rule, one case."""
+from lioncub_p2p.allreduce import PeerSpec
+from lioncub_p2p.swarm import lead
+from lioncub_p2p.swarm.lead import Health, leader_of, plan_group
+from lioncub_p2p.swarm.membership import GroupRecord, PeerRecord
+
+NOW = 1000.0
+
+
+def _records(**overrides) -> dict[str, PeerRecord]:
+    """Peers a..d synced with weight 1; ``overrides``: peer -> PeerRecord fields."""
+    base = {pid: dict(weight=1.0, synced=True, expires=50.0) for pid in "abcd"}
+    for pid, fields in overrides.items():
+        base.setdefault(pid, dict(weight=1.0, synced=True, expires=50.0)).update(fields)
+    return {pid: PeerRecord(pid, **fields) for pid, fields in base.items()}
+
+
+def _plan(records, members="abcd", *, failures=None, since=None, suspects=(), evicted=None, refuse=()):
+    latest = GroupRecord(3, 10, tuple(PeerSpec(pid) for pid in members))
+    healthy = Health(records, me="a", now=NOW, failures=failures or {}, failing_since=since or {},
+                     suspects=set(suspects))
+    asked = []
+
+    def may_join(r: PeerRecord) -> bool:
+        asked.append(r.peer_id)
+        return r.peer_id not in refuse
+
+    plan = plan_group(latest, healthy, evicted=evicted or {}, may_join=may_join)
+    weights = {m.peer_id: m.weight for m in plan.members}
+    return plan, weights, leader_of(latest, healthy), asked
+
+
+def test_the_first_healthy_reducer_leads_and_an_unchanged_group_stays():
+    plan, weights, leader, asked = _plan(_records())
+    assert leader == "a" and weights == dict.fromkeys("abcd", 1.0) and not plan.dropped and not asked
+    _, _, leader, _ = _plan(_records(), failures={"a": 0}, suspects={"a"})
+    assert leader == "b"  # a suspected peer never leads, not even itself
+
+
+def test_a_member_is_dropped_after_two_missed_rounds_and_drop_after_seconds_only():
+    failing = {"failures": {"c": 2}, "since": {"c": NOW - lead.DROP_AFTER_S - 1}}
+    plan, weights, _, _ = _plan(_records(), **failing)
+    assert [m.peer_id for m in plan.dropped] == ["c"] and "c" not in weights
+    plan, _, _, _ = _plan(_records(), failures={"c": 2}, since={"c": NOW - 1})  # recent: a starting peer
+    assert not plan.dropped
+    plan, _, _, _ = _plan(_records(c=dict(synced=False)), **failing)  # still downloading: 30 rounds
+    assert not plan.dropped
+    plan, weights, _, _ = _plan(_records(c=dict(following=True)), **failing)  # a follower misses on purpose
+    assert not plan.dropped and weights["c"] == 0.0
+
+
+def test_suspects_the_leaving_and_peers_without_records_are_dropped():
+    records = _records(b=dict(leaving=True))
+    del records["d"]
+    plan, weights, _, _ = _plan(records, suspects={"c"})
+    assert sorted(m.peer_id for m in plan.dropped) == ["b", "c", "d"] and list(weights) == ["a"]
+
+
+def test_newcomers_join_when_admitted_and_newer_than_their_eviction():
+    records = _records(e=dict(expires=70.0), f=dict(expires=40.0), g=dict(), h=dict(leaving=True))
+    plan, weights, _, asked = _plan(records, evicted={"f": 45.0}, refuse={"g"}, suspects={"x"})
+    assert [m.peer_id for m in plan.joined] == ["e"] and "e" in weights  # f: its old record; g: refused
+    assert asked == ["e", "g"]  # neither the stale record nor the leaving peer is asked about
+    assert [m.peer_id for m in plan.members] == sorted(weights)
+
+
+def test_weights_follow_the_floor_the_sync_and_the_lone_reducer_exception():
+    records = _records(a=dict(weight=100.0), b=dict(weight=100.0), c=dict(weight=100.0), d=dict(weight=1.0),
+                       e=dict(weight=100.0, synced=False))
+    _, weights, _, _ = _plan(records)
+    assert weights == {"a": 100.0, "b": 100.0, "c": 100.0, "d": 0.0, "e": 0.0}  # below a tenth; syncing
+    slow_founder = _records(a=dict(weight=1.0), b=dict(weight=100.0, synced=False),
+                            c=dict(weight=100.0, synced=False), d=dict(weight=100.0, synced=False))
+    _, weights, _, _ = _plan(slow_founder)
+    assert weights == {"a": 1.0, "b": 0.0, "c": 0.0, "d": 0.0}  # the only reducer keeps its part
