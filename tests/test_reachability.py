@@ -103,7 +103,7 @@ def test_a_swarm_behind_nat_starts_in_client_mode_by_itself_and_says_so_once(mon
         assert founder.listen_plan.reachability is None and founder.visible_maddrs()
         maddrs = founder.visible_maddrs()
         monkeypatch.setattr(reachability, "check", FakeCheck(NAT))
-        with caplog.at_level(logging.INFO, logger="lioncub_p2p.swarm.peer"):
+        with caplog.at_level(logging.INFO, logger="lioncub_p2p.swarm"):
             joiner = Swarm(SwarmConfig("nat-auto", initial_peers=maddrs))
         try:
             lines = [r.getMessage() for r in caplog.records if "client mode" in r.getMessage()]

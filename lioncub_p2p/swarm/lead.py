@@ -1,7 +1,7 @@
 """What a leader makes of its group: who leads, who stays, who joins, and with which weight.
 
 Pure: it reads the group, the validated peer records and what this peer observed of the rounds, and
-returns a plan; ``Swarm._lead`` (the event loop's thread) does the I/O, publishes the plan as the next
+returns a plan; ``Upkeep.lead`` (the event loop's thread) does the I/O, publishes the plan as the next
 group and logs why members were dropped. Tested without a network (``tests/test_lead.py``).
 
 The rules:
