@@ -19,8 +19,8 @@ where its config has no opinion (None) and stops with one line where it differs 
 Every step: this peer votes in the round of its step with the group it accepted for that step,
 sending a digest of its parameters along. If most voters' digest differs from its own, it diverged
 (it missed a result, or a bit flipped): it downloads the state of the next step from a member and
-carries on. After the update: momenta are averaged on the schedule (bf16, trimmed mean by default;
-a failed sync is logged and skipped), snapshots are made for peers that asked, checkpoints written.
+carries on. After the update: momenta are averaged on the schedule (by default 1/20 of them each
+step, fp8 on the wire, trimmed mean; a failed sync is logged and skipped), snapshots are made for peers that asked, checkpoints written.
 Anything that goes wrong in a round is a missed round (a zero update, repaired by the digest if it
 split anyone), never an exception out of ``optimizer.step()``.
 
@@ -124,7 +124,7 @@ class SwarmConfig:
     upload: str | None = None  # "sign", "l1:BITS"
     result: str | None = None  # "majority", "ternary", "mean"
     transport: str | None = None  # "butterfly", or "allgather": D-Lion's all-gather of every vote (a baseline)
-    momentum: MomentumSchedule | None = None  # default every 20 steps
+    momentum: MomentumSchedule | None = None  # default: streamed 1/20 per step, fp8 on the wire
     momentum_rule: str | None = None  # "trimmed_mean" (default) or "average"
     full_digest_every: int | None = None  # the state tag hashes every parameter byte on these steps (default 10)
     seed: int | None = None  # keys the shared random bits of rounds (default 0)
@@ -133,7 +133,7 @@ class SwarmConfig:
     delay: int | None = None
     manifest: Manifest | None = None  # opinions on the trainer's settings (task, lr, batch size, ...)
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
-    lead_steps: int = 3  # a new group takes effect this many steps after the leader decides it
+    lead_steps: int = 3  # a new group takes effect at least this many steps after the leader decides it (lead.py)
     record_ttl: float = 10.0
     refresh_period: float = 0.5
     checkpoint_dir: str | None = None
@@ -812,7 +812,8 @@ class Swarm:
         return Local(joined=opt is not None, step=opt.step_count if opt is not None else 0, synced=self.state.synced,
                      following=self.rounds.follow.following, idle=self._idle, final_step=self.final_step,
                      bytes_up_per_s=stats.bytes_up / seconds, bytes_down_per_s=stats.bytes_down / seconds,
-                     samples_per_step=self.samples_per_step, loss=self.last_loss, run_manifest=self.run_manifest)
+                     samples_per_step=self.samples_per_step, loss=self.last_loss, run_manifest=self.run_manifest,
+                     steps_per_s=1.0 / self.rounds.step_s if self.rounds.step_s > 0 else 0.0)
 
     async def _store_manifest(self, manifest: Manifest) -> None:
         await manifests.store(self.dht, self.config.run_id, manifest, self.identity)

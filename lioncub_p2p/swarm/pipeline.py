@@ -26,7 +26,7 @@ import torch
 from ..aio import BackgroundLoop
 from ..allreduce import RoundReport, RoundSpec, VoteNode
 from ..allreduce.allgather import GatherNode
-from ..optim import LionCub, Resolved
+from ..optim import Resolved, TrainingView
 from . import snapshot
 from .follow import FollowRule
 from .membership import GroupRecord
@@ -77,7 +77,7 @@ class VotePipeline:
         self.peer_id, self.settings, self.loop, self.node, self.gather = peer_id, settings, loop, node, gather
         self.upkeep, self.state, self.verdicts, self.spec = upkeep, state, verdicts, spec
         self.rejoin, self.in_background, self.log = rejoin, in_background, log
-        self.optimizer: LionCub | None = None  # set at join
+        self.optimizer: TrainingView | None = None  # set at join: all this room reads of the optimizer
         self.stats = StepStats()
         self.repairs = 0
         self.skips = 0  # state downloads of a follower that fell out of the group's kept rounds
@@ -89,6 +89,8 @@ class VotePipeline:
         self._alone_since: float | None = None
         self.failures, self.failing_since = upkeep.failures, upkeep.failing_since  # written here, reset there
         self.current = ("vote", 0)  # the kind and step of the round in progress, for failpoints
+        self.step_s = 0.0  # recent seconds per step (consecutive steps only: a download's jump is no pace)
+        self._last_start: tuple[float, int] | None = None
 
     def prepare(self, step: int) -> None:
         """Let this peer's reducer count others' votes for ``step`` while it still computes."""
@@ -108,6 +110,11 @@ class VotePipeline:
     def submit(self, upload: torch.Tensor, step: int) -> "RoundInFlight | Resolved":
         """Start the vote of ``step``; the returned handle's ``wait()`` gives its update."""
         self.stats = StepStats(step=step)
+        now = time.monotonic()
+        if self._last_start is not None and step == self._last_start[1] + 1:
+            gap = now - self._last_start[0]
+            self.step_s = gap if self.step_s == 0 else 0.8 * self.step_s + 0.2 * gap
+        self._last_start = (now, step)
         try:
             return self._start(upload, step)
         except Exception as e:  # never into the training loop: a missed round (the digest repairs a split)
@@ -253,7 +260,7 @@ class VotePipeline:
                 else:
                     self.failures[member.peer_id] += 1
                     self.failing_since.setdefault(member.peer_id, time.monotonic())
-        numel = sum(s.param.numel() for s in self.optimizer.slots)
+        numel = self.optimizer.param_count
         self.stats.peers = max((len(p.counted) for p in received), default=0)
         self.stats.group_size = len(spec.group)
         self.stats.bytes_up, self.stats.bytes_down = report.bytes_up, report.bytes_down

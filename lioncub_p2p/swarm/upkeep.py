@@ -26,7 +26,7 @@ from hivemind.utils import get_dht_time
 
 from ..wire import PROTOCOL_VERSION
 from . import manifest as manifests
-from .lead import Health, leader_of, plan_group
+from .lead import Health, leader_of, plan_group, steps_ahead
 from .manifest import Manifest
 from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group
 from .records import RateLimitedLog
@@ -48,6 +48,7 @@ class Local:
     following: bool = False  # receives results without voting (``follow.py``)
     idle: bool = True  # not stepping yet: a group change may take effect at once
     final_step: int | None = None  # no group may start past it
+    steps_per_s: float = 0.0  # this peer's recent pace (the group's, as it steps with it)
     bytes_up_per_s: float = 0.0
     bytes_down_per_s: float = 0.0
     samples_per_step: int = 0
@@ -196,7 +197,7 @@ class Upkeep:
         known = {m.peer_id for m in latest.members}
         steps = [r.step for pid, r in self.records.items() if pid in known and step <= r.step <= step + STEP_WINDOW]
         ahead = max([step] + steps)  # the fastest member (a step beyond the window is a lie, not progress)
-        lead = 0 if me.idle and ahead == step else self.lead_steps  # nobody steps yet: at once
+        lead = 0 if me.idle and ahead == step else steps_ahead(self.lead_steps, me.steps_per_s)  # idle: at once
         from_step = ahead + lead
         if me.final_step is not None:  # a group from past this peer's last step would never take effect
             from_step = max(latest.from_step, min(from_step, me.final_step))
