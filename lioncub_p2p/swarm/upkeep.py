@@ -197,7 +197,9 @@ class Upkeep:
         known = {m.peer_id for m in latest.members}
         steps = [r.step for pid, r in self.records.items() if pid in known and step <= r.step <= step + STEP_WINDOW]
         ahead = max([step] + steps)  # the fastest member (a step beyond the window is a lie, not progress)
-        lead = 0 if me.idle and ahead == step else steps_ahead(self.lead_steps, me.steps_per_s)  # idle: at once
+        # idle: at once; alone, nobody else must read the record first (a founder alone steps at any pace)
+        pace = me.steps_per_s if len(latest.members) > 1 else 0.0
+        lead = 0 if me.idle and ahead == step else steps_ahead(self.lead_steps, pace)
         from_step = ahead + lead
         if me.final_step is not None:  # a group from past this peer's last step would never take effect
             from_step = max(latest.from_step, min(from_step, me.final_step))
