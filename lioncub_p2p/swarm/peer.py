@@ -19,8 +19,8 @@ where its config has no opinion (None) and stops with one line where it differs 
 Every step: this peer votes in the round of its step with the group it accepted for that step,
 sending a digest of its parameters along. If most voters' digest differs from its own, it diverged
 (it missed a result, or a bit flipped): it downloads the state of the next step from a member and
-carries on. After the update: momenta are averaged on the schedule (by default 1/20 of them each
-step, fp8 on the wire, trimmed mean; a failed sync is logged and skipped), snapshots are made for peers that asked, checkpoints written.
+carries on. After the update: momenta are averaged on the schedule (by default all of them every
+20 steps, bf16, trimmed mean; a failed sync is logged and skipped), snapshots are made for peers that asked, checkpoints written.
 Anything that goes wrong in a round is a missed round (a zero update, repaired by the digest if it
 split anyone), never an exception out of ``optimizer.step()``.
 
@@ -124,7 +124,7 @@ class SwarmConfig:
     upload: str | None = None  # "sign", "l1:BITS"
     result: str | None = None  # "majority", "ternary", "mean"
     transport: str | None = None  # "butterfly", or "allgather": D-Lion's all-gather of every vote (a baseline)
-    momentum: MomentumSchedule | None = None  # default: streamed 1/20 per step, fp8 on the wire
+    momentum: MomentumSchedule | None = None  # default every 20 steps, bf16 (manifest.DEFAULTS)
     momentum_rule: str | None = None  # "trimmed_mean" (default) or "average"
     full_digest_every: int | None = None  # the state tag hashes every parameter byte on these steps (default 10)
     seed: int | None = None  # keys the shared random bits of rounds (default 0)
