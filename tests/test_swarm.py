@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
 from dataclasses import replace
@@ -424,7 +425,12 @@ def test_a_peer_dropped_near_the_end_still_ends_with_the_final_state(monkeypatch
         out = _train_swarm(configs, 30, stall=(2, 20, 3 * drop_after))
     assert {out[i][0] for i in range(3)} == {30}
     assert len({out[i][1] for i in range(3)}) == 1
-    assert "rejoining" in caplog.text and "loaded the swarm's state at step 30" in caplog.text  # the path under test
+    # the path under test: back from its stall it downloads a state of the others (the final one, or one
+    # a few steps before it when they had not finished yet), whether it saw itself out of the group first
+    # (rejoining) or its rounds found nobody left (skipping ahead)
+    loaded = [int(step) for step in re.findall(r"loaded the swarm's state at step (\d+)", caplog.text)]
+    assert max(loaded, default=0) >= 25, loaded
+    assert "rejoining" in caplog.text or "downloading the state" in caplog.text
 
 
 @pytest.mark.slow
