@@ -14,7 +14,7 @@ import pytest
 from hivemind.p2p import P2P
 
 from lioncub_p2p.sim.hosts import HostNetwork, missing_tools
-from lioncub_p2p.swarm import reachability, snapshot
+from lioncub_p2p.swarm import reachability
 from lioncub_p2p.swarm.reachability import Reachability
 
 from procs import kill_group, wait_or_none
@@ -103,7 +103,7 @@ def test_a_swarm_behind_nat_starts_in_client_mode_by_itself_and_says_so_once(mon
         assert founder.listen_plan.reachability is None and founder.visible_maddrs()
         maddrs = founder.visible_maddrs()
         monkeypatch.setattr(reachability, "check", FakeCheck(NAT))
-        with caplog.at_level(logging.INFO, logger="lioncub_p2p.swarm"):
+        with caplog.at_level(logging.INFO, logger="lioncub_p2p.swarm.peer"):
             joiner = Swarm(SwarmConfig("nat-auto", initial_peers=maddrs))
         try:
             lines = [r.getMessage() for r in caplog.records if "client mode" in r.getMessage()]
@@ -127,7 +127,7 @@ def test_a_swarm_behind_nat_starts_in_client_mode_by_itself_and_says_so_once(mon
 SERVER = textwrap.dedent("""
     import asyncio, sys
     from hivemind.p2p import P2P
-    from lioncub_p2p.swarm import reachability, snapshot
+    from lioncub_p2p.swarm import reachability
     async def main():
         p2p = await P2P.create(host_maddrs=["/ip4/0.0.0.0/tcp/31337"], announce_maddrs=[f"/ip4/{sys.argv[1]}/tcp/31337"],
                                nat_port_map=False, auto_nat=False)
@@ -206,8 +206,6 @@ def test_a_trainer_behind_nat_chooses_client_mode_by_itself_and_trains_with_a_pu
     lines = [line for line in logs["h"].splitlines() if "client mode" in line and "peers cannot dial" in line]
     assert len(lines) == 1 and f"peers cannot dial {home.public_ip}:" in lines[0], logs["h"][-2000:]
     assert "client mode" not in logs["f"]  # the founder (no initial peers) listens
-    # the same step and parameters (momenta are each peer's own; the default sync streams 1/20 per step)
-    final = [snapshot.step_and_params_digest((tmp_path / f"{h}.state").read_bytes()) for h in ("f", "h")]
-    assert final[0] == final[1] and final[0][0] == steps
+    assert (tmp_path / "f.state").read_bytes() == (tmp_path / "h.state").read_bytes()
     rows = [json.loads(line) for line in (tmp_path / "h.jsonl").read_text().splitlines() if line.strip()]
     assert rows[-1]["step"] == steps - 1 and max(r["peers"] for r in rows) == 2  # it voted with the founder

@@ -79,11 +79,6 @@ class _Peer:
             self.swarm.shutdown()  # a crashed volunteer's machine goes away with it
 
 
-def _leave(peer: "_Peer") -> None:
-    peer.thread.join(30)
-    peer.swarm.shutdown()
-
-
 def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: int = 25, hidden: int = 64,
              timeout: float = 600.0) -> SoakReport:
     rng = random.Random(seed)
@@ -97,7 +92,7 @@ def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: i
     for p in team:
         p.thread.start()
         time.sleep(0.2)
-    next_index, next_fault, gone, leaving = peers, fault_every, [], []
+    next_index, next_fault, gone = peers, fault_every, []
     try:
         while time.monotonic() - started < timeout:
             alive = [p for p in team if p.thread.is_alive()]
@@ -109,10 +104,10 @@ def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: i
                 kind = rng.choice(["leave", "stall", "bit_flip"])
                 victim = rng.choice([p for p in alive if p is not first])  # keep the bootstrap peer up
                 report.faults[kind] += 1
-                if kind == "leave":  # it leaves (in the background: the schedule must not wait); a newcomer comes
+                if kind == "leave":  # it leaves; a newcomer takes its place
                     victim.stop.set()
-                    leaving.append(threading.Thread(target=_leave, args=(victim,), daemon=True))
-                    leaving[-1].start()
+                    victim.thread.join(30)
+                    victim.swarm.shutdown()
                     team.remove(victim)
                     gone.append(victim)
                     newcomer = _Peer(next_index, config(), task, rounds)
@@ -128,8 +123,6 @@ def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: i
             time.sleep(0.1)
         for p in team:
             p.thread.join(max(timeout - (time.monotonic() - started), 1.0))
-        for t in leaving:
-            t.join(60)
     finally:
         for p in team:
             p.stop.set()

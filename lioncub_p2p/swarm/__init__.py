@@ -2,8 +2,7 @@
 digests, checkpoints, momentum averaging."""
 from .manifest import Manifest, ManifestError, publish_manifest
 from .membership import Directory, GroupRecord, PeerRecord
-from .peer import AdmissionRefused, SettingsMismatch, Swarm, SwarmConfig, SwarmError
-from .pipeline import StepStats
+from .peer import AdmissionRefused, SettingsMismatch, StepStats, Swarm, SwarmConfig, SwarmError
 
 __all__ = ["Swarm", "SwarmConfig", "SwarmError", "AdmissionRefused", "SettingsMismatch", "StepStats", "Directory",
            "GroupRecord", "PeerRecord", "Manifest", "ManifestError", "publish_manifest"]
