@@ -124,6 +124,41 @@ def test_a_swarm_behind_nat_starts_in_client_mode_by_itself_and_says_so_once(mon
         founder.shutdown()
 
 
+def test_a_port_taken_between_the_check_and_the_daemon_is_replaced_by_another(monkeypatch, caplog):
+    """The check picks a free port for a peer that asked for any (tcp/0) and the daemon binds it
+    later; a port something else takes in between (seen with peers starting side by side) costs one
+    more pick, not the start."""
+    import socket
+
+    from lioncub_p2p.swarm import Swarm, SwarmConfig
+
+    founder = Swarm(SwarmConfig("port-race", host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    taken = socket.socket()
+    real_check = reachability.check
+
+    async def check_then_lose_the_port(initial_peers, port, **kwargs):
+        found = await real_check(initial_peers, port, **kwargs)
+        if taken.fileno() != -1 and not taken.getsockname()[1]:  # the first pick only
+            taken.bind(("127.0.0.1", port))
+            taken.listen()
+        return found
+
+    try:
+        monkeypatch.setattr(reachability, "check", check_then_lose_the_port)
+        with caplog.at_level(logging.INFO, logger="lioncub_p2p.swarm"):
+            joiner = Swarm(SwarmConfig("port-race", initial_peers=founder.visible_maddrs(),
+                                       host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        try:
+            port = int(joiner.config.host_maddrs[0].split("/")[-1])
+            assert taken.getsockname()[1] and port not in (0, taken.getsockname()[1]) and joiner.visible_maddrs()
+            assert any("taken meanwhile" in r.getMessage() for r in caplog.records)
+        finally:
+            joiner.shutdown()
+    finally:
+        taken.close()
+        founder.shutdown()
+
+
 SERVER = textwrap.dedent("""
     import asyncio, sys
     from hivemind.p2p import P2P

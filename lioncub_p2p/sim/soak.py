@@ -40,8 +40,11 @@ class SoakReport:
 
 class _Peer:
     def __init__(self, index: int, config: SwarmConfig, task, steps: int):
-        self.index, self.task, self.steps = index, task, steps
-        self.swarm = Swarm(config)
+        self.index, self.task, self.steps, self.config = index, task, steps, config
+        self.swarm: Swarm | None = None  # started on the peer's own thread: a DHT's start must not hold up the schedule
+        self.started = threading.Event()  # its swarm is up (or failed to come up)
+        self.go = threading.Event()  # may join the run
+        self.joined = threading.Event()  # holds the run's state (or failed to)
         self.stop = threading.Event()
         self.stall_for = 0.0
         self.flip = False
@@ -52,9 +55,15 @@ class _Peer:
 
     def _run(self) -> None:
         try:
+            self.swarm = Swarm(self.config)
+            self.started.set()
+            while not self.go.wait(0.1):
+                if self.stop.is_set():
+                    return
             model = self.task.make_model(seed=0)
             opt = LionCub(model.parameters(), lr=1e-3, weight_decay=0.1, aggregator=self.swarm)
             self.swarm.join(opt)
+            self.joined.set()
             self.swarm.final_step = self.steps  # as lioncub-train: no group starts past the last step
             x, y = self.task.shard(self.index % 4, 4)
             gen = torch.Generator().manual_seed(self.index)
@@ -76,12 +85,23 @@ class _Peer:
         except Exception as e:  # reported, and it fails the soak
             self.error = f"peer {self.index}: {type(e).__name__}: {e}"
             logger.exception("soak peer %d failed", self.index)
-            self.swarm.shutdown()  # a crashed volunteer's machine goes away with it
+            self.shutdown()  # a crashed volunteer's machine goes away with it
+        finally:
+            self.started.set()
+            self.joined.set()
+
+    def shutdown(self) -> None:
+        if self.swarm is not None:
+            self.swarm.shutdown()
+
+    @property
+    def repairs(self) -> int:
+        return self.swarm.repairs if self.swarm is not None else 0
 
 
 def _leave(peer: "_Peer") -> None:
     peer.thread.join(30)
-    peer.swarm.shutdown()
+    peer.shutdown()
 
 
 def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: int = 25, hidden: int = 64,
@@ -91,12 +111,23 @@ def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: i
     base = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], allreduce=SWARM_ROUNDS, momentum=MomentumSchedule(every=10), record_ttl=6.0)
     report, started = SoakReport(), time.monotonic()
     first = _Peer(0, SwarmConfig("soak", **base), task, rounds)
+    first.thread.start()
+    if not first.started.wait(60) or first.swarm is None:
+        first.thread.join(30)
+        return SoakReport(errors=[first.error or "peer 0 did not start its swarm in 60 s"])
     maddrs = [str(m) for m in first.swarm.dht.get_visible_maddrs()]
     config = lambda: SwarmConfig("soak", initial_peers=maddrs, **base)  # noqa: E731
     team = [first] + [_Peer(i, config(), task, rounds) for i in range(1, peers)]
-    for p in team:
+    for p in team[1:]:
         p.thread.start()
+    first.go.set()  # it founds the run; the rest of the team joins it one by one, and then faults start
+    first.joined.wait(60)
+    for p in team[1:]:
+        p.started.wait(60)
+        p.go.set()
         time.sleep(0.2)
+    for p in team[1:]:
+        p.joined.wait(60)
     next_index, next_fault, gone, leaving = peers, fault_every, [], []
     try:
         while time.monotonic() - started < timeout:
@@ -116,6 +147,7 @@ def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: i
                     team.remove(victim)
                     gone.append(victim)
                     newcomer = _Peer(next_index, config(), task, rounds)
+                    newcomer.go.set()
                     next_index += 1
                     team.append(newcomer)
                     newcomer.thread.start()
@@ -133,10 +165,12 @@ def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: i
     finally:
         for p in team:
             p.stop.set()
-            report.repairs += p.swarm.repairs
-            p.swarm.shutdown()
+        for p in team:
+            p.thread.join(30)  # a peer still starting its swarm has it before it is shut down here
+            report.repairs += p.repairs
+            p.shutdown()
         for p in gone:
-            report.repairs += p.swarm.repairs
+            report.repairs += p.repairs
     report.seconds = time.monotonic() - started
     report.rounds = max((p.step for p in team), default=0)
     finished = [p for p in team if p.digest is not None]

@@ -78,6 +78,7 @@ from .upkeep import GROUP_TTL, Local, Upkeep
 from .verdicts import Verdicts
 
 logger = logging.getLogger(__name__)
+PORT_TRIES = 3  # daemon starts on a freshly picked port, when another process takes the first one meanwhile
 
 
 MAX_CANDIDATES = 8  # group records a newcomer asks for admission, most populated first
@@ -241,7 +242,37 @@ class Swarm:
             self.loop.stop()
             raise SwarmError(f"cannot use the identity file {config.identity_path} ({e}): give a writable path "
                              f"or another file") from None
-        try:  # before the daemon takes the port: can peers dial it? (client mode decided here, once)
+        asked = config
+        for attempt in range(PORT_TRIES):
+            config = self._plan_listening(asked)
+            try:
+                # a key made just now is not anyone else's: skip hivemind's check (it starts a second daemon, ~0.45 s)
+                self.dht = DHT(start=True, initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
+                               announce_maddrs=config.announce_maddrs or None, identity_path=self.identity.path,
+                               check_if_identity_free=not fresh, record_validators=[RunRecordValidator([config.run_id])],
+                               client_mode=config.client_mode, no_listen=config.client_mode,
+                               nat_port_map=config.nat_probing, auto_nat=config.nat_probing)
+                break
+            except Exception as e:
+                # the check picked a free port (any was asked for); something else took it before the daemon bound it
+                picked = list(config.host_maddrs) != list(asked.host_maddrs)
+                if "address already in use" in str(e) and picked and attempt + 1 < PORT_TRIES:
+                    logger.info("the port picked for listening was taken meanwhile: picking another")
+                    continue
+                self.loop.stop()
+                raise SwarmError(f"could not start the DHT ({e}); check --initial-peers and that the coordinators "
+                                 f"are reachable") from e
+        self.config = config
+        try:
+            self._start(config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _plan_listening(self, config: SwarmConfig) -> SwarmConfig:
+        """``config`` with how this peer listens (``reachability.plan``): before the daemon takes the
+        port, can peers dial it? Client mode is decided here, once."""
+        try:
             self.listen_plan = self.loop.run(reachability.plan(config.client_mode, config.initial_peers,
                                                                config.host_maddrs, config.announce_maddrs), timeout=90)
         except Exception as e:  # the check must never keep a peer out: listen as configured
@@ -250,24 +281,8 @@ class Swarm:
         plan = self.listen_plan
         if plan.note:  # one line: whether peers can dial this machine, and what this peer does about it
             logger.log(logging.WARNING if plan.client_mode else logging.INFO, "%s", plan.note)
-        self.config = config = replace(config, client_mode=plan.client_mode, host_maddrs=plan.host_maddrs,
-                                       announce_maddrs=plan.announce_maddrs)
-        try:
-            # a key made just now is not anyone else's: skip hivemind's check (it starts a second daemon, ~0.45 s)
-            self.dht = DHT(start=True, initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
-                           announce_maddrs=config.announce_maddrs or None, identity_path=self.identity.path,
-                           check_if_identity_free=not fresh, record_validators=[RunRecordValidator([config.run_id])],
-                           client_mode=config.client_mode, no_listen=config.client_mode,
-                           nat_port_map=config.nat_probing, auto_nat=config.nat_probing)
-        except Exception as e:
-            self.loop.stop()
-            raise SwarmError(f"could not start the DHT ({e}); check --initial-peers and that the coordinators "
-                             f"are reachable") from e
-        try:
-            self._start(config)
-        except BaseException:
-            self.shutdown()
-            raise
+        return replace(config, client_mode=plan.client_mode, host_maddrs=plan.host_maddrs,
+                       announce_maddrs=plan.announce_maddrs)
 
     def _start(self, config: SwarmConfig) -> None:
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=30)
