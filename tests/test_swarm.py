@@ -459,42 +459,59 @@ def test_momentum_patterns_that_select_nothing_stop_join_with_a_hint():
 
 
 class _MomentumProbe:
-    """Records, around each momentum sync of one peer, all momenta before and after and which voters
-    each part counted (from the round's report)."""
+    """Records each momentum sync of one peer as it is kept: (step, what it sent, all momenta just
+    before and just after its result was written, spec, report, synced). A whole-buffer sync is kept
+    in the step that ran it; a streamed one after the next step (``Swarm._stream_momentum``)."""
 
     def __init__(self, swarm: Swarm):
-        self.swarm, self.syncs, self._reports = swarm, [], []
-        average, run_round = swarm._average_momentum, swarm.node.run_round
+        self.swarm, self.syncs, self._reports = swarm, [], {}
+        average, stream, run_round = swarm._average_momentum, swarm._stream_momentum, swarm.node.run_round
 
         async def recording_run_round(spec, upload, tag=b""):
             update, report = await run_round(spec, upload, tag)
             if spec.upload.name in ("bf16", "fp8"):  # momentum rounds
-                self._reports.append((spec, report))
+                self._reports[spec.step] = (spec, report)
             return update, report
 
+        def momenta():
+            return [(n, m.detach().clone()) for n, m in swarm.optimizer.momentum_buffers()]
+
+        def record(step, sent, before, synced):
+            spec, report = self._reports.pop(step, (None, None))
+            self.syncs.append((step, sent, before, momenta(), spec, report, synced))
+
         def recording_average(step):
-            before = [(n, m.detach().clone()) for n, m in swarm.optimizer.momentum_buffers()]
+            before = momenta()
+            sent = swarm._momentum_sync().selected(step)
+            sent = torch.cat([m.view(-1)[lo:hi].float() for m, lo, hi in sent]).numpy().copy()
             synced = average(step)
-            after = [(n, m.detach().clone()) for n, m in swarm.optimizer.momentum_buffers()]
-            spec, report = self._reports.pop() if self._reports else (None, None)
-            self.syncs.append((step, before, after, spec, report, synced))
+            record(step, sent, before, synced)
             return synced
+
+        def recording_stream(sync, step):
+            in_flight, before = swarm._momentum_in_flight, momenta()
+            stream(sync, step)
+            if in_flight is not None and in_flight.step == step - 1:
+                record(in_flight.step, in_flight.flat.numpy().copy(), before, swarm.rounds.stats.momentum_synced)
 
         swarm.node.run_round = recording_run_round
         swarm._average_momentum = recording_average
+        swarm._stream_momentum = recording_stream
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule, sync_steps", [
     (MomentumSchedule(geometric=2.0, start=2, params=("0.*",)), [2, 4, 8, 16]),
-    (MomentumSchedule(slices=3, params=("0.*",)), list(range(1, 19))),  # streamed: a third per step
-    (MomentumSchedule(slices=3, params=("0.*",), wire="fp8"), list(range(1, 19))),
+    # streamed: a third per step, each kept after the next step (the last one's never: training ended)
+    (MomentumSchedule(slices=3, params=("0.*",)), list(range(1, 18))),
+    (MomentumSchedule(slices=3, params=("0.*",), wire="fp8"), list(range(1, 18))),
 ], ids=["geometric", "streamed", "streamed-fp8"])
 def test_swarm_momentum_sync_is_the_trimmed_mean_of_the_selected_buffers(schedule, sync_steps):
     """The momenta after a swarm sync equal an independent numpy trimmed mean (bf16 or fp8 blocks on
-    the wire, both legs) of the peers' selected buffers at that step (the step's slice of each, when
-    streamed), over the voters each part counted; everything else is untouched. The schedule selects
-    layer 0 only."""
+    the wire, both legs) of what the peers sent of their selected buffers at that step (the step's
+    slice of each, when streamed), over the voters each part counted; a streamed one, kept a step
+    later, adds what the momentum did meanwhile (average + now - sent); everything else is
+    untouched. The schedule selects layer 0 only."""
     configs = [_config("momentum", momentum=schedule) for _ in range(3)]
     probes = {}
     _train_swarm(configs, 18, instrument=lambda i, swarm: probes.__setitem__(i, _MomentumProbe(swarm)))
@@ -514,9 +531,9 @@ def test_swarm_momentum_sync_is_the_trimmed_mean_of_the_selected_buffers(schedul
     for k in range(len(sync_steps)):
         syncs = [probes[i].syncs[k] for i in range(3)]
         ids = [probes[i].swarm.peer_id for i in range(3)]
-        assert [n for n, _ in syncs[0][1] if schedule.selects(n)] == selected
-        flats = [synced_part(s[1], s[0]) for s in syncs]
-        spec, report = syncs[0][3], syncs[0][4]
+        assert [n for n, _ in syncs[0][2] if schedule.selects(n)] == selected
+        flats = [s[1] for s in syncs]
+        spec, report = syncs[0][4], syncs[0][5]
         expected = flats[0].copy()
         for part in report.parts:
             span = spec.upload.value_span(part.start, part.stop)
@@ -530,9 +547,11 @@ def test_swarm_momentum_sync_is_the_trimmed_mean_of_the_selected_buffers(schedul
             kept = np.sort(rows, axis=0)[trim : n - trim]
             mean = kept.mean(axis=0, dtype=np.float32)
             expected[a:b] = wire(np.append(mean, np.zeros(span.stop - b, np.float32)))[: b - a]  # blocks from a
-        for i, (step, before, after, _, peer_report, synced) in enumerate(syncs):
+        for i, (step, sent, before, after, _, peer_report, synced) in enumerate(syncs):
             assert synced and not peer_report.missing_parts
-            assert np.array_equal(synced_part(after, step), expected), (k, i)
+            now = synced_part(before, step)
+            want = now + (expected - sent) if schedule.slices else expected
+            assert np.array_equal(synced_part(after, step), want), (k, i)
             for (n, m0), (_, m1) in zip(before, after):
                 lo, hi = schedule.slice_of(step, m0.numel()) if n in selected else (0, 0)
                 outside = np.ones(m0.numel(), dtype=bool)
@@ -769,7 +788,6 @@ def test_a_lying_reducer_is_dropped_by_the_leader_on_evidence_and_nobody_honest_
     change nothing."""
     from dataclasses import replace as dc_replace
 
-    from lioncub_p2p.allreduce import AllReduceConfig
     from lioncub_p2p.swarm.accuse import Accusation
     from lioncub_p2p.testing import lying_reduction
 

@@ -41,10 +41,9 @@ class SoakReport:
 class _Peer:
     def __init__(self, index: int, config: SwarmConfig, task, steps: int):
         self.index, self.task, self.steps, self.config = index, task, steps, config
-        self.swarm: Swarm | None = None  # started on the peer's own thread: a DHT's start must not hold up the schedule
-        self.started = threading.Event()  # its swarm is up (or failed to come up)
-        self.go = threading.Event()  # may join the run
+        self.swarm: Swarm | None = None
         self.joined = threading.Event()  # holds the run's state (or failed to)
+        self.go = threading.Event()  # may train: the founding team trains once all of it joined
         self.stop = threading.Event()
         self.stall_for = 0.0
         self.flip = False
@@ -55,15 +54,15 @@ class _Peer:
 
     def _run(self) -> None:
         try:
-            self.swarm = Swarm(self.config)
-            self.started.set()
-            while not self.go.wait(0.1):
-                if self.stop.is_set():
-                    return
+            if self.swarm is None:  # a newcomer starts its own (not on the schedule's thread: that takes seconds)
+                with _STARTING:  # one at a time: DHTs start processes, which must not fork side by side
+                    self.swarm = Swarm(self.config)
             model = self.task.make_model(seed=0)
             opt = LionCub(model.parameters(), lr=1e-3, weight_decay=0.1, aggregator=self.swarm)
             self.swarm.join(opt)
             self.joined.set()
+            while not self.go.wait(0.1) and not self.stop.is_set():
+                pass
             self.swarm.final_step = self.steps  # as lioncub-train: no group starts past the last step
             x, y = self.task.shard(self.index % 4, 4)
             gen = torch.Generator().manual_seed(self.index)
@@ -87,7 +86,6 @@ class _Peer:
             logger.exception("soak peer %d failed", self.index)
             self.shutdown()  # a crashed volunteer's machine goes away with it
         finally:
-            self.started.set()
             self.joined.set()
 
     def shutdown(self) -> None:
@@ -97,6 +95,9 @@ class _Peer:
     @property
     def repairs(self) -> int:
         return self.swarm.repairs if self.swarm is not None else 0
+
+
+_STARTING = threading.Lock()
 
 
 def _leave(peer: "_Peer") -> None:
@@ -111,23 +112,21 @@ def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: i
     base = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], allreduce=SWARM_ROUNDS, momentum=MomentumSchedule(every=10), record_ttl=6.0)
     report, started = SoakReport(), time.monotonic()
     first = _Peer(0, SwarmConfig("soak", **base), task, rounds)
-    first.thread.start()
-    if not first.started.wait(60) or first.swarm is None:
-        first.thread.join(30)
-        return SoakReport(errors=[first.error or "peer 0 did not start its swarm in 60 s"])
+    first.swarm = Swarm(first.config)
     maddrs = [str(m) for m in first.swarm.dht.get_visible_maddrs()]
     config = lambda: SwarmConfig("soak", initial_peers=maddrs, **base)  # noqa: E731
     team = [first] + [_Peer(i, config(), task, rounds) for i in range(1, peers)]
     for p in team[1:]:
+        p.swarm = Swarm(p.config)
+    for p in team:
         p.thread.start()
-    first.go.set()  # it founds the run; the rest of the team joins it one by one, and then faults start
-    first.joined.wait(60)
-    for p in team[1:]:
-        p.started.wait(60)
-        p.go.set()
+        if p is first:  # it founds the run; the rest of the team joins it one by one, then all train
+            first.joined.wait(60)
         time.sleep(0.2)
     for p in team[1:]:
         p.joined.wait(60)
+    for p in team:
+        p.go.set()
     next_index, next_fault, gone, leaving = peers, fault_every, [], []
     try:
         while time.monotonic() - started < timeout:

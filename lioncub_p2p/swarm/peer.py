@@ -69,7 +69,7 @@ from .accuse import Accusation, AccuseServer, Refused, Suspicions, send_accusati
 from .admit import AdmitServer, ask_admission
 from .manifest import DEFAULTS, Manifest, ManifestError, ManifestMismatch
 from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, assigned_weight, reducer_floor
-from .momentum_sync import MomentumSync
+from .momentum_sync import MomentumSync, Sent
 from .probe import serve_probe
 from .records import RateLimitedLog, RunRecordValidator
 from .pipeline import PipelineSettings, RoundInFlight, VotePipeline
@@ -231,6 +231,7 @@ class Swarm:
         self._refresher: concurrent.futures.Future | None = None
         self._closed = False
         self._joined = False
+        self._momentum_in_flight: Sent | None = None  # a streamed momentum round started after the last step
         self._idle = True  # not stepping yet (joining, waiting for peers): group changes can take effect at once
         self.samples_per_step = 0  # set by the training loop, for monitors
         self.last_loss: float | None = None
@@ -721,9 +722,13 @@ class Swarm:
         """Momentum averaging, snapshots for joiners, checkpoints: each failure is logged, never raised."""
         try:
             step = optimizer.step_count
-            if self._momentum_sync().due(step):
+            sync = self._momentum_sync()
+            if sync.due(step) or self._momentum_in_flight is not None:
                 try:
-                    self.rounds.stats.momentum_synced = self._average_momentum(step)
+                    if sync.schedule.slices:
+                        self._stream_momentum(sync, step)
+                    else:
+                        self.rounds.stats.momentum_synced = self._average_momentum(step)
                 except Exception as e:
                     self.log.warning("momentum", "step %d: momentum averaging failed, skipped: %s: %s", step,
                                      type(e).__name__, e)
@@ -764,6 +769,29 @@ class Swarm:
         except Exception as e:
             logger.warning("step %d: momentum averaging failed, skipped: %s", step, e)
             return False
+
+    def _stream_momentum(self, sync: MomentumSync, step: int) -> None:
+        """Finish the slice started after the previous step (it ran during this one), start this
+        step's (``momentum_sync.py``): a streamed sync never makes a step wait for a whole round."""
+        sent, self._momentum_in_flight = self._momentum_in_flight, None
+        if sent is not None:
+            if sent.step == step - 1:  # else a download or a skip replaced these momenta: its result goes unused
+                try:
+                    self.rounds.stats.momentum_synced = sent.finish(self.config.allreduce.result_timeout + 30)
+                except Exception as e:
+                    self.rounds.stats.momentum_synced = False
+                    logger.warning("step %d: momentum averaging failed, skipped: %s: %s", sent.step,
+                                   type(e).__name__, e)
+        if not sync.due(step):
+            return
+        group = self.history.for_step(step - 1)
+        if group is None or self.peer_id not in group.member_ids():
+            return
+        spec = self._spec(group, step, kind="momentum")  # not marked current: it runs beside the next vote
+        node = self.node
+        round_for = node.follow_round if self.rounds.follow.following else None
+        self._momentum_in_flight = sync.start(spec, lambda spec, upload: asyncio.run_coroutine_threadsafe(
+            round_for(spec) if round_for else node.run_round(spec, upload), self.loop.loop))
 
     # -- caught reducers ----------------------------------------------------------------------------
 
