@@ -5,9 +5,9 @@ momentum buffers and the swarm only through a function that runs one round, so i
 without a network (``tests/test_momentum_sync.py``).
 
 A whole-buffer sync (``every``, ``geometric``) is one round that the step waits for. A streamed one
-(``slices``) does not hold up training: the round of step t starts after step t and is finished after
-step t+1 (``start``/``finish``), while step t+1's compute and vote run; what it brought is applied as
-a correction, ``m += average - sent``, so the momentum of step t+1 is kept. At most one is in flight.
+(``slices``) does not hold up training: the round of step t starts after step t and runs beside the
+next steps (``start``); after the first step that finds it ended, what it brought is applied as a
+correction, ``m += average - sent`` (``Sent.finish``), so what the momentum did since is kept.
 
 Every element a sync selects (the schedule's parameters; with ``slices``, the step's slice of
 each) travels in the schedule's ``wire`` format (bf16, or e4m3 values sharing an exponent per 7)
@@ -71,6 +71,7 @@ class Sent:
     def __init__(self, step: int, selected: list[tuple[torch.Tensor, int, int]], flat: torch.Tensor):
         self.step, self.selected, self.flat = step, selected, flat
         self.future: concurrent.futures.Future | None = None
+        self.loads = 0  # the caller's count of state downloads when it was sent: a later one voids it
 
     @classmethod
     def take(cls, sync: MomentumSync, step: int) -> "Sent":

@@ -19,8 +19,8 @@ where its config has no opinion (None) and stops with one line where it differs 
 Every step: this peer votes in the round of its step with the group it accepted for that step,
 sending a digest of its parameters along. If most voters' digest differs from its own, it diverged
 (it missed a result, or a bit flipped): it downloads the state of the next step from a member and
-carries on. After the update: momenta are averaged on the schedule (by default all of them every
-20 steps, bf16, trimmed mean; a failed sync is logged and skipped), snapshots are made for peers that asked, checkpoints written.
+carries on. After the update: momenta are averaged on the schedule (by default 1/20 of them each
+step, fp8 on the wire, trimmed mean; a failed sync is logged and skipped), snapshots are made for peers that asked, checkpoints written.
 Anything that goes wrong in a round is a missed round (a zero update, repaired by the digest if it
 split anyone), never an exception out of ``optimizer.step()``.
 
@@ -78,6 +78,7 @@ from .upkeep import GROUP_TTL, Local, Upkeep
 from .verdicts import Verdicts
 
 logger = logging.getLogger(__name__)
+MOMENTUM_IN_FLIGHT = 8  # streamed momentum rounds running at once before a step waits for the oldest
 PORT_TRIES = 3  # daemon starts on a freshly picked port, when another process takes the first one meanwhile
 
 
@@ -125,7 +126,7 @@ class SwarmConfig:
     upload: str | None = None  # "sign", "l1:BITS"
     result: str | None = None  # "majority", "ternary", "mean"
     transport: str | None = None  # "butterfly", or "allgather": D-Lion's all-gather of every vote (a baseline)
-    momentum: MomentumSchedule | None = None  # default every 20 steps, bf16 (manifest.DEFAULTS)
+    momentum: MomentumSchedule | None = None  # default: streamed 1/20 per step, fp8 on the wire
     momentum_rule: str | None = None  # "trimmed_mean" (default) or "average"
     full_digest_every: int | None = None  # the state tag hashes every parameter byte on these steps (default 10)
     seed: int | None = None  # keys the shared random bits of rounds (default 0)
@@ -231,7 +232,7 @@ class Swarm:
         self._refresher: concurrent.futures.Future | None = None
         self._closed = False
         self._joined = False
-        self._momentum_in_flight: Sent | None = None  # a streamed momentum round started after the last step
+        self._momentum_in_flight: list[Sent] = []  # streamed momentum rounds still running, oldest first
         self._idle = True  # not stepping yet (joining, waiting for peers): group changes can take effect at once
         self.samples_per_step = 0  # set by the training loop, for monitors
         self.last_loss: float | None = None
@@ -723,7 +724,7 @@ class Swarm:
         try:
             step = optimizer.step_count
             sync = self._momentum_sync()
-            if sync.due(step) or self._momentum_in_flight is not None:
+            if sync.due(step) or self._momentum_in_flight:
                 try:
                     if sync.schedule.slices:
                         self._stream_momentum(sync, step)
@@ -771,17 +772,26 @@ class Swarm:
             return False
 
     def _stream_momentum(self, sync: MomentumSync, step: int) -> None:
-        """Finish the slice started after the previous step (it ran during this one), start this
-        step's (``momentum_sync.py``): a streamed sync never makes a step wait for a whole round."""
-        sent, self._momentum_in_flight = self._momentum_in_flight, None
-        if sent is not None:
-            if sent.step == step - 1:  # else a download or a skip replaced these momenta: its result goes unused
-                try:
-                    self.rounds.stats.momentum_synced = sent.finish(self.config.allreduce.result_timeout + 30)
-                except Exception as e:
-                    self.rounds.stats.momentum_synced = False
-                    logger.warning("step %d: momentum averaging failed, skipped: %s: %s", sent.step,
-                                   type(e).__name__, e)
+        """Keep the slices whose rounds finished (they ran beside the steps since), start this step's
+        (``momentum_sync.py``). No step waits for a momentum round, unless ``MOMENTUM_IN_FLIGHT`` of
+        them are still running: then for the oldest, at most a round's bound."""
+        pending = [s for s in self._momentum_in_flight if s.loads == self.state.loads]  # else a download
+        if len(pending) >= MOMENTUM_IN_FLIGHT:                                         # replaced those momenta
+            concurrent.futures.wait([pending[0].future], timeout=self._round_bound())
+            if not pending[0].future.done():
+                logger.warning("step %d: the momentum round of step %d did not end: its slice stays local", step,
+                               pending[0].step)
+                pending = pending[1:]
+        self._momentum_in_flight = []
+        for sent in pending:
+            if not sent.future.done():
+                self._momentum_in_flight.append(sent)
+                continue
+            try:
+                self.rounds.stats.momentum_synced = sent.finish(0)
+            except Exception as e:
+                self.rounds.stats.momentum_synced = False
+                logger.warning("step %d: momentum averaging failed, skipped: %s: %s", sent.step, type(e).__name__, e)
         if not sync.due(step):
             return
         group = self.history.for_step(step - 1)
@@ -790,8 +800,10 @@ class Swarm:
         spec = self._spec(group, step, kind="momentum")  # not marked current: it runs beside the next vote
         node = self.node
         round_for = node.follow_round if self.rounds.follow.following else None
-        self._momentum_in_flight = sync.start(spec, lambda spec, upload: asyncio.run_coroutine_threadsafe(
+        sent = sync.start(spec, lambda spec, upload: asyncio.run_coroutine_threadsafe(
             round_for(spec) if round_for else node.run_round(spec, upload), self.loop.loop))
+        sent.loads = self.state.loads
+        self._momentum_in_flight.append(sent)
 
     # -- caught reducers ----------------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ class StateSync:
         self.step_lock = threading.Lock()
         self._in_step = False
         self.synced = False
+        self.loads = 0  # states loaded from others (a download replaces this peer's momenta too)
 
     @property
     def synced(self) -> bool:
@@ -118,4 +119,5 @@ class StateSync:
             logger.info("this peer already holds the swarm's state (step 0, same initialization)")
             return
         snapshot.load(self.optimizer, blob, expect_digest=digest)
+        self.loads += 1
         logger.info("loaded the swarm's state at step %d (%.1f MB)", step, len(blob) / 1e6)
