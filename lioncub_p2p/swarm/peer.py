@@ -78,7 +78,7 @@ from .upkeep import GROUP_TTL, Local, Upkeep
 from .verdicts import Verdicts
 
 logger = logging.getLogger(__name__)
-MOMENTUM_IN_FLIGHT = 8  # streamed momentum rounds running at once before a step waits for the oldest
+MOMENTUM_IN_FLIGHT = 8  # streamed momentum rounds kept waiting for; past it the oldest is given up
 PORT_TRIES = 3  # daemon starts on a freshly picked port, when another process takes the first one meanwhile
 
 
@@ -773,15 +773,13 @@ class Swarm:
 
     def _stream_momentum(self, sync: MomentumSync, step: int) -> None:
         """Keep the slices whose rounds finished (they ran beside the steps since), start this step's
-        (``momentum_sync.py``). No step waits for a momentum round, unless ``MOMENTUM_IN_FLIGHT`` of
-        them are still running: then for the oldest, at most a round's bound."""
+        (``momentum_sync.py``). No step waits for a momentum round: past ``MOMENTUM_IN_FLIGHT`` still
+        running, the oldest is given up (its round goes on for the others; its slice stays local)."""
         pending = [s for s in self._momentum_in_flight if s.loads == self.state.loads]  # else a download
-        if len(pending) >= MOMENTUM_IN_FLIGHT:                                         # replaced those momenta
-            concurrent.futures.wait([pending[0].future], timeout=self._round_bound())
-            if not pending[0].future.done():
-                logger.warning("step %d: the momentum round of step %d did not end: its slice stays local", step,
-                               pending[0].step)
-                pending = pending[1:]
+        if len(pending) >= MOMENTUM_IN_FLIGHT and not pending[0].future.done():         # replaced those momenta
+            self.log.warning("momentum-late", "step %d: the momentum round of step %d is still running after %d "
+                             "steps: its slice stays local", step, pending[0].step, step - pending[0].step)
+            pending = pending[1:]
         self._momentum_in_flight = []
         for sent in pending:
             if not sent.future.done():
