@@ -432,7 +432,8 @@ def test_a_peer_dropped_near_the_end_still_ends_with_the_final_state(monkeypatch
     loaded = [int(step) for step in re.findall(r"loaded the swarm's state at step (\d+)", caplog.text)]
     followed = out.get("followed", {}).get(2, [])
     assert max(loaded, default=0) >= 25 or max(followed, default=0) >= 25, (loaded, followed)
-    assert "rejoining" in caplog.text or "downloading the state" in caplog.text
+    if max(loaded, default=0) >= 25:  # a download is always announced, and says why
+        assert "rejoining" in caplog.text or "downloading the state" in caplog.text
 
 
 @pytest.mark.slow
