@@ -18,6 +18,9 @@ def _quiet_cancelled_connections(loop: asyncio.AbstractEventLoop, context: dict)
     if isinstance(context.get("exception"), asyncio.CancelledError):
         logger.debug("connection handler cancelled at shutdown: %s", context.get("message"))
         return
+    if loop.is_closed() and "task" in context:  # one that ignored its cancellation at stop(): logged there
+        logger.debug("%s: %r", context.get("message"), context["task"])
+        return
     loop.default_exception_handler(context)
 
 
@@ -44,16 +47,24 @@ class BackgroundLoop:
     def call_soon(self, callback, *args) -> None:
         self.loop.call_soon_threadsafe(callback, *args)
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 3.0) -> None:
+        """Cancel every task, give them ``grace`` seconds to end, stop the loop. A task that outlives
+        its cancellation (a library's cleanup awaiting a stream that no longer answers) is named in the
+        log and left behind: leaving must not hang on it."""
         if self.loop.is_running():
             async def cancel_all() -> None:
                 tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
                 for t in tasks:
                     t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                if not tasks:
+                    return
+                _, pending = await asyncio.wait(tasks, timeout=grace)
+                if pending:
+                    logger.info("%d tasks still running %.0f s after their cancellation, left behind: %s",
+                                len(pending), grace, ", ".join(sorted(getattr(t.get_coro(), "__qualname__", repr(t)) for t in pending)))
 
             try:
-                self.run(cancel_all(), timeout=10)
+                self.run(cancel_all(), timeout=grace + 5)
             finally:
                 self.loop.call_soon_threadsafe(self.loop.stop)
                 self._thread.join(timeout=10)

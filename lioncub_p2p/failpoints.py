@@ -8,7 +8,7 @@ others) the first time it reaches the point, on or after that step:
 - ``upload``    a vote round, after its first vote chunk went out;
 - ``reduce``    a vote round, when this peer's part is reduced but nobody has its result yet;
 - ``result``    a vote round, after the first result chunk went out (some voters have it, others not);
-- ``momentum``  a momentum-averaging round, after its first chunk went out;
+- ``momentum``  a whole-buffer momentum-averaging round, after its first chunk went out;
 - ``serve``     serving state to a newcomer, after the second chunk went out;
 - ``download``  downloading state as a newcomer, after the first chunk arrived.
 

@@ -13,7 +13,9 @@ Lion Cub averages them now and then. Tuning guide:
   tensor (elements [j·n/K, (j+1)·n/K) at step ≡ j+1 mod K), so every element is synced every K
   steps, as with ``every=K``, at the same bytes, but spread evenly: no step carries a whole-buffer
   round that every peer waits through (a 21 s stall every 25 steps at 10 Mbit/s for 5.45M
-  parameters). Costs one small round per step (its latency); replaces ``every``/``geometric``.
+  parameters). Each slice's round runs in the background beside the next steps, and its average
+  is applied once it ended, as a correction (``m += average - sent``): no step waits for it.
+  Replaces ``every``/``geometric``.
 * ``wire="fp8"``: momentum values travel as e4m3 codes sharing a power-of-two exponent per 7
   values, 64/7 ≈ 9.1 bits per value instead of bf16's 16, on both legs of the round: 43% fewer
   momentum bytes. Each value keeps 4 significant bits (``codecs.Fp8Upload``); measured as good as

@@ -70,6 +70,26 @@ class PendingUpdate(Protocol):
     def done(self) -> bool: ...
 
 
+class TrainingView(Protocol):
+    """What an aggregator's round machinery reads of the optimizer (``LionCub`` is one): the swarm's vote
+    pipeline sees nothing else (``tests/test_imports.py`` checks it). The whole state as bytes (joining,
+    repair, the state tag) is ``swarm/snapshot.py``'s, the one module that knows LionCub's layout."""
+
+    @property
+    def step_count(self) -> int: ...
+
+    @property
+    def buffer_bytes(self) -> int: ...
+
+    @property
+    def param_count(self) -> int: ...
+
+    @property
+    def in_flight(self) -> "PendingUpdate | None": ...
+
+    def momentum_buffers(self) -> list[tuple[str, torch.Tensor]]: ...
+
+
 @dataclass(frozen=True)
 class Resolved:
     """An update already known: restored from a snapshot with the round that produced it, or a round
@@ -168,6 +188,11 @@ class LionCub(torch.optim.Optimizer):
         """Bytes per code plane of the flat vote buffer."""
         last = self.slots[-1]
         return last.offset + last.nbytes
+
+    @property
+    def param_count(self) -> int:
+        """Parameters voted on (every element of every slot)."""
+        return sum(s.param.numel() for s in self.slots)
 
     @property
     def step_count(self) -> int:

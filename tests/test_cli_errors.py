@@ -112,13 +112,20 @@ def test_numbers_out_of_range(capsys, argv, words):
 
 
 def test_momentum_wire_alone_keeps_the_default_schedule():
+    """No flag: the run's schedule (by default 1/20 streamed per step in fp8); a wire format alone changes
+    only the format; a schedule alone takes the default format."""
+    from lioncub_p2p.swarm.manifest import DEFAULTS
+
     def schedule(*argv):
         return train.momentum_schedule(train.parse_args(list(argv)))
 
+    assert DEFAULTS.momentum_schedule() == MomentumSchedule(slices=20, wire="fp8")
     assert schedule() is None  # the run's
-    assert schedule("--momentum-wire", "fp8") == MomentumSchedule(every=20, wire="fp8")
-    assert schedule("--momentum-slices", "25", "--momentum-wire", "fp8") == MomentumSchedule(slices=25, wire="fp8")
-    assert schedule("--momentum-every", "5") == MomentumSchedule(every=5)
+    assert schedule("--momentum-wire", "bf16") == MomentumSchedule(slices=20, wire="bf16")
+    assert schedule("--momentum-wire", "fp8") == MomentumSchedule(slices=20, wire="fp8")
+    assert schedule("--momentum-slices", "25", "--momentum-wire", "bf16") == MomentumSchedule(slices=25)
+    assert schedule("--momentum-every", "5") == MomentumSchedule(every=5, wire="fp8")
+    assert schedule("--momentum-every", "0") == MomentumSchedule(every=0, wire="fp8")  # never
 
 
 def test_plot_of_files_that_are_not_metrics(tmp_path, capsys):

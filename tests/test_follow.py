@@ -156,17 +156,17 @@ def test_a_follower_nobody_serves_any_more_stops_instead_of_training_on_zeros():
     the third stops the peer with one line (``stranded``, which lioncub-train turns into exit 1)."""
     from types import SimpleNamespace
 
-    from lioncub_p2p.swarm.peer import SKIP_TRIES, Swarm
+    from lioncub_p2p.swarm.pipeline import SKIP_TRIES, VotePipeline
 
     def gone(**kwargs):
         raise ConnectionError("all dials failed")
 
     missed = []
-    fake = SimpleNamespace(_download=gone, _missed=lambda step: missed.append(step) or torch.zeros(8),
+    fake = SimpleNamespace(state=SimpleNamespace(download=gone), _missed=lambda step: missed.append(step) or torch.zeros(8),
                            _skip_failures=0, stranded=None, skips=0, optimizer=SimpleNamespace(step_count=40))
     for step in range(SKIP_TRIES):
         assert fake.stranded is None
-        update = Swarm._skip_ahead(fake, step, group=None)
+        update = VotePipeline.skip_ahead(fake, step, group=None)
         assert torch.equal(update, torch.zeros(8))
     assert missed == list(range(SKIP_TRIES))
     assert "fell behind" in fake.stranded and "start it again" in fake.stranded and "\n" not in fake.stranded

@@ -154,3 +154,25 @@ def test_trainer_runs_on_the_core_install(tmp_path):
     assert "finished at step 3: test loss" in done.stdout
     assert "SIM LOADED: []" in done.stdout
     assert "Traceback" not in done.stderr
+
+
+def _optimizer_attributes(path: Path) -> set[str]:
+    """Attributes read of ``self.optimizer`` in a module."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "optimizer" and isinstance(node.value.value, ast.Name)
+                and node.value.value.id == "self"):
+            found.add(node.attr)
+    return found
+
+
+def test_the_vote_pipeline_sees_the_optimizer_only_through_its_training_view():
+    """The round pipeline reads only what ``optim.TrainingView`` declares (the whole state is
+    snapshot.py's); a new read of LionCub's internals there must be added to the view on purpose."""
+    from lioncub_p2p.optim import LionCub, TrainingView
+
+    declared = {name for name in vars(TrainingView) if not name.startswith("_")}
+    assert declared <= set(dir(LionCub))  # LionCub is such a view
+    used = _optimizer_attributes(ROOT / "lioncub_p2p" / "swarm" / "pipeline.py")
+    assert used and used <= declared, sorted(used - declared)

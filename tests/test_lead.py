@@ -73,3 +73,15 @@ def test_weights_follow_the_floor_the_sync_and_the_lone_reducer_exception():
                             c=dict(weight=100.0, synced=False), d=dict(weight=100.0, synced=False))
     _, weights, _, _ = _plan(slow_founder)
     assert weights == {"a": 1.0, "b": 0.0, "c": 0.0, "d": 0.0}  # the only reducer keeps its part
+
+
+def test_a_new_group_starts_far_enough_ahead_for_every_member_to_read_it():
+    """``lead_steps`` at an internet pace; at dozens of steps per second, the steps the group makes while
+    its members read the record (else the leader steps into the new group alone and fails its round)."""
+    import math
+
+    from lioncub_p2p.swarm.lead import NOTICE_S, steps_ahead
+
+    assert steps_ahead(3, 0.0) == steps_ahead(3, 1.0) == 3  # idle, or a step a second: lead_steps
+    assert steps_ahead(3, 35.0) == 18 == math.ceil(35 * NOTICE_S)  # a small model on loopback
+    assert steps_ahead(3, 35.0, notice_s=0.05) == 3

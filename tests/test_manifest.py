@@ -80,7 +80,7 @@ def test_manifest_from_yaml_names_the_problem_in_one_line(tmp_path, text, expect
 def test_resolve_adopts_what_a_peer_has_no_opinion_on_and_names_a_conflict():
     run = Manifest(protocol=PROTOCOL_VERSION, upload="l1:4", lr=1e-3).merged(DEFAULTS)
     adopted = resolve(Manifest(protocol=PROTOCOL_VERSION, lr=1e-3), run, "demo")
-    assert adopted.upload == "l1:4" and adopted.momentum == {"every": 20, "start": 1}
+    assert adopted.upload == "l1:4" and adopted.momentum == {"every": 0, "start": 1, "slices": 20, "wire": "fp8"}
     with pytest.raises(ManifestMismatch, match=r"this peer's upload=sign differs from run demo's upload=l1:4 "
                                                r"\(also lr\): leave it unset"):
         resolve(Manifest(protocol=PROTOCOL_VERSION, upload="sign", lr=3e-4), run, "demo")

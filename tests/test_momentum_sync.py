@@ -80,3 +80,32 @@ def test_an_fp8_sync_uploads_blocks_and_drops_the_padding_of_the_last():
     np.testing.assert_array_equal(seen["upload"], fp8_blocks(sent))
     got = np.concatenate([m.numpy() for _, m in buffers])
     np.testing.assert_array_equal(got, 2 * from_fp8_blocks(fp8_blocks(sent))[:13])
+
+
+def test_a_streamed_round_finished_a_step_later_corrects_by_what_came_back_minus_what_was_sent():
+    """A streamed slice travels in the background while the next step runs; when it is finished its
+    average replaces only what was sent: m = average + (m now - m sent), where a part came back, and
+    m now elsewhere (numpy reference)."""
+    import concurrent.futures
+
+    g = torch.Generator().manual_seed(1)
+    buffers = [("w", torch.randn(10, generator=g))]
+    sync = MomentumSync(MomentumSchedule(slices=2), "average", lambda: buffers, seed=0)
+    spec = sync.spec(b"t" * 16, 1, (PeerSpec("a", 1.0),))  # step 1: the first slice, elements [0, 5)
+    sent_values = buffers[0][1].numpy().copy()
+    future = concurrent.futures.Future()
+    uploads = []
+    sent = sync.start(spec, lambda spec_, upload: uploads.append(upload) or future)
+    assert sent.future is future and len(uploads) == 1
+    np.testing.assert_array_equal(uploads[0].view(torch.bfloat16).float().numpy().ravel(), _bf16(sent_values[:5]))
+    with torch.no_grad():  # the next step moves the momentum while the round travels
+        buffers[0][1].mul_(0.9).add_(0.25)
+    now = buffers[0][1].numpy().copy()
+    average = np.array([1.0, -1.0, 0.5, np.nan, 2.0], dtype=np.float32)  # part of element 3 missing
+    future.set_result((torch.from_numpy(average.copy()), RoundReport("t", 1, 0, [PartReport(0, 0, 0, 10, "ok")])))
+    assert sent.finish(timeout=1.0) is True
+    want = now.copy()
+    ok = ~np.isnan(average)
+    want[:5][ok] = now[:5][ok] + (average[ok] - sent_values[:5][ok])
+    np.testing.assert_allclose(buffers[0][1].numpy(), want, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(buffers[0][1].numpy()[5:], now[5:])  # not in this slice

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from lioncub_p2p.momentum import MomentumSchedule
+from lioncub_p2p.momentum import MomentumSchedule, average_in_process
 from lioncub_p2p.sim import quality
-from lioncub_p2p.sim.inprocess import (Method, MethodRuns, Outcome, SpecTask, average_momenta, parse_method,
-                                       run_method, summarize)
+from lioncub_p2p.sim.inprocess import (Method, MethodRuns, Outcome, SpecTask, MomentumSyncs, average_momenta,
+                                       parse_method, run_method, summarize)
 from lioncub_p2p.sim.variants import (_agreement_scales, _ties_to_previous, _weighted_vote, Options,
                                       run_variant)
 
@@ -138,6 +138,30 @@ def test_streamed_momentum_averages_every_element_once_per_cycle(rule):
     for peer, want in zip(momenta, reference):
         for (_, m), (_, w) in zip(peer, want):
             torch.testing.assert_close(m, w, rtol=0, atol=0)
+
+
+def test_in_process_streamed_syncs_are_applied_a_step_later_as_a_correction():
+    """As a swarm does it: the slice averaged after step 1 changes nothing then; after step 2 each
+    momentum is what it is now plus (the average of step 1 minus what it was at step 1)."""
+    momenta = _momenta(3, seed=2)
+    schedule = MomentumSchedule(slices=2)
+    syncs = MomentumSyncs(schedule, "exact")
+    sent = [[(n, m.clone()) for n, m in peer] for peer in momenta]
+    syncs.after_step(momenta, 1)
+    assert all(torch.equal(m, s) for peer, was in zip(momenta, sent) for (_, m), (_, s) in zip(peer, was))
+    with torch.no_grad():
+        for peer in momenta:  # the next step moves every momentum
+            for _, m in peer:
+                m.mul_(0.5).add_(1.0)
+    now = [[(n, m.clone()) for n, m in peer] for peer in momenta]
+    averaged = [[(n, m.clone()) for n, m in peer] for peer in sent]
+    average_in_process(averaged, schedule, 1)
+    syncs.after_step(momenta, 2)
+    for peer, n_, s_, a_ in zip(momenta, now, sent, averaged):
+        for (_, m), (_, n), (_, s), (_, a) in zip(peer, n_, s_, a_):
+            torch.testing.assert_close(m, n + (a - s), rtol=0, atol=0)
+    assert syncs.synced == sum(hi - lo for _, m in momenta[0] for lo, hi in [schedule.slice_of(1, m.numel())]) \
+        + sum(hi - lo for _, m in momenta[0] for lo, hi in [schedule.slice_of(2, m.numel())])
 
 
 def test_tie_rules_weights_and_agreement_against_hand_counts():

@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -123,14 +123,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     proto.add_argument("--upload", default=None, help=f"vote encoding: {VOTE_UPLOADS} [sign]")
     proto.add_argument("--result", default=None, help=f"result encoding: {' | '.join(VOTE_RESULTS)} [majority]")
     proto.add_argument("--momentum-every", type=int, default=None,
-                       help="momentum averaging period in steps (0: never) [20]")
+                       help="average all momenta every K steps in one round (0: never), instead of streaming "
+                            "[off: streamed]")
     proto.add_argument("--momentum-slices", type=int, default=None,
-                       help="stream momentum averaging instead: every step averages 1/K of it, so no step waits "
-                            "for a whole-buffer round (replaces --momentum-every) [off]")
+                       help="streamed momentum averaging: every step averages 1/K of it, so no step waits for a "
+                            "whole-buffer round (replaces --momentum-every) [20]")
     proto.add_argument("--momentum-wire", default=None,
-                       help="momentum values on the wire, bf16 or fp8 (e4m3 sharing an exponent per 7 values, "
-                            "9.1 bits: 43%% fewer momentum bytes); alone it applies to the default schedule "
-                            "(every 20) [bf16]")
+                       help="momentum values on the wire, fp8 (e4m3 sharing an exponent per 7 values, 9.1 bits) or "
+                            "bf16 (16 bits) [fp8]")
     proto.add_argument("--delay", type=int, default=None, choices=(0, 1),
                        help="1: overlapped rounds, each vote travels during the next step's compute and is "
                             "applied one step late [0]")
@@ -265,7 +265,8 @@ def prepare_task(args: argparse.Namespace, settings: Settings) -> tuple[Training
 
 def momentum_schedule(args: argparse.Namespace) -> MomentumSchedule | None:
     """The schedule the flags ask for; None: the run's."""
-    wire = args.momentum_wire or "bf16"
+    default = SWARM_DEFAULTS.momentum_schedule()
+    wire = args.momentum_wire or default.wire
     if wire not in ("bf16", "fp8"):
         raise UsageError(f"--momentum-wire {wire}: use bf16 (16 bits per value) or fp8 (e4m3 in blocks of 7 values, "
                          f"9.1 bits)")
@@ -273,10 +274,11 @@ def momentum_schedule(args: argparse.Namespace) -> MomentumSchedule | None:
         if args.momentum_every:
             raise UsageError("--momentum-slices replaces --momentum-every: give one of them")
         return MomentumSchedule(slices=args.momentum_slices, wire=wire)
-    if args.momentum_every is None and args.momentum_wire is None:
-        return None
-    every = args.momentum_every if args.momentum_every is not None else SWARM_DEFAULTS.momentum["every"]
-    return MomentumSchedule(every=every, wire=wire)
+    if args.momentum_every is not None:
+        return MomentumSchedule(every=args.momentum_every, wire=wire)
+    if args.momentum_wire is not None:  # the default schedule, in the wire format asked for
+        return replace(default, wire=wire)
+    return None
 
 
 def check_settings(args: argparse.Namespace) -> list[str]:

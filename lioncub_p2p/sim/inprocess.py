@@ -294,6 +294,33 @@ def average_momenta(momenta: list[list[tuple[str, torch.Tensor]]], schedule: Mom
     return synced
 
 
+class MomentumSyncs:
+    """In process, a swarm's momentum syncs (``swarm/momentum_sync.py``): a whole-buffer one is applied
+    at its step; a streamed one is computed from the momenta at its step and applied after the next
+    step, as ``m += average - sent``. ``synced`` counts elements averaged."""
+
+    def __init__(self, schedule: MomentumSchedule, rule: str):
+        self.schedule, self.rule, self.synced = schedule, rule, 0
+        self.pending: list | None = None  # per peer: (momenta sent, their averages)
+
+    def after_step(self, momenta: list[list[tuple[str, torch.Tensor]]], step: int) -> None:
+        if self.pending is not None:
+            with torch.no_grad():
+                for (sent, averaged), current in zip(self.pending, momenta):
+                    for (_, s), (_, a), (_, m) in zip(sent, averaged, current):
+                        m.add_(a - s)  # zero outside the slice
+            self.pending = None
+        if not self.schedule.due(step):
+            return
+        if not self.schedule.slices:
+            self.synced += average_momenta(momenta, self.schedule, self.rule, step)
+            return
+        sent = [[(n, m.detach().clone()) for n, m in peer] for peer in momenta]
+        averaged = [[(n, m.clone()) for n, m in peer] for peer in sent]
+        self.synced += average_momenta(averaged, self.schedule, self.rule, step)
+        self.pending = list(zip(sent, averaged))
+
+
 class Clock:
     """Seconds of each worker's forward + backward (the compute a real peer spends per step)."""
 
@@ -352,7 +379,7 @@ def run_method(method: Method, task: Any, *, workers: int = 4, steps: int = 300,
     up, res = upload_codec(method.upload), result_codec(method.result)
     replicas = [copy.deepcopy(base) for _ in range(workers)]
     opts = [LionCub(m.named_parameters(), lr=lr, weight_decay=weight_decay, upload=up, seed=seed) for m in replicas]
-    nbytes, synced = opts[0].buffer_bytes, 0
+    nbytes, syncs = opts[0].buffer_bytes, MomentumSyncs(method.momentum, method.momentum_rule)
     numel = sum(p.numel() for p in base.parameters())
     for step in range(steps):
         uploads, losses = [], []
@@ -370,14 +397,12 @@ def run_method(method: Method, task: Any, *, workers: int = 4, steps: int = 300,
         update = res.decode(wire, nbytes * 8, workers * up.max_code)
         for opt in opts:
             opt.apply_aggregate(update)
-        if method.momentum.due(step + 1):
-            synced += average_momenta([opt.momentum_buffers() for opt in opts], method.momentum, method.momentum_rule,
-                                      step + 1)
+        syncs.after_step([opt.momentum_buffers() for opt in opts], step + 1)
         if step + 1 in wanted:
             evals.append((step + 1, task.evaluate(replicas[0])))
     identical = all(torch.equal(a, b) for m in replicas[1:] for a, b in zip(replicas[0].parameters(), m.parameters()))
     done = max(len(curve), 1)
-    sync_bits = momentum_wire_bits(method.momentum) * synced / numel / done  # per direction
+    sync_bits = momentum_wire_bits(method.momentum) * syncs.synced / numel / done  # per direction
     return _outcome(method, task, replicas[0], curve, evals, workers,
                     wire_bits_per_element(up, res, workers) + 2 * sync_bits, up.bits_per_element + sync_bits,
                     identical, start, lr, seed, clock)

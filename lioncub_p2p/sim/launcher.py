@@ -44,10 +44,17 @@ class Method:
 
 
 METHODS = {
+    # the library's defaults (momentum streamed 1/20 per step in fp8): the main comparison
+    "lioncub-default": Method("Lion Cub 1-bit majority, momentum streamed 1/20 in fp8 (default)",
+                              ("--method", "lioncub", "--upload", "sign", "--result", "majority")),
+    "lioncub-l1-default": Method("Lion Cub L1 4-bit, majority, momentum streamed 1/20 in fp8 (default)",
+                                 ("--method", "lioncub", "--upload", "l1:4", "--result", "majority")),
     "lioncub": Method("Lion Cub 1-bit majority, momentum avg/25",
-                      ("--method", "lioncub", "--upload", "sign", "--result", "majority", "--momentum-every", "25")),
+                      ("--method", "lioncub", "--upload", "sign", "--result", "majority", "--momentum-every", "25",
+                       "--momentum-wire", "bf16")),
     "lioncub-l1": Method("Lion Cub L1 4-bit, majority, momentum avg/25",
-                         ("--method", "lioncub", "--upload", "l1:4", "--result", "majority", "--momentum-every", "25")),
+                         ("--method", "lioncub", "--upload", "l1:4", "--result", "majority", "--momentum-every", "25",
+                          "--momentum-wire", "bf16")),
     "hivemind-fp32": Method("full-precision Lion, hivemind averager fp32", ("--method", "hivemind-fp32",)),
     "hivemind-fp16": Method("full-precision Lion, hivemind averager fp16", ("--method", "hivemind-fp16",)),
     "dlion": Method("D-Lion all-gather of 1-bit votes", ("--method", "dlion", "--momentum-every", "0")),
@@ -57,18 +64,19 @@ METHODS = {
                                    ("--method", "lioncub", "--upload", "sign", "--result", "majority",
                                     "--momentum-every", "0", "--no-result-deltas")),
     "lioncub-stream": Method("Lion Cub 1-bit majority, momentum streamed 1/25 per step",
-                             ("--method", "lioncub", "--upload", "sign", "--result", "majority", "--momentum-slices", "25")),
+                             ("--method", "lioncub", "--upload", "sign", "--result", "majority", "--momentum-slices", "25",
+                              "--momentum-wire", "bf16")),
     "lioncub-stream-fp8": Method("Lion Cub 1-bit majority, momentum streamed 1/25 per step in fp8",
                               ("--method", "lioncub", "--upload", "sign", "--result", "majority", "--momentum-slices", "25",
                                "--momentum-wire", "fp8")),
     "lioncub-overlap": Method("Lion Cub 1-bit majority, momentum avg/25, overlapped (delay 1)",
                               ("--method", "lioncub", "--upload", "sign", "--result", "majority", "--momentum-every", "25",
-                               "--delay", "1")),
+                               "--momentum-wire", "bf16", "--delay", "1")),
     "lioncub-nosync-overlap": Method("Lion Cub 1-bit majority, no momentum sync, overlapped (delay 1)",
                                      ("--method", "lioncub", "--upload", "sign", "--result", "majority",
                                       "--momentum-every", "0", "--delay", "1")),
 }
-DEFAULT_METHODS = ["lioncub", "lioncub-l1", "hivemind-fp32", "hivemind-fp16", "dlion"]
+DEFAULT_METHODS = ["lioncub-default", "lioncub-l1-default", "hivemind-fp32", "hivemind-fp16", "dlion"]
 
 
 @dataclass

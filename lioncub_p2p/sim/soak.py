@@ -40,8 +40,10 @@ class SoakReport:
 
 class _Peer:
     def __init__(self, index: int, config: SwarmConfig, task, steps: int):
-        self.index, self.task, self.steps = index, task, steps
-        self.swarm = Swarm(config)
+        self.index, self.task, self.steps, self.config = index, task, steps, config
+        self.swarm: Swarm | None = None
+        self.joined = threading.Event()  # holds the run's state (or failed to)
+        self.go = threading.Event()  # may train: the founding team trains once all of it joined
         self.stop = threading.Event()
         self.stall_for = 0.0
         self.flip = False
@@ -52,9 +54,15 @@ class _Peer:
 
     def _run(self) -> None:
         try:
+            if self.swarm is None:  # a newcomer starts its own (not on the schedule's thread: that takes seconds)
+                with _STARTING:  # one at a time: DHTs start processes, which must not fork side by side
+                    self.swarm = Swarm(self.config)
             model = self.task.make_model(seed=0)
             opt = LionCub(model.parameters(), lr=1e-3, weight_decay=0.1, aggregator=self.swarm)
             self.swarm.join(opt)
+            self.joined.set()
+            while not self.go.wait(0.1) and not self.stop.is_set():
+                pass
             self.swarm.final_step = self.steps  # as lioncub-train: no group starts past the last step
             x, y = self.task.shard(self.index % 4, 4)
             gen = torch.Generator().manual_seed(self.index)
@@ -76,7 +84,25 @@ class _Peer:
         except Exception as e:  # reported, and it fails the soak
             self.error = f"peer {self.index}: {type(e).__name__}: {e}"
             logger.exception("soak peer %d failed", self.index)
-            self.swarm.shutdown()  # a crashed volunteer's machine goes away with it
+            self.shutdown()  # a crashed volunteer's machine goes away with it
+        finally:
+            self.joined.set()
+
+    def shutdown(self) -> None:
+        if self.swarm is not None:
+            self.swarm.shutdown()
+
+    @property
+    def repairs(self) -> int:
+        return self.swarm.repairs if self.swarm is not None else 0
+
+
+_STARTING = threading.Lock()
+
+
+def _leave(peer: "_Peer") -> None:
+    peer.thread.join(30)
+    peer.shutdown()
 
 
 def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: int = 25, hidden: int = 64,
@@ -86,13 +112,22 @@ def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: i
     base = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], allreduce=SWARM_ROUNDS, momentum=MomentumSchedule(every=10), record_ttl=6.0)
     report, started = SoakReport(), time.monotonic()
     first = _Peer(0, SwarmConfig("soak", **base), task, rounds)
+    first.swarm = Swarm(first.config)
     maddrs = [str(m) for m in first.swarm.dht.get_visible_maddrs()]
     config = lambda: SwarmConfig("soak", initial_peers=maddrs, **base)  # noqa: E731
     team = [first] + [_Peer(i, config(), task, rounds) for i in range(1, peers)]
+    for p in team[1:]:
+        p.swarm = Swarm(p.config)
     for p in team:
         p.thread.start()
+        if p is first:  # it founds the run; the rest of the team joins it one by one, then all train
+            first.joined.wait(60)
         time.sleep(0.2)
-    next_index, next_fault, gone = peers, fault_every, []
+    for p in team[1:]:
+        p.joined.wait(60)
+    for p in team:
+        p.go.set()
+    next_index, next_fault, gone, leaving = peers, fault_every, [], []
     try:
         while time.monotonic() - started < timeout:
             alive = [p for p in team if p.thread.is_alive()]
@@ -104,13 +139,14 @@ def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: i
                 kind = rng.choice(["leave", "stall", "bit_flip"])
                 victim = rng.choice([p for p in alive if p is not first])  # keep the bootstrap peer up
                 report.faults[kind] += 1
-                if kind == "leave":  # it leaves; a newcomer takes its place
+                if kind == "leave":  # it leaves (in the background: the schedule must not wait); a newcomer comes
                     victim.stop.set()
-                    victim.thread.join(30)
-                    victim.swarm.shutdown()
+                    leaving.append(threading.Thread(target=_leave, args=(victim,), daemon=True))
+                    leaving[-1].start()
                     team.remove(victim)
                     gone.append(victim)
                     newcomer = _Peer(next_index, config(), task, rounds)
+                    newcomer.go.set()
                     next_index += 1
                     team.append(newcomer)
                     newcomer.thread.start()
@@ -123,13 +159,17 @@ def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: i
             time.sleep(0.1)
         for p in team:
             p.thread.join(max(timeout - (time.monotonic() - started), 1.0))
+        for t in leaving:
+            t.join(60)
     finally:
         for p in team:
             p.stop.set()
-            report.repairs += p.swarm.repairs
-            p.swarm.shutdown()
+        for p in team:
+            p.thread.join(30)  # a peer still starting its swarm has it before it is shut down here
+            report.repairs += p.repairs
+            p.shutdown()
         for p in gone:
-            report.repairs += p.swarm.repairs
+            report.repairs += p.repairs
     report.seconds = time.monotonic() - started
     report.rounds = max((p.step for p in team), default=0)
     finished = [p for p in team if p.digest is not None]

@@ -46,7 +46,7 @@ from .. import ops
 from ..codecs import UploadCodec, reduce_votes, result_codec, upload_codec
 from ..ops.randbits import derive_key
 from .inprocess import (Clock, CompareTask, DataExhausted, Method, Outcome,
-                        average_momenta, momentum_wire_bits, worker_loss)
+                        MomentumSyncs, momentum_wire_bits, worker_loss)
 
 FLAGS = ("ef", "efvote", "weighted", "tieprev", "agree")
 NUMBERED = ("efdecay", "beta", "abstain", "tieema", "delay")
@@ -155,7 +155,8 @@ def run_variant(method: Method, task: CompareTask, *, workers: int, steps: int, 
     errors = [[torch.zeros_like(p) for p in params] for _ in range(workers)] if opt.ef else None
     previous: list[torch.Tensor | None] = [None] * len(params)
     numel = sum(layout.numels)
-    curve, evals, clock, synced, side_up, side_down = [], [], Clock(), 0, 0.0, 0.0
+    curve, evals, clock, side_up, side_down = [], [], Clock(), 0.0, 0.0
+    syncs = MomentumSyncs(method.momentum, method.momentum_rule)
     in_flight: list[tuple[list[torch.Tensor], list[float]]] = []  # votes not applied yet (delayD)
     wanted = {k for k in eval_at if 0 < k < steps}
     for step in range(steps):
@@ -209,13 +210,11 @@ def run_variant(method: Method, task: CompareTask, *, workers: int, steps: int, 
                     p.mul_(1 - lr * weight_decay)
                 if updates is not None:  # the first D steps of a delayed run have no vote back yet
                     p.add_(updates[k].view_as(p), alpha=-lr * s)
-        if method.momentum.due(step + 1):
-            synced += average_momenta([list(zip(names, m)) for m in momenta], method.momentum, method.momentum_rule,
-                                      step + 1)
+        syncs.after_step([list(zip(names, m)) for m in momenta], step + 1)
         if step + 1 in wanted:
             evals.append((step + 1, task.evaluate(model)))
     done = max(len(curve), 1)
-    sync_bits = momentum_wire_bits(method.momentum) * synced / numel / done
+    sync_bits = momentum_wire_bits(method.momentum) * syncs.synced / numel / done
     extra_up, extra_down = side_up / done, side_down / done
     bits = (up.bits_per_element + res.bits_per_element(workers * up.max_code) + 2 * sync_bits
             + extra_up + extra_down)

@@ -13,7 +13,7 @@ Every ``probe_every``-th round it votes once: counted in at least half of the pa
 again. A probe is cheap when the follower is still behind: reducers refuse a vote for a round they
 closed at its first chunk. When it falls so far behind that nobody keeps its round any more (every
 part missing, and members say they no longer keep the round), it **skips ahead**: it downloads the state of a peer past its step, as a repair does;
-after three failed tries it stops with one line rather than train on zeros (``Swarm._skip_ahead``).
+after three failed tries it stops with one line rather than train on zeros (``VotePipeline.skip_ahead``).
 
 Owned by the training thread; pure, tested without a network.
 """

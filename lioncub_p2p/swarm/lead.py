@@ -1,7 +1,7 @@
 """What a leader makes of its group: who leads, who stays, who joins, and with which weight.
 
 Pure: it reads the group, the validated peer records and what this peer observed of the rounds, and
-returns a plan; ``Swarm._lead`` (the event loop's thread) does the I/O, publishes the plan as the next
+returns a plan; ``Upkeep.lead`` (the event loop's thread) does the I/O, publishes the plan as the next
 group and logs why members were dropped. Tested without a network (``tests/test_lead.py``).
 
 The rules:
@@ -15,16 +15,23 @@ The rules:
   had when it was dropped (a dead peer's record lingers until it expires), it is not suspected and
   ``may_join`` admits it (protocol version, manifest, allow-list, run secret);
 * weights: ``membership.assigned_weight``, with the floor computed over the members' and newcomers'
-  announced weights, and the lone-reducer exception when no member that could reduce reaches it.
+  announced weights, and the lone-reducer exception when no member that could reduce reaches it;
+* a new group takes effect ``lead_steps`` past the fastest member's step, and further on a group
+  that steps fast: every member must read the record before it reaches that step (``steps_ahead``),
+  or the members split between the two groups for a round (a failed round and a repair).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..allreduce import PeerSpec
 from .membership import GroupRecord, PeerRecord, assigned_weight, reducer_floor
 
+# seconds most members need to read a new group record: one refresh period (0.5 s by default); a
+# member that reads it later misses one round and repairs (the group epoch travels in every result)
+NOTICE_S = 0.5
 SYNC_GRACE_ROUNDS = 30  # rounds a joining member may miss before it is dropped (it downloads the state)...
 DROP_AFTER_S = 5.0  # ...and seconds any member may miss rounds: fast rounds must not drop a peer that is starting up
 
@@ -91,3 +98,10 @@ def plan_group(latest: GroupRecord, healthy: Health, *, evicted: Mapping[str, fl
 
 
 __all__ = ["Health", "GroupPlan", "leader_of", "plan_group", "SYNC_GRACE_ROUNDS", "DROP_AFTER_S"]
+
+
+def steps_ahead(lead_steps: int, steps_per_s: float, notice_s: float = NOTICE_S) -> int:
+    """How far past the fastest member's step a new group starts: ``lead_steps``, or the steps the group
+    makes while its members read the record, whichever is more (a fast small model makes dozens per
+    second; a step of seconds over the internet makes ``lead_steps`` the rule)."""
+    return max(lead_steps, math.ceil(max(steps_per_s, 0.0) * notice_s))

@@ -19,22 +19,22 @@ where its config has no opinion (None) and stops with one line where it differs 
 Every step: this peer votes in the round of its step with the group it accepted for that step,
 sending a digest of its parameters along. If most voters' digest differs from its own, it diverged
 (it missed a result, or a bit flipped): it downloads the state of the next step from a member and
-carries on. After the update: momenta are averaged on the schedule (bf16, trimmed mean by default;
-a failed sync is logged and skipped), snapshots are made for peers that asked, checkpoints written.
+carries on. After the update: momenta are averaged on the schedule (by default 1/20 of them each
+step, fp8 on the wire, trimmed mean; a failed sync is logged and skipped), snapshots are made for peers that asked, checkpoints written.
 Anything that goes wrong in a round is a missed round (a zero update, repaired by the digest if it
 split anyone), never an exception out of ``optimizer.step()``.
 
-Threads. The *training thread* (join, ``submit``/``wait``, ``after_step``, ``linger``, ``shutdown``)
-owns the optimizer's state and the per-step fields (``stats``, ``repairs``, ``skips``, ``follow``,
-``missed_rounds``, ``last_report``, ``stranded``; the loop reads ``follow.following`` to announce
-it); it holds ``_step_lock`` from ``before_step`` to the end of ``after_step``. The *event loop*
-(``self.loop``: membership upkeep, leading, every stream handler, ``Verdicts``) owns ``history``
-(published whole, ``GroupHistory``), ``evicted``, ``admitted`` and the records it refreshes; the
-training thread reads them, and replaces ``records`` only with a fresh read made on the loop. The
-state server's *worker thread* only reads, under ``_step_lock`` (``_snapshot_between_steps``).
-``failures``/``failing_since`` are shared: counted by the training thread from its round reports,
-read and reset for a returning peer by the leader on the loop, one key at a time (atomic under the
-GIL; a lost count delays a drop by a round at most).
+Rooms and threads (each field has one writer): ``Swarm`` is the facade and the joining logic
+(training thread); ``VotePipeline`` (``pipeline.py``) runs each step's vote round and owns the
+per-step counters (``stats``, ``repairs``, ``follow``, ``failures``, ...: training thread);
+``StateSync`` (``state_sync.py``) holds the step lock and serves and downloads state (training
+thread; the state server's worker thread only reads, under the lock); ``Upkeep`` (``upkeep.py``)
+keeps the run's records, this peer's record and the group it leads (event loop thread; it reads
+the training side only through ``upkeep.Local``); ``MomentumSync`` (``momentum_sync.py``) and
+``Verdicts`` (``verdicts.py``) are the momentum rounds and the judgement of liars. Shared across
+threads, written down where they are: ``failures``/``failing_since`` (counted by the training
+thread, reset by the leader on the loop, one key at a time) and ``records`` (replaced whole,
+never mutated).
 """
 from __future__ import annotations
 
@@ -44,21 +44,17 @@ import contextlib
 import hashlib
 import logging
 import os
-import random
 import signal
-import threading
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Iterator
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 import torch
 from hivemind import DHT
-from hivemind.utils import get_dht_time
 
 from .. import failpoints
 from ..aio import BackgroundLoop
-from ..allreduce import AllReduceConfig, PeerSpec, RoundReport, RoundSpec, VoteNode
+from ..allreduce import AllReduceConfig, PeerSpec, RoundSpec, VoteNode
 from ..allreduce.admission import Admission
 from ..allreduce.allgather import GatherNode
 from ..allreduce.audit import MAX_EVIDENCE_BYTES
@@ -71,23 +67,21 @@ from ..wire import PROTOCOL_VERSION
 from . import checkpoint, manifest as manifests, reachability, snapshot
 from .accuse import Accusation, AccuseServer, Refused, Suspicions, send_accusation
 from .admit import AdmitServer, ask_admission
-from .follow import FollowRule
 from .manifest import DEFAULTS, Manifest, ManifestError, ManifestMismatch
-from .lead import Health, leader_of, plan_group
-from .membership import (Directory, GroupHistory, GroupRecord, PeerRecord, announced_step, assigned_weight, next_group,
-                         reducer_floor)
-from .momentum_sync import MomentumSync
+from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, assigned_weight, reducer_floor
+from .momentum_sync import MomentumSync, Sent
 from .probe import serve_probe
 from .records import RateLimitedLog, RunRecordValidator
-from .state_transfer import StateServer, download_state
+from .pipeline import PipelineSettings, RoundInFlight, VotePipeline
+from .state_sync import StateSync
+from .upkeep import GROUP_TTL, Local, Upkeep
 from .verdicts import Verdicts
 
 logger = logging.getLogger(__name__)
+MOMENTUM_IN_FLIGHT = 8  # streamed momentum rounds kept waiting for; past it the oldest is given up
+PORT_TRIES = 3  # daemon starts on a freshly picked port, when another process takes the first one meanwhile
 
 
-STRANDED_AFTER_S = 30.0  # with no live peer that can count votes for this long, a peer that cannot lead stops
-SKIP_TRIES = 3  # failed state downloads in a row after which a follower that fell out stops
-STEP_WINDOW = 100  # steps a member's announced step may lead the leader's and still count (forged far-future steps)
 MAX_CANDIDATES = 8  # group records a newcomer asks for admission, most populated first
 MAX_RECORD_TTL = 300.0
 ROUND_KINDS = ("vote", "momentum")
@@ -132,7 +126,7 @@ class SwarmConfig:
     upload: str | None = None  # "sign", "l1:BITS"
     result: str | None = None  # "majority", "ternary", "mean"
     transport: str | None = None  # "butterfly", or "allgather": D-Lion's all-gather of every vote (a baseline)
-    momentum: MomentumSchedule | None = None  # default every 20 steps
+    momentum: MomentumSchedule | None = None  # default: streamed 1/20 per step, fp8 on the wire
     momentum_rule: str | None = None  # "trimmed_mean" (default) or "average"
     full_digest_every: int | None = None  # the state tag hashes every parameter byte on these steps (default 10)
     seed: int | None = None  # keys the shared random bits of rounds (default 0)
@@ -141,7 +135,7 @@ class SwarmConfig:
     delay: int | None = None
     manifest: Manifest | None = None  # opinions on the trainer's settings (task, lr, batch size, ...)
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
-    lead_steps: int = 3  # a new group takes effect this many steps after the leader decides it
+    lead_steps: int = 3  # a new group takes effect at least this many steps after the leader decides it (lead.py)
     record_ttl: float = 10.0
     refresh_period: float = 0.5
     checkpoint_dir: str | None = None
@@ -170,25 +164,6 @@ class SwarmConfig:
         if clash:
             raise ManifestError(f"{clash[0][0]} is set differently in SwarmConfig and in SwarmConfig.manifest")
         return replace(base.merged(own), protocol=PROTOCOL_VERSION, secret_required=self.run_secret is not None)
-
-
-@dataclass
-class StepStats:
-    step: int = 0
-    peers: int = 0  # voters counted in this peer's view of the round
-    group_size: int = 0
-    bytes_up: int = 0
-    bytes_down: int = 0
-    result_down: int = 0  # result bytes from reducers as they came (deltas) and as plain results
-    result_plain: int = 0
-    seconds: float = 0.0  # the whole aggregate call
-    round_s: float = 0.0  # the vote round alone (votes, reduction, results)
-    wait_s: float = 0.0  # of which idle: own uploads done, no result byte yet (overlapped: blocked on the last vote)
-    bits_per_param: float = 0.0
-    repaired: bool = False
-    momentum_synced: bool = False
-    missed: bool = False  # the round failed here: no update applied
-    followed: bool = False  # received the result without voting (behind the group, ``follow.py``)
 
 
 def _anchor_ids(maddrs: list[str]) -> list[str]:
@@ -229,43 +204,35 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _from_rounds(name: str) -> property:
+    return property(lambda swarm: getattr(swarm.rounds, name), doc=f"``VotePipeline.{name}``")
+
+
 class Swarm:
+    # what the round pipeline counts, read by trainers, monitors and tests (``pipeline.py`` owns them)
+    stats = _from_rounds("stats")
+    follow = _from_rounds("follow")
+    repairs = _from_rounds("repairs")
+    skips = _from_rounds("skips")
+    missed_rounds = _from_rounds("missed_rounds")
+    last_report = _from_rounds("last_report")
+    stranded = _from_rounds("stranded")
+    failures = _from_rounds("failures")
+    failing_since = _from_rounds("failing_since")
+
     def __init__(self, config: SwarmConfig | None = None, **kwargs):
         self.config = config = config or SwarmConfig(**kwargs)
         self.loop = BackgroundLoop(f"swarm-{config.run_id}")
-        self.history = GroupHistory()
         self.log = RateLimitedLog(logger)
-        self.records: dict[str, PeerRecord] = {}
-        self.failures: Counter[str] = Counter()  # rounds in a row a member was not counted...
-        self.failing_since: dict[str, float] = {}  # ...since when
         self._round_steps: OrderedDict[bytes, int] = OrderedDict()  # round id -> step, of this peer's recent rounds
         self._background: set[concurrent.futures.Future] = set()
-        self.evicted: dict[str, float] = {}  # dropped peer -> expiry of its record when it was dropped
-        self.admitted: set[str] = set()  # peers that proved the run key to this peer, or were members of its groups
         self._proved_to: set[str] = set()  # members that admitted this peer
         self.optimizer: LionCub | None = None
-        self.stats = StepStats()
-        self.repairs = 0
-        self.skips = 0  # state downloads of a follower that fell out of the group's kept rounds
-        self._skip_failures = 0
-        self.follow = FollowRule()  # vote, or only receive results when this peer's votes come too late
-        self.missed_rounds = 0
         self.final_step: int | None = None  # where this peer stops (the trainer's --steps): no group starts later
-        self.stranded: str | None = None  # why training cannot go on (every other peer left), once it cannot
-        self._alone_since: float | None = None
-        self.last_report: RoundReport | None = None
-        self.__synced = False
         self._refresher: concurrent.futures.Future | None = None
-        self._progress = (time.monotonic(), 0)  # (time, step) at the last announcement, for samples/s
-        self._published = 0.0
-        self._manifest_published = 0.0
-        self._last_expiration = 0.0  # of this peer's newest record (a leaving record must outlive it)
         self._closed = False
         self._joined = False
-        # Held by the training thread from aggregate() to the end of after_step(): a snapshot taken
-        # under it is a state between steps.
-        self._step_lock = threading.Lock()
-        self._in_step = False
+        self._momentum_in_flight: list[Sent] = []  # streamed momentum rounds still running, oldest first
         self._idle = True  # not stepping yet (joining, waiting for peers): group changes can take effect at once
         self.samples_per_step = 0  # set by the training loop, for monitors
         self.last_loss: float | None = None
@@ -277,7 +244,37 @@ class Swarm:
             self.loop.stop()
             raise SwarmError(f"cannot use the identity file {config.identity_path} ({e}): give a writable path "
                              f"or another file") from None
-        try:  # before the daemon takes the port: can peers dial it? (client mode decided here, once)
+        asked = config
+        for attempt in range(PORT_TRIES):
+            config = self._plan_listening(asked)
+            try:
+                # a key made just now is not anyone else's: skip hivemind's check (it starts a second daemon, ~0.45 s)
+                self.dht = DHT(start=True, initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
+                               announce_maddrs=config.announce_maddrs or None, identity_path=self.identity.path,
+                               check_if_identity_free=not fresh, record_validators=[RunRecordValidator([config.run_id])],
+                               client_mode=config.client_mode, no_listen=config.client_mode,
+                               nat_port_map=config.nat_probing, auto_nat=config.nat_probing)
+                break
+            except Exception as e:
+                # the check picked a free port (any was asked for); something else took it before the daemon bound it
+                picked = list(config.host_maddrs) != list(asked.host_maddrs)
+                if "address already in use" in str(e) and picked and attempt + 1 < PORT_TRIES:
+                    logger.info("the port picked for listening was taken meanwhile: picking another")
+                    continue
+                self.loop.stop()
+                raise SwarmError(f"could not start the DHT ({e}); check --initial-peers and that the coordinators "
+                                 f"are reachable") from e
+        self.config = config
+        try:
+            self._start(config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _plan_listening(self, config: SwarmConfig) -> SwarmConfig:
+        """``config`` with how this peer listens (``reachability.plan``): before the daemon takes the
+        port, can peers dial it? Client mode is decided here, once."""
+        try:
             self.listen_plan = self.loop.run(reachability.plan(config.client_mode, config.initial_peers,
                                                                config.host_maddrs, config.announce_maddrs), timeout=90)
         except Exception as e:  # the check must never keep a peer out: listen as configured
@@ -286,24 +283,8 @@ class Swarm:
         plan = self.listen_plan
         if plan.note:  # one line: whether peers can dial this machine, and what this peer does about it
             logger.log(logging.WARNING if plan.client_mode else logging.INFO, "%s", plan.note)
-        self.config = config = replace(config, client_mode=plan.client_mode, host_maddrs=plan.host_maddrs,
-                                       announce_maddrs=plan.announce_maddrs)
-        try:
-            # a key made just now is not anyone else's: skip hivemind's check (it starts a second daemon, ~0.45 s)
-            self.dht = DHT(start=True, initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
-                           announce_maddrs=config.announce_maddrs or None, identity_path=self.identity.path,
-                           check_if_identity_free=not fresh, record_validators=[RunRecordValidator([config.run_id])],
-                           client_mode=config.client_mode, no_listen=config.client_mode,
-                           nat_port_map=config.nat_probing, auto_nat=config.nat_probing)
-        except Exception as e:
-            self.loop.stop()
-            raise SwarmError(f"could not start the DHT ({e}); check --initial-peers and that the coordinators "
-                             f"are reachable") from e
-        try:
-            self._start(config)
-        except BaseException:
-            self.shutdown()
-            raise
+        return replace(config, client_mode=plan.client_mode, host_maddrs=plan.host_maddrs,
+                       announce_maddrs=plan.announce_maddrs)
 
     def _start(self, config: SwarmConfig) -> None:
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=30)
@@ -315,6 +296,10 @@ class Swarm:
         self.admission = Admission(config.run_id, config.run_secret.encode() if config.run_secret else None,
                                    frozenset(config.allow_peers))
         self.directory = Directory(self.dht, config.run_id, self.identity)
+        self.upkeep = Upkeep(peer_id=self.peer_id, spec=self._my_spec(), run_id=config.run_id,
+                             directory=self.directory, store_manifest=self._store_manifest, admission=self.admission,
+                             verdicts=self.verdicts, local=self._local, record_ttl=config.record_ttl,
+                             refresh_period=config.refresh_period, lead_steps=config.lead_steps, log=self.log)
         self.verifier = Verifier()
         self.anchors = _anchor_ids(config.initial_peers)
         self.run_manifest: Manifest | None = None  # the run's, as published by its leader (or a coordinator)
@@ -323,16 +308,26 @@ class Swarm:
         self._discover()
         self._apply_settings()
         self.node = VoteNode(self.p2p, config.allreduce, self.admission, identity=self.identity)
+        if self.history.latest is not None:
+            self.node.group_epoch = self.history.latest.epoch
+        self.upkeep.on_epoch = lambda epoch: setattr(self.node, "group_epoch", epoch)
+        self.upkeep.stop_waiting_for = self.node.stop_waiting_for
         self.gather = GatherNode(self.p2p, config.allreduce, self.admission) \
             if self.config.transport == "allgather" else None
-        self.state_server = StateServer(self.p2p, config.run_id, max_uploads=config.max_state_uploads,
-                                        provider=self._snapshot_between_steps, admission=self.admission)
-        self.admit_server = AdmitServer(self.p2p, self.admission, self.admitted.add)
+        self.state = StateSync(p2p=self.p2p, loop=self.loop, run_id=config.run_id, peer_id=self.peer_id,
+                               admission=self.admission, upkeep=self.upkeep, liars=lambda: self.liars,
+                               max_uploads=config.max_state_uploads, join_timeout=config.join_timeout,
+                               round_bound=self._round_bound())
+        settings = PipelineSettings(config.run_id, bool(config.client_mode), self.config.full_digest_every, self.delay,
+                                    self._round_bound())
+        self.rounds = VotePipeline(peer_id=self.peer_id, settings=settings, loop=self.loop, node=self.node,
+                                   gather=self.gather, upkeep=self.upkeep, state=self.state, verdicts=self.verdicts,
+                                   spec=lambda group, step: self._spec(group, step), rejoin=self._rejoin,
+                                   in_background=self._in_background, log=self.log)
+        self.admit_server = AdmitServer(self.p2p, self.admission, self.upkeep.admitted.add)
         self.accuse_server = AccuseServer(self.p2p, self._accusation_header, self.verdicts.on_accusation,
                                           self._is_member)
-        self._synced = False  # the state server serves only once this peer holds the swarm's state
         self.loop.run(self._start_services(), timeout=30)
-        self._round = ("vote", 0)  # the kind and step of the round in progress, for failpoints
         if failpoints.ARMED is not None:
             self.node.on_event.append(self._failpoint)
 
@@ -343,29 +338,18 @@ class Swarm:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
     def _failpoint(self, event: str) -> None:
-        kind, step = self._round
+        kind, step = self.rounds.current
         point = {"vote_chunk": "momentum" if kind == "momentum" else "upload", "finalize": "reduce",
                  "result_chunk": "result"}.get(event)
         if point is not None and (kind == "vote" or point == "momentum"):
             failpoints.reached(point, step)
-
-    @property
-    def _synced(self) -> bool:
-        """This peer holds the swarm's state: it may vote, serve snapshots and say so in its record."""
-        return self.__synced
-
-    @_synced.setter
-    def _synced(self, value: bool) -> None:
-        self.__synced = value
-        if hasattr(self, "state_server"):
-            self.state_server.serving = value
 
     async def _start_services(self) -> None:
         await self.node.start()
         await serve_probe(self.p2p, self.admission)
         if self.gather is not None:
             await self.gather.start()
-        await self.state_server.start()
+        await self.state.server.start()
         await self.admit_server.start()
         await self.accuse_server.start()
         if not self.config.client_mode:  # tell joiners whether they can be dialed (reachability.py)
@@ -382,7 +366,7 @@ class Swarm:
                 self.records = self.loop.run(self.directory.peers(), timeout=30)
                 group = self._admitted_group(candidates)
                 if group is not None:
-                    self._trust(group)
+                    self.upkeep.trust(group)
         found = self.loop.run(manifests.read(self.dht, self.config.run_id, self.verifier, self.log), timeout=30)
         latest = self.history.latest
         members = ([latest.author] + latest.member_ids()) if latest is not None else []
@@ -443,13 +427,6 @@ class Swarm:
             raise AdmissionRefused(refusals[0])
         return None
 
-    def _trust(self, group: GroupRecord) -> None:
-        self.history.add(group)
-        for g in self.history.by_epoch.values():
-            self.admitted.update(g.member_ids())
-        if hasattr(self, "node"):
-            self.node.group_epoch = self.history.latest.epoch
-
     def _apply_settings(self) -> None:
         """Make this peer run with ``self.manifest``'s swarm settings (codecs, schedule, ...)."""
         m = self.manifest
@@ -471,7 +448,7 @@ class Swarm:
             self.config.momentum.check_names(name for name, _ in optimizer.momentum_buffers())
         except ValueError as e:
             raise SwarmError(str(e)) from None
-        self.optimizer = optimizer
+        self.optimizer = self.state.optimizer = self.rounds.optimizer = optimizer
         if self.config.checkpoint_dir:
             restored = checkpoint.restore(self.config.checkpoint_dir, optimizer)
             if restored is not None:
@@ -503,15 +480,15 @@ class Swarm:
                 self._discover()
                 self._settle_manifest(optimizer)
         self._joined = True
-        self._refresher = asyncio.run_coroutine_threadsafe(self._refresh_forever(), self.loop.loop)
+        self._refresher = asyncio.run_coroutine_threadsafe(self.upkeep.run_forever(), self.loop.loop)
         latest = self.history.latest
         if self.peer_id not in latest.member_ids():
             self._sync_from_swarm(deadline)
         elif not founded:  # the leader may list a peer as soon as it announces: being listed is not holding the state
-            self._download(min_step=latest.from_step, group=latest)
-        self._synced = True
-        self.loop.run(self._announce(), timeout=30)
-        self._prepare(optimizer.step_count)
+            self.state.download(min_step=latest.from_step, group=latest)
+        self.state.synced = True
+        self.loop.run(self.upkeep.announce(), timeout=30)
+        self.rounds.prepare(optimizer.step_count)
         return optimizer.step_count
 
     def _settle_manifest(self, optimizer: LionCub) -> None:
@@ -592,7 +569,7 @@ class Swarm:
         step, deadline = self.optimizer.step_count, time.monotonic() + seconds
         self._idle = True
         try:  # say at once that this peer is at its last step: those finishing with it need not wait for it
-            self.loop.run(self._announce(), timeout=10)
+            self.loop.run(self.upkeep.announce(), timeout=10)
         except Exception as e:
             logger.debug("announcing the last step failed: %s", e)
         waited = False
@@ -615,9 +592,9 @@ class Swarm:
         step = self.optimizer.step_count
         record = GroupRecord(0, step, (self._my_spec(),), author=self.peer_id)
         self.loop.run(manifests.store(self.dht, self.config.run_id, self.run_manifest, self.identity), timeout=30)
-        self._manifest_published = time.monotonic()
-        self.loop.run(self.directory.publish_group(record, ttl=60.0), timeout=30)
-        self._published = time.monotonic()
+        self.upkeep.manifest_published = time.monotonic()
+        self.loop.run(self.directory.publish_group(record, ttl=GROUP_TTL), timeout=30)
+        self.upkeep.published = time.monotonic()
         time.sleep(0.5)  # let a concurrent founder's record land too
         others = [g for g in self.loop.run(self.directory.groups(), timeout=30)
                   if g.author != self.peer_id and (g.epoch > 0 or g.author < self.peer_id)]
@@ -625,10 +602,10 @@ class Swarm:
             self.records = self.loop.run(self.directory.peers(), timeout=30)
             group = self._admitted_group(others)
             if group is not None:
-                self._trust(group)
+                self.upkeep.trust(group)
                 logger.info("no group found for run %s: another peer started it", self.config.run_id)
                 return False
-        self._trust(record)
+        self.upkeep.trust(record)
         logger.info("no group found for run %s: started it", self.config.run_id)
         return True
 
@@ -637,7 +614,7 @@ class Swarm:
         logger.info("waiting to be added to the group of run %s", self.config.run_id)
         asked = time.monotonic()
         while True:
-            self.loop.run(self._refresh_group(), timeout=30)
+            self.loop.run(self.upkeep.refresh_group(), timeout=30)
             latest = self.history.latest
             if latest is not None and self.peer_id in latest.member_ids():
                 break
@@ -647,9 +624,9 @@ class Swarm:
             if time.monotonic() - asked > 3.0:  # a new leader, or a lineage this peer lost: ask to be admitted again
                 asked = time.monotonic()
                 self._ask_again(latest)
-            self.loop.run(self._announce(), timeout=30)
+            self.loop.run(self.upkeep.announce(), timeout=30)
             time.sleep(self.config.refresh_period)
-        self._download(min_step=latest.from_step, group=latest)
+        self.state.download(min_step=latest.from_step, group=latest)
 
     def _ask_again(self, latest: GroupRecord | None) -> None:
         """Still not in the group: prove the key to its current author, and look for a newer group this
@@ -667,30 +644,7 @@ class Swarm:
         if candidates:
             group = self._admitted_group(candidates)
             if group is not None:
-                self.loop.run(self._adopt(group), timeout=10)  # on the loop, the history's only writer once running
-
-    async def _adopt(self, group: GroupRecord) -> None:
-        """Follow ``group`` instead of the lineage this peer lost."""
-        self.history.clear()
-        self._trust(group)
-
-    def _download(self, min_step: int, group: GroupRecord) -> None:
-        members = [m for m in group.members if m.peer_id != self.peer_id and not m.client_mode
-                   and m.peer_id not in self.liars]
-        # the fastest donors first; ties in random order so newcomers spread
-        members.sort(key=lambda m: (-self._weight_of(m), random.random()))
-        donors = [m.peer_id for m in members]
-        synced = [pid for pid in donors if pid in self.records and self.records[pid].synced]
-        donors = synced or donors  # peers that are joining themselves hold nothing to give
-        have = (self.optimizer.step_count, snapshot.params_digest(self.optimizer))
-        step, blob, digest = self.loop.run(download_state(
-            self.p2p, donors, self.config.run_id, min_step=min_step, max_bytes=snapshot.max_size(self.optimizer),
-            have=have, token=self.admission.token(self.peer_id)), timeout=self.config.join_timeout)
-        if not blob:
-            logger.info("this peer already holds the swarm's state (step 0, same initialization)")
-            return
-        snapshot.load(self.optimizer, blob, expect_digest=digest)
-        logger.info("loaded the swarm's state at step %d (%.1f MB)", step, len(blob) / 1e6)
+                self.loop.run(self.upkeep.adopt(group), timeout=10)  # on the loop, the history's only writer
 
     def _weight_of(self, member: PeerSpec) -> float:
         """A member's announced bandwidth weight (its group weight is 0 while it syncs)."""
@@ -704,81 +658,31 @@ class Swarm:
     def _round_id(self, kind: str, step: int, epoch: int) -> bytes:
         return hashlib.blake2b(f"{self.config.run_id}|{kind}|{step}|{epoch}".encode(), digest_size=16).digest()
 
-    def _spec(self, group: GroupRecord, step: int, kind: str = "vote") -> RoundSpec:
+    def _spec(self, group: GroupRecord, step: int, kind: str = "vote", *, own: bool = True) -> RoundSpec:
+        """The round of ``step`` with ``group``; ``own``: this peer takes part (the training thread's, named
+        later when reporting what its audits caught), else another's round read on the loop."""
         rid = self._round_id(kind, step, group.epoch)
-        self._round_steps[rid] = step  # to name the round when reporting what its audits caught
-        while len(self._round_steps) > 256:
-            self._round_steps.popitem(last=False)
+        if own:
+            self._round_steps[rid] = step
+            while len(self._round_steps) > 256:
+                self._round_steps.popitem(last=False)
         if kind == "vote":
             return RoundSpec(rid, step, group.members, self.optimizer.buffer_bytes, self.upload, self.result,
                              self.config.seed)
         return self._momentum_sync().spec(rid, step, group.members)
 
-    def _prepare(self, step: int) -> None:
-        """Let this peer's reducer count others' votes for ``step`` while it still computes."""
-        group = self.history.for_step(step)
-        if (group is not None and self.peer_id in group.member_ids() and self.gather is None
-                and any(m.reduces for m in group.members)):  # else nobody counts: the round is missed, not prepared
-            spec = self._spec(group, step)
-
-            def prepare() -> None:
-                try:
-                    self.node.prepare_round(spec)
-                except ValueError as e:  # already run (a repeated step after a repair): nothing to prepare
-                    logger.debug("not preparing step %d: %s", step, e)
-
-            self.loop.call_soon(prepare)
-
     def before_step(self) -> None:
         """Called by LionCub before the step touches any state: snapshots wait from here on."""
-        self._enter_step()
+        self.state.enter_step()
 
-    @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
+    def exclusive(self) -> contextlib.AbstractContextManager:
         """A section that changes the state between steps (``LionCub.flush``): no snapshot meanwhile."""
-        if self._in_step:  # inside a step already (the training thread holds the lock)
-            yield
-            return
-        self._step_lock.acquire()
-        try:
-            yield
-        finally:
-            self._step_lock.release()
+        return self.state.exclusive()
 
     def _round_bound(self) -> float:
         """The longest a vote round may take before its voters give up on it."""
         cfg = self.config.allreduce
         return cfg.result_timeout + cfg.recovery_timeout + 30
-
-    def _enter_step(self) -> None:
-        if not self._in_step:  # still held if an earlier step stopped between aggregate and after_step
-            self._step_lock.acquire()
-            self._in_step = True
-
-    def _exit_step(self) -> None:
-        if self._in_step:
-            self._in_step = False
-            self._step_lock.release()
-
-    def _snapshot_between_steps(self, min_step: int) -> tuple[int, bytes, bytes] | None:
-        """For the state server, from its worker thread: this peer's state if it is between steps.
-        With a round in flight, its update is part of the state: wait for it without holding up the
-        training thread, then take the state only if that round is still the last one."""
-        if self.optimizer is None or not self._synced:
-            return None
-        in_flight = self.optimizer.in_flight
-        if in_flight is not None:
-            in_flight.peek(self._round_bound())
-        if not self._step_lock.acquire(timeout=0.2):
-            return None
-        try:
-            if self.optimizer.step_count < min_step or (self.optimizer.in_flight is not None
-                                                        and not self.optimizer.in_flight.done()):
-                return None
-            blob, digest = snapshot.encode(self.optimizer)
-            return self.optimizer.step_count, blob, digest
-        finally:
-            self._step_lock.release()
 
     @property
     def delay(self) -> int:
@@ -789,146 +693,18 @@ class Swarm:
         return self.submit(upload, step=step).wait()
 
     def submit(self, upload: torch.Tensor, *, step: int) -> "RoundInFlight | Resolved":
-        """Start the vote of ``step``; the returned handle's ``wait()`` gives its update (see ``aggregate``)."""
+        """Start the vote of ``step``; the returned handle's ``wait()`` gives its update (``pipeline.py``)."""
         if self.optimizer is None:
             raise SwarmError("call swarm.join(optimizer) before training")
-        self._enter_step()
+        self.state.enter_step()
         self._idle = False
-        self.stats = StepStats(step=step)
-        try:
-            return self._start_round(upload, step)
-        except Exception as e:  # never into the training loop: a missed round (the digest repairs a split)
-            return Resolved(self._failed(step, e))
-
-    def _failed(self, step: int, e: Exception) -> torch.Tensor:
-        self.log.warning(f"round:{type(e).__name__}", "step %d: the round failed here (%s: %s); applying no update",
-                         step, type(e).__name__, e)
-        return self._missed(step)
-
-    def _missed(self, step: int) -> torch.Tensor:
-        self.missed_rounds += 1
-        self.stats.missed = True
-        try:
-            self._prepare(step + 1)
-        except Exception as e:
-            logger.debug("not preparing step %d: %s", step + 1, e)
-        return torch.zeros(self.optimizer.buffer_bytes * 8)
-
-    def _start_round(self, upload: torch.Tensor, step: int) -> "RoundInFlight | Resolved":
-        group = self.history.for_step(step)
-        if group is None or self.peer_id not in group.member_ids():
-            logger.warning("step %d: this peer is not in the group (dropped after a stall?): rejoining", step)
-            try:
-                self._rejoin()
-            except Exception as e:  # keep the training loop alive; the next step tries again
-                logger.warning("rejoining failed: %s", e)
-                self._check_stranded(step)
-            return Resolved(None)
-        if self.config.client_mode:  # it cannot lead: once no peer that can is left, it must stop
-            self._check_stranded(step)
-        spec = self._spec(group, step)
-        tag = snapshot.state_tag(self.optimizer, full=step % self.config.full_digest_every == 0)
-        self._round = ("vote", step)
-        started = time.perf_counter()
-        if self.gather is not None:  # the D-Lion baseline: everyone votes
-            coro = self.gather.run_round(spec, upload, tag)
-        elif self.follow.follow_next():
-            coro = self.node.follow_round(spec, tag)
-        else:  # a follower's probe vote recovers what it misses as it follows: each part once
-            coro = self.node.run_round(spec, upload, tag, one_at_a_time=self.follow.following)
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop.loop)
-        if self.delay:  # the next vote may start before this one ends: let its part count votes already
-            self._prepare(step + 1)
-        return RoundInFlight(self, spec, group, tag, started, future)
-
-    def _check_stranded(self, step: int) -> None:
-        """Set ``stranded`` once no other live peer that can count votes and lead has been seen for
-        ``STRANDED_AFTER_S`` (records expire within seconds of a peer's death; the delay rides out
-        a DHT that answers nothing for a while)."""
-        others = [r for pid, r in self.records.items() if pid != self.peer_id and not r.leaving and not r.client_mode]
-        if others:
-            self._alone_since = None
-            return
-        if self._alone_since is None:
-            self._alone_since = time.monotonic()
-        elif time.monotonic() - self._alone_since > STRANDED_AFTER_S:
-            self.stranded = (f"no peer of run {self.config.run_id} that can count votes is left (this peer is "
-                             f"at step {step}{' and in client mode' * self.config.client_mode}): nothing to train with")
-
-    def _finish_round(self, r: "RoundInFlight") -> torch.Tensor | None:
-        """The training thread's side of a round that ended: observe it, repair a divergence it shows."""
-        step, group, tag = r.spec.step, r.group, r.tag
-        blocked = time.perf_counter()
-        try:
-            update, report = r.future.result(timeout=r.time_left())
-        except Exception as e:  # never into the training loop: apply nothing; the digest repairs us next step
-            r.future.cancel()
-            logger.warning("step %d: the vote round failed (%s: %s); applying no update", step, type(e).__name__, e)
-            return self._missed(step)
-        self._observe(r.spec, report, r.started)
-        if self.gather is None:
-            self._follow_or_vote(report)
-        if self.follow.fell_out(report):  # nobody keeps this round any more: skip ahead to a peer's state
-            return self._skip_ahead(step, group)
-        if self.delay:  # what the step waited for: the part of the round that compute did not hide
-            self.stats.wait_s = time.perf_counter() - blocked
-        if report.group_epoch > self.history.latest.epoch:  # a group change we have not seen: fetch it now
-            try:
-                self.loop.run(self._refresh_group(), timeout=10)
-            except Exception as e:
-                logger.info("group refresh failed: %s", e)
-        consensus, votes = report.consensus_tag()
-        all_votes = sum(p.tag_votes for p in report.parts if p.status in ("ok", "recovered"))
-        if votes * 2 > all_votes and consensus != tag:
-            logger.warning("step %d: parameters differ from %d of %d votes: repairing from a peer", step, votes,
-                           all_votes)
-            try:  # from a peer past the step in progress (overlapped: the next one, whose vote is out)
-                self._download(min_step=self.optimizer.step_count + 1, group=group)
-            except Exception as e:  # apply nothing: still diverged, so the next round tries again
-                logger.warning("step %d: repair failed (%s); retrying next step", step, e)
-                return self._missed(step)
-            self.repairs += 1
-            self.stats.repaired = True
-            self._prepare(self.optimizer.step_count)
-            return None
-        self._prepare(step + 1)
-        return update
-
-    def _follow_or_vote(self, report: RoundReport) -> None:
-        """Follow while this peer's votes come too late to count (``follow.py``); tell the group at once."""
-        was = self.follow.following
-        self.follow.after(report)
-        self.stats.followed = report.followed
-        if self.follow.following != was:
-            logger.info("step %d: %s", report.step, "this peer's votes came too late to count: following (results "
-                        "only, no votes)" if self.follow.following else "votes count again: voting")
-            self._in_background(self._announce())
-
-    def _skip_ahead(self, step: int, group: GroupRecord) -> torch.Tensor | None:
-        """Download a newer state; after ``SKIP_TRIES`` failures in a row stop (``stranded``) rather than
-        go on applying zeros: a follower nobody serves any more must not finish as if it had trained."""
-        logger.warning("step %d: this peer fell so far behind that nobody keeps its round: downloading the state", step)
-        try:
-            self._download(min_step=self.optimizer.step_count + 1, group=group)
-        except Exception as e:
-            self._skip_failures += 1
-            logger.warning("step %d: skipping ahead failed (%s); retrying next step", step, e)
-            if self._skip_failures >= SKIP_TRIES:
-                self.stranded = (f"this peer fell behind the group and nobody holds the rounds it missed or a newer "
-                                 f"state any more ({type(e).__name__}); its parameters are not the group's: start it "
-                                 f"again to download the current state")
-            return self._missed(step)
-        self._skip_failures = 0
-        self.skips += 1
-        self.stats.repaired = True
-        self._prepare(self.optimizer.step_count)
-        return None
+        return self.rounds.submit(upload, step)
 
     def _rejoin(self) -> None:
-        self._synced = False
+        self.state.synced = False
         self._sync_from_swarm(time.monotonic() + self.config.join_timeout)
-        self._synced = True
-        self._prepare(self.optimizer.step_count)
+        self.state.synced = True
+        self.rounds.prepare(self.optimizer.step_count)
 
     def suspects(self) -> set[str]:
         """Peers the leader drops and does not add (``Verdicts.suspects``)."""
@@ -943,47 +719,25 @@ class Swarm:
     def suspicions(self) -> Suspicions:
         return self.verdicts.suspicions
 
-    def _observe(self, spec: RoundSpec, report: RoundReport, started: float) -> None:
-        self.last_report = report
-        if report.caught:  # checked and acted on in the background (evidence checks recount, reports dial)
-            self._in_background(self.verdicts.act_on(list(report.caught)))
-        received = [p for p in report.parts if p.status in ("ok", "recovered")]
-        counted = set().union(*(set(p.counted) for p in received)) if received else set()
-        for i, member in enumerate(spec.group):
-            if member.peer_id != self.peer_id:
-                if i in counted:
-                    self.failures[member.peer_id] = 0
-                    self.failing_since.pop(member.peer_id, None)
-                else:
-                    self.failures[member.peer_id] += 1
-                    self.failing_since.setdefault(member.peer_id, time.monotonic())
-        numel = sum(s.param.numel() for s in self.optimizer.slots)
-        self.stats.peers = max((len(p.counted) for p in received), default=0)
-        self.stats.group_size = len(spec.group)
-        self.stats.bytes_up, self.stats.bytes_down = report.bytes_up, report.bytes_down
-        self.stats.result_down, self.stats.result_plain = report.result_down, report.result_plain
-        self.stats.bits_per_param = 8 * (report.bytes_up + report.bytes_down) / max(numel, 1)
-        self.stats.seconds = time.perf_counter() - started
-        timings = report.timings
-        self.stats.round_s = timings.get("total", 0.0)
-        if "first_result" in timings:
-            self.stats.wait_s = max(timings["first_result"] - timings.get("upload", 0.0), 0.0)
-
     def after_step(self, optimizer: LionCub) -> None:
         """Momentum averaging, snapshots for joiners, checkpoints: each failure is logged, never raised."""
         try:
             step = optimizer.step_count
-            if self._momentum_sync().due(step):
+            sync = self._momentum_sync()
+            if sync.due(step) or self._momentum_in_flight:
                 try:
-                    self.stats.momentum_synced = self._average_momentum(step)
+                    if sync.schedule.slices:
+                        self._stream_momentum(sync, step)
+                    else:
+                        self.rounds.stats.momentum_synced = self._average_momentum(step)
                 except Exception as e:
                     self.log.warning("momentum", "step %d: momentum averaging failed, skipped: %s: %s", step,
                                      type(e).__name__, e)
-            wanted = self.state_server.wanted_step()
+            wanted = self.state.server.wanted_step()
             if wanted is not None and wanted <= step:
                 try:
                     blob, digest = snapshot.encode(optimizer)
-                    self.loop.run(self.state_server.offer(step, blob, digest), timeout=30)
+                    self.loop.run(self.state.server.offer(step, blob, digest), timeout=30)
                 except Exception as e:
                     self.log.warning("offer", "step %d: no snapshot for joiners: %s: %s", step, type(e).__name__, e)
             if self.config.checkpoint_dir and self.config.checkpoint_every and step % self.config.checkpoint_every == 0:
@@ -993,7 +747,7 @@ class Swarm:
                     self.log.warning("checkpoint", "step %d: checkpoint not written to %s: %s", step,
                                      self.config.checkpoint_dir, e)
         finally:
-            self._exit_step()
+            self.state.exit_step()
 
     def _momentum_sync(self) -> MomentumSync:
         """The momentum rounds under the current settings (the run's manifest may change them at join)."""
@@ -1006,9 +760,9 @@ class Swarm:
         if group is None or self.peer_id not in group.member_ids():
             return False
         spec = self._spec(group, step, kind="momentum")
-        self._round = ("momentum", step)
+        self.rounds.current = ("momentum", step)
         timeout = self.config.allreduce.result_timeout + 30
-        follow = self.follow.following  # behind: the others' average only (this peer's values are late anyway)
+        follow = self.rounds.follow.following  # behind: the others' average only (this peer's values are late anyway)
         try:
             return self._momentum_sync().average(
                 spec, lambda spec, upload: self.loop.run(self.node.follow_round(spec) if follow
@@ -1016,6 +770,38 @@ class Swarm:
         except Exception as e:
             logger.warning("step %d: momentum averaging failed, skipped: %s", step, e)
             return False
+
+    def _stream_momentum(self, sync: MomentumSync, step: int) -> None:
+        """Keep the slices whose rounds finished (they ran beside the steps since), start this step's
+        (``momentum_sync.py``). No step waits for a momentum round: past ``MOMENTUM_IN_FLIGHT`` still
+        running, the oldest is given up (its round goes on for the others; its slice stays local)."""
+        pending = [s for s in self._momentum_in_flight if s.loads == self.state.loads]  # else a download
+        if len(pending) >= MOMENTUM_IN_FLIGHT and not pending[0].future.done():         # replaced those momenta
+            self.log.warning("momentum-late", "step %d: the momentum round of step %d is still running after %d "
+                             "steps: its slice stays local", step, pending[0].step, step - pending[0].step)
+            pending = pending[1:]
+        self._momentum_in_flight = []
+        for sent in pending:
+            if not sent.future.done():
+                self._momentum_in_flight.append(sent)
+                continue
+            try:
+                self.rounds.stats.momentum_synced = sent.finish(0)
+            except Exception as e:
+                self.rounds.stats.momentum_synced = False
+                logger.warning("step %d: momentum averaging failed, skipped: %s: %s", sent.step, type(e).__name__, e)
+        if not sync.due(step):
+            return
+        group = self.history.for_step(step - 1)
+        if group is None or self.peer_id not in group.member_ids():
+            return
+        spec = self._spec(group, step, kind="momentum")  # not marked current: it runs beside the next vote
+        node = self.node
+        round_for = node.follow_round if self.rounds.follow.following else None
+        sent = sync.start(spec, lambda spec, upload: asyncio.run_coroutine_threadsafe(
+            round_for(spec) if round_for else node.run_round(spec, upload), self.loop.loop))
+        sent.loads = self.state.loads
+        self._momentum_in_flight.append(sent)
 
     # -- caught reducers ----------------------------------------------------------------------------
 
@@ -1052,129 +838,38 @@ class Swarm:
             return 0
         if self.optimizer is None:
             raise Refused("this peer has not joined yet")
-        spec = self._spec(group, accusation.step, kind)
+        spec = self._spec(group, accusation.step, kind, own=False)
         start, stop = spec.bounds[accusation.part]
         n, planes = len(group.members), spec.upload.planes
         leaf = min(leaf_bytes(stop - start, planes) * planes, MAX_LEAF_BYTES)
         return min(MAX_EVIDENCE_BYTES, spec.result_size(accusation.part, n) + MAX_HEADER_BYTES + 8192 + n * (leaf + 1024))
 
-    # -- membership upkeep (background) -------------------------------------------------------------
+    # -- membership upkeep (``upkeep.py``, on the loop) ------------------------------------------------
 
-    async def _refresh_forever(self) -> None:
-        last_announce = 0.0
-        while True:
-            try:
-                await self._refresh_group()
-                await self.verdicts.remind_leader()
-                self.records = await self.directory.peers()
-                leaving = {pid for pid, r in self.records.items() if r.leaving}  # signed by the peer itself
-                if leaving:
-                    self.node.stop_waiting_for(leaving, "it left the run")
-                if time.monotonic() - last_announce > self.config.record_ttl / 3:
-                    await self._announce()
-                    last_announce = time.monotonic()
-                await self._lead()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the DHT, a bad record: upkeep goes on with the next refresh
-                self.log.warning(f"upkeep:{type(e).__name__}", "membership refresh failed: %s: %s", type(e).__name__, e)
-            await asyncio.sleep(self.config.refresh_period)
+    @property
+    def history(self) -> GroupHistory:
+        return self.upkeep.history
 
-    async def _refresh_group(self) -> None:
-        """Accept the next group from the run's records (``membership.next_group``)."""
-        if self.history.latest is None:
-            return
-        step = self.optimizer.step_count if self.optimizer is not None else 0
-        window = 2 * STEP_WINDOW + self.config.lead_steps
-        chosen = next_group(await self.directory.groups(), self.history, step=step, window=window,
-                            run_step=announced_step(self.history.latest, self.records), refused=set(self.liars),
-                            log=self.log)
-        if chosen is not None:
-            self._trust(chosen)
+    @property
+    def records(self) -> dict[str, PeerRecord]:
+        return self.upkeep.records
 
-    async def _announce(self, *, leaving: bool = False) -> None:
-        step = self.optimizer.step_count if self.optimizer is not None else 0
-        now, (t0, step0) = time.monotonic(), self._progress
-        rate = lambda amount: amount / max(now - t0, 1e-6)  # noqa: E731
-        seconds = max(self.stats.seconds, 1e-6)
-        record = PeerRecord(self.peer_id, self.config.weight, self.config.client_mode, step, PROTOCOL_VERSION,
-                            self._synced and not leaving, samples_per_s=max(self.samples_per_step * rate(step - step0), 0.0),
-                            bytes_up_per_s=self.stats.bytes_up / seconds, bytes_down_per_s=self.stats.bytes_down / seconds,
-                            loss=self.last_loss, manifest=self.run_manifest.digest() if self.run_manifest else "",
-                            leaving=leaving, following=self.follow.following and not leaving)
-        self._progress = (now, step)
-        # a newer record must expire later than the last (the DHT keeps the latest-expiring one)
-        expiration = max(get_dht_time() + self.config.record_ttl, self._last_expiration + 1e-3)
-        if await self.directory.announce(record, self.config.record_ttl, expiration=expiration):
-            self._last_expiration = expiration
+    @records.setter
+    def records(self, fresh: dict[str, PeerRecord]) -> None:  # a whole read made on the loop
+        self.upkeep.records = fresh
 
-    def _may_join(self, record: PeerRecord) -> bool:
-        """Whether the leader may add the peer of ``record`` to the group (logged, rate-limited, if not)."""
-        problem = None
-        if record.version != PROTOCOL_VERSION:
-            problem = f"it speaks protocol version {record.version}, this peer {PROTOCOL_VERSION}"
-        elif self.run_manifest is None or record.manifest != self.run_manifest.digest():
-            problem = "it follows another manifest (other settings or model)"
-        elif self.admission.allow and record.peer_id not in self.admission.allow:
-            problem = "not on the run's allow-list"
-        elif self.admission.needs_secret and record.peer_id not in self.admitted:
-            problem = "it has not proved the run secret to this peer"
-        if problem:
-            self.log.warning(f"refuse:{record.peer_id}", "peer %s asked to join but is not added: %s",
-                             record.peer_id, problem)
-        return problem is None
+    def _local(self) -> Local:
+        """What upkeep reads of this side (``upkeep.Local``), taken on the loop when it needs it."""
+        opt, stats = self.optimizer, self.rounds.stats
+        seconds = max(stats.seconds, 1e-6)
+        return Local(joined=opt is not None, step=opt.step_count if opt is not None else 0, synced=self.state.synced,
+                     following=self.rounds.follow.following, idle=self._idle, final_step=self.final_step,
+                     bytes_up_per_s=stats.bytes_up / seconds, bytes_down_per_s=stats.bytes_down / seconds,
+                     samples_per_step=self.samples_per_step, loss=self.last_loss, run_manifest=self.run_manifest,
+                     steps_per_s=1.0 / self.rounds.step_s if self.rounds.step_s > 0 else 0.0)
 
-    async def _lead(self) -> None:
-        """If this peer leads the group, keep it equal to the live, admitted, compatible peers: who stays,
-        who joins and with which weight is ``lead.plan_group``'s (the rules are in ``lead.py``); this
-        publishes it, starting ``lead_steps`` past the fastest member's step, where a member's step
-        counts only within ``STEP_WINDOW`` of this peer's (a far-future step is a lie, not progress)."""
-        latest = self.history.latest
-        if latest is None or self.optimizer is None or not self._synced:
-            return
-        suspects = self.suspects()
-        healthy = Health(self.records, me=self.peer_id, now=time.monotonic(), failures=self.failures,
-                         failing_since=self.failing_since, suspects=suspects)
-        step = self.optimizer.step_count
-        if leader_of(latest, healthy) != self.peer_id or step < latest.from_step:
-            return
-        if self.run_manifest is not None and time.monotonic() - self._manifest_published > manifests.MANIFEST_TTL / 3:
-            self._manifest_published = time.monotonic()  # the leader keeps the run's manifest alive
-            await manifests.store(self.dht, self.config.run_id, self.run_manifest, self.identity)
-        plan = plan_group(latest, healthy, evicted=self.evicted, may_join=self._may_join)
-        for m in plan.dropped:  # remember what the record of a dropped member said when it was dropped
-            if m.peer_id in self.records:
-                self.evicted[m.peer_id] = self.records[m.peer_id].expires
-            if m.peer_id in self.liars:
-                logger.warning("dropping %s from the group: it lied (%s)", m.peer_id, self.liars[m.peer_id])
-            elif m.peer_id in suspects:
-                logger.warning("dropping %s from the group: suspected (%s)", m.peer_id,
-                               "; ".join(self.suspicions.reasons(m.peer_id)))
-        for m in plan.joined:  # a returning peer starts with a clean slate
-            self.failures[m.peer_id] = 0
-            self.failing_since.pop(m.peer_id, None)
-        desired = plan.members
-        if set(desired) == set(latest.members) or not any(m.reduces for m in desired):
-            if time.monotonic() - self._published > 20.0:  # keep the record from expiring (under our own subkey)
-                self._published = time.monotonic()
-                if latest.author != self.peer_id:
-                    latest = GroupRecord(latest.epoch, latest.from_step, latest.members, latest.previous, self.peer_id)
-                await self.directory.publish_group(latest, ttl=60.0)
-            return
-        known = {m.peer_id for m in latest.members}
-        steps = [r.step for pid, r in self.records.items() if pid in known and step <= r.step <= step + STEP_WINDOW]
-        ahead = max([step] + steps)  # the fastest member (a step beyond the window is a lie, not progress)
-        lead = 0 if self._idle and ahead == step else self.config.lead_steps  # nobody steps yet: at once
-        from_step = ahead + lead
-        if self.final_step is not None:  # a group from past this peer's last step would never take effect
-            from_step = max(latest.from_step, min(from_step, self.final_step))
-        record = GroupRecord(latest.epoch + 1, from_step, desired, previous=latest, author=self.peer_id)
-        if await self.directory.publish_group(record, ttl=60.0):
-            self._published = time.monotonic()
-            self._trust(record)
-            logger.info("group epoch %d from step %d: %d members (+%d, -%d), %d reducing", record.epoch,
-                        record.from_step, len(desired), len(plan.joined), len(plan.dropped),
-                        sum(m.reduces for m in desired))
+    async def _store_manifest(self, manifest: Manifest) -> None:
+        await manifests.store(self.dht, self.config.run_id, manifest, self.identity)
 
     # -- leaving -----------------------------------------------------------------------------------
 
@@ -1200,7 +895,7 @@ class Swarm:
             self._refresher = None
         if loop is not None and self._joined and hasattr(self, "directory"):
             try:
-                loop.run(self._announce(leaving=True), timeout=5)
+                loop.run(self.upkeep.announce(leaving=True), timeout=5)
                 logger.info("left run %s: told the group", self.config.run_id)
             except Exception as e:
                 logger.info("could not announce leaving run %s: %s", self.config.run_id, e)
@@ -1253,40 +948,3 @@ class _Rounds:
 
     def latest(self) -> GroupRecord | None:
         return self.swarm.history.latest
-
-
-@dataclass
-class RoundInFlight:
-    """A vote round started by ``Swarm.submit`` (``optim.PendingUpdate``)."""
-
-    swarm: Swarm
-    spec: RoundSpec
-    group: GroupRecord
-    tag: bytes
-    started: float
-    future: concurrent.futures.Future
-
-    def wait(self) -> torch.Tensor | None:
-        """On the training thread: the update to apply (zeros for a missed round; None after a repair)."""
-        try:
-            return self.swarm._finish_round(self)
-        except Exception as e:  # never into the training loop
-            return self.swarm._failed(self.spec.step, e)
-
-    def time_left(self) -> float:
-        """Until the round's bound, counted from its start (an overlapped round started a step ago)."""
-        return max(self.started + self.swarm._round_bound() - time.perf_counter(), 0.0)
-
-    def peek(self, timeout: float) -> torch.Tensor:
-        """From any thread: the update ``wait`` applies unless this peer must repair (then it is replaced).
-        Waits at most ``timeout`` and never past the round's bound, after which ``wait`` gives up on it."""
-        try:
-            update, _ = self.future.result(timeout=min(timeout, self.time_left()))
-            return update
-        except concurrent.futures.TimeoutError:
-            raise
-        except Exception:  # a failed round applies no update
-            return torch.zeros(self.spec.nbytes * 8)
-
-    def done(self) -> bool:
-        return self.future.done()

@@ -1,0 +1,310 @@
+"""The round pipeline: the training thread's side of each step's vote.
+
+``submit`` starts the vote of a step on the event loop (as a voter, as a follower that only receives
+results, or through the all-gather baseline) and returns a ``RoundInFlight``; ``wait`` on it finishes
+the round: it observes who was counted, decides whether this peer votes or follows next
+(``follow.py``), repairs a divergence the consensus tag shows, skips ahead when nobody keeps the
+round any more, and lets this peer's reducer prepare the next step's part. Anything that goes wrong
+is a missed round (a zero update), never an exception out of ``optimizer.step()``.
+
+Threads: every field here is the training thread's. The loop reads ``follow.following`` (to
+announce it) and resets ``failures``/``failing_since`` for a peer the leader adds back (one key at
+a time, atomic under the GIL: a lost count delays a drop by a round at most). Repairs go through
+``StateSync`` (``state_sync.py``), membership through ``Upkeep`` (``upkeep.py``).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..aio import BackgroundLoop
+from ..allreduce import RoundReport, RoundSpec, VoteNode
+from ..allreduce.allgather import GatherNode
+from ..optim import Resolved, TrainingView
+from . import snapshot
+from .follow import FollowRule
+from .membership import GroupRecord
+from .records import RateLimitedLog
+from .state_sync import StateSync
+from .upkeep import Upkeep
+from .verdicts import Verdicts
+
+logger = logging.getLogger(__name__)
+
+STRANDED_AFTER_S = 30.0  # with no live peer that can count votes for this long, a peer that cannot lead stops
+SKIP_TRIES = 3  # failed state downloads in a row after which a follower that fell out stops
+
+
+@dataclass
+class StepStats:
+    step: int = 0
+    peers: int = 0  # voters counted in this peer's view of the round
+    group_size: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    result_down: int = 0  # result bytes from reducers as they came (deltas) and as plain results
+    result_plain: int = 0
+    seconds: float = 0.0  # the whole aggregate call
+    round_s: float = 0.0  # the vote round alone (votes, reduction, results)
+    wait_s: float = 0.0  # of which idle: own uploads done, no result byte yet (overlapped: blocked on the last vote)
+    bits_per_param: float = 0.0
+    repaired: bool = False
+    momentum_synced: bool = False
+    missed: bool = False  # the round failed here: no update applied
+    followed: bool = False  # received the result without voting (behind the group, ``follow.py``)
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    run_id: str
+    client_mode: bool
+    full_digest_every: int  # the state tag hashes every parameter byte on these steps
+    delay: int  # 1: overlapped rounds (the next vote starts before this one is applied)
+    round_bound: float  # the longest a vote round may take before its voters give up on it
+
+
+class VotePipeline:
+    def __init__(self, *, peer_id: str, settings: PipelineSettings, loop: BackgroundLoop, node: VoteNode,
+                 gather: GatherNode | None, upkeep: Upkeep, state: StateSync, verdicts: Verdicts,
+                 spec: Callable[[GroupRecord, int], RoundSpec], rejoin: Callable[[], None],
+                 in_background: Callable, log: RateLimitedLog):
+        self.peer_id, self.settings, self.loop, self.node, self.gather = peer_id, settings, loop, node, gather
+        self.upkeep, self.state, self.verdicts, self.spec = upkeep, state, verdicts, spec
+        self.rejoin, self.in_background, self.log = rejoin, in_background, log
+        self.optimizer: TrainingView | None = None  # set at join: all this room reads of the optimizer
+        self.stats = StepStats()
+        self.repairs = 0
+        self.skips = 0  # state downloads of a follower that fell out of the group's kept rounds
+        self._skip_failures = 0
+        self.follow = FollowRule()  # vote, or only receive results when this peer's votes come too late
+        self.missed_rounds = 0
+        self.last_report: RoundReport | None = None
+        self.stranded: str | None = None  # why training cannot go on (every other peer left), once it cannot
+        self._alone_since: float | None = None
+        self.failures, self.failing_since = upkeep.failures, upkeep.failing_since  # written here, reset there
+        self.current = ("vote", 0)  # the kind and step of the round in progress, for failpoints
+        self.step_s = 0.0  # recent seconds per step (consecutive steps only: a download's jump is no pace)
+        self._last_start: tuple[float, int] | None = None
+
+    def prepare(self, step: int) -> None:
+        """Let this peer's reducer count others' votes for ``step`` while it still computes."""
+        group = self.upkeep.history.for_step(step)
+        if (group is not None and self.peer_id in group.member_ids() and self.gather is None
+                and any(m.reduces for m in group.members)):  # else nobody counts: the round is missed, not prepared
+            spec = self.spec(group, step)
+
+            def prepare() -> None:
+                try:
+                    self.node.prepare_round(spec)
+                except ValueError as e:  # already run (a repeated step after a repair): nothing to prepare
+                    logger.debug("not preparing step %d: %s", step, e)
+
+            self.loop.call_soon(prepare)
+
+    def submit(self, upload: torch.Tensor, step: int) -> "RoundInFlight | Resolved":
+        """Start the vote of ``step``; the returned handle's ``wait()`` gives its update."""
+        self.stats = StepStats(step=step)
+        now = time.monotonic()
+        if self._last_start is not None and step == self._last_start[1] + 1:
+            gap = now - self._last_start[0]
+            self.step_s = gap if self.step_s == 0 else 0.8 * self.step_s + 0.2 * gap
+        self._last_start = (now, step)
+        try:
+            return self._start(upload, step)
+        except Exception as e:  # never into the training loop: a missed round (the digest repairs a split)
+            return Resolved(self.failed(step, e))
+
+    def failed(self, step: int, e: Exception) -> torch.Tensor:
+        self.log.warning(f"round:{type(e).__name__}", "step %d: the round failed here (%s: %s); applying no update",
+                         step, type(e).__name__, e)
+        return self._missed(step)
+
+    def _missed(self, step: int) -> torch.Tensor:
+        self.missed_rounds += 1
+        self.stats.missed = True
+        try:
+            self.prepare(step + 1)
+        except Exception as e:
+            logger.debug("not preparing step %d: %s", step + 1, e)
+        return torch.zeros(self.optimizer.buffer_bytes * 8)
+
+    def _start(self, upload: torch.Tensor, step: int) -> "RoundInFlight | Resolved":
+        group = self.upkeep.history.for_step(step)
+        if group is None or self.peer_id not in group.member_ids():
+            logger.warning("step %d: this peer is not in the group (dropped after a stall?): rejoining", step)
+            try:
+                self.rejoin()
+            except Exception as e:  # keep the training loop alive; the next step tries again
+                logger.warning("rejoining failed: %s", e)
+                self.check_stranded(step)
+            return Resolved(None)
+        if self.settings.client_mode:  # it cannot lead: once no peer that can is left, it must stop
+            self.check_stranded(step)
+        spec = self.spec(group, step)
+        tag = snapshot.state_tag(self.optimizer, full=step % self.settings.full_digest_every == 0)
+        self.current = ("vote", step)
+        started = time.perf_counter()
+        if self.gather is not None:  # the D-Lion baseline: everyone votes
+            coro = self.gather.run_round(spec, upload, tag)
+        elif self.follow.follow_next():
+            coro = self.node.follow_round(spec, tag)
+        else:  # a follower's probe vote recovers what it misses as it follows: each part once
+            coro = self.node.run_round(spec, upload, tag, one_at_a_time=self.follow.following)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop.loop)
+        if self.settings.delay:  # the next vote may start before this one ends: let its part count votes already
+            self.prepare(step + 1)
+        return RoundInFlight(self, spec, group, tag, started, future)
+
+    def check_stranded(self, step: int) -> None:
+        """Set ``stranded`` once no other live peer that can count votes and lead has been seen for
+        ``STRANDED_AFTER_S`` (records expire within seconds of a peer's death; the delay rides out
+        a DHT that answers nothing for a while)."""
+        others = [r for pid, r in self.upkeep.records.items()
+                  if pid != self.peer_id and not r.leaving and not r.client_mode]
+        if others:
+            self._alone_since = None
+            return
+        if self._alone_since is None:
+            self._alone_since = time.monotonic()
+        elif time.monotonic() - self._alone_since > STRANDED_AFTER_S:
+            self.stranded = (f"no peer of run {self.settings.run_id} that can count votes is left (this peer is "
+                             f"at step {step}{' and in client mode' * self.settings.client_mode}): nothing to "
+                             f"train with")
+
+    def finish(self, r: "RoundInFlight") -> torch.Tensor | None:
+        """The training thread's side of a round that ended: observe it, repair a divergence it shows."""
+        step, group, tag = r.spec.step, r.group, r.tag
+        blocked = time.perf_counter()
+        try:
+            update, report = r.future.result(timeout=r.time_left())
+        except Exception as e:  # never into the training loop: apply nothing; the digest repairs us next step
+            r.future.cancel()
+            logger.warning("step %d: the vote round failed (%s: %s); applying no update", step, type(e).__name__, e)
+            return self._missed(step)
+        self._observe(r.spec, report, r.started)
+        if self.gather is None:
+            self._follow_or_vote(report)
+        if self.follow.fell_out(report):  # nobody keeps this round any more: skip ahead to a peer's state
+            return self.skip_ahead(step, group)
+        if self.settings.delay:  # what the step waited for: the part of the round that compute did not hide
+            self.stats.wait_s = time.perf_counter() - blocked
+        if report.group_epoch > self.upkeep.history.latest.epoch:  # a group change we have not seen: fetch it now
+            try:
+                self.loop.run(self.upkeep.refresh_group(), timeout=10)
+            except Exception as e:
+                logger.info("group refresh failed: %s", e)
+        consensus, votes = report.consensus_tag()
+        all_votes = sum(p.tag_votes for p in report.parts if p.status in ("ok", "recovered"))
+        if votes * 2 > all_votes and consensus != tag:
+            logger.warning("step %d: parameters differ from %d of %d votes: repairing from a peer", step, votes,
+                           all_votes)
+            try:  # from a peer past the step in progress (overlapped: the next one, whose vote is out)
+                self.state.download(min_step=self.optimizer.step_count + 1, group=group)
+            except Exception as e:  # apply nothing: still diverged, so the next round tries again
+                logger.warning("step %d: repair failed (%s); retrying next step", step, e)
+                return self._missed(step)
+            self.repairs += 1
+            self.stats.repaired = True
+            self.prepare(self.optimizer.step_count)
+            return None
+        self.prepare(step + 1)
+        return update
+
+    def _follow_or_vote(self, report: RoundReport) -> None:
+        """Follow while this peer's votes come too late to count (``follow.py``); tell the group at once."""
+        was = self.follow.following
+        self.follow.after(report)
+        self.stats.followed = report.followed
+        if self.follow.following != was:
+            logger.info("step %d: %s", report.step, "this peer's votes came too late to count: following (results "
+                        "only, no votes)" if self.follow.following else "votes count again: voting")
+            self.in_background(self.upkeep.announce())
+
+    def skip_ahead(self, step: int, group: GroupRecord) -> torch.Tensor | None:
+        """Download a newer state; after ``SKIP_TRIES`` failures in a row stop (``stranded``) rather than
+        go on applying zeros: a follower nobody serves any more must not finish as if it had trained."""
+        logger.warning("step %d: this peer fell so far behind that nobody keeps its round: downloading the state", step)
+        try:
+            self.state.download(min_step=self.optimizer.step_count + 1, group=group)
+        except Exception as e:
+            self._skip_failures += 1
+            logger.warning("step %d: skipping ahead failed (%s); retrying next step", step, e)
+            if self._skip_failures >= SKIP_TRIES:
+                self.stranded = (f"this peer fell behind the group and nobody holds the rounds it missed or a newer "
+                                 f"state any more ({type(e).__name__}); its parameters are not the group's: start it "
+                                 f"again to download the current state")
+            return self._missed(step)
+        self._skip_failures = 0
+        self.skips += 1
+        self.stats.repaired = True
+        self.prepare(self.optimizer.step_count)
+        return None
+
+    def _observe(self, spec: RoundSpec, report: RoundReport, started: float) -> None:
+        self.last_report = report
+        if report.caught:  # checked and acted on in the background (evidence checks recount, reports dial)
+            self.in_background(self.verdicts.act_on(list(report.caught)))
+        received = [p for p in report.parts if p.status in ("ok", "recovered")]
+        counted = set().union(*(set(p.counted) for p in received)) if received else set()
+        for i, member in enumerate(spec.group):
+            if member.peer_id != self.peer_id:
+                if i in counted:
+                    self.failures[member.peer_id] = 0
+                    self.failing_since.pop(member.peer_id, None)
+                else:
+                    self.failures[member.peer_id] += 1
+                    self.failing_since.setdefault(member.peer_id, time.monotonic())
+        numel = self.optimizer.param_count
+        self.stats.peers = max((len(p.counted) for p in received), default=0)
+        self.stats.group_size = len(spec.group)
+        self.stats.bytes_up, self.stats.bytes_down = report.bytes_up, report.bytes_down
+        self.stats.result_down, self.stats.result_plain = report.result_down, report.result_plain
+        self.stats.bits_per_param = 8 * (report.bytes_up + report.bytes_down) / max(numel, 1)
+        self.stats.seconds = time.perf_counter() - started
+        timings = report.timings
+        self.stats.round_s = timings.get("total", 0.0)
+        if "first_result" in timings:
+            self.stats.wait_s = max(timings["first_result"] - timings.get("upload", 0.0), 0.0)
+
+
+@dataclass
+class RoundInFlight:
+    """A vote round started by ``VotePipeline.submit`` (``optim.PendingUpdate``)."""
+
+    pipeline: VotePipeline
+    spec: RoundSpec
+    group: GroupRecord
+    tag: bytes
+    started: float
+    future: concurrent.futures.Future
+
+    def wait(self) -> torch.Tensor | None:
+        """On the training thread: the update to apply (zeros for a missed round; None after a repair)."""
+        try:
+            return self.pipeline.finish(self)
+        except Exception as e:  # never into the training loop
+            return self.pipeline.failed(self.spec.step, e)
+
+    def time_left(self) -> float:
+        """Until the round's bound, counted from its start (an overlapped round started a step ago)."""
+        return max(self.started + self.pipeline.settings.round_bound - time.perf_counter(), 0.0)
+
+    def peek(self, timeout: float) -> torch.Tensor:
+        """From any thread: the update ``wait`` applies unless this peer must repair (then it is replaced).
+        Waits at most ``timeout`` and never past the round's bound, after which ``wait`` gives up on it."""
+        try:
+            update, _ = self.future.result(timeout=min(timeout, self.time_left()))
+            return update
+        except concurrent.futures.TimeoutError:
+            raise
+        except Exception:  # a failed round applies no update
+            return torch.zeros(self.spec.nbytes * 8)
+
+    def done(self) -> bool:
+        return self.future.done()

@@ -1,0 +1,123 @@
+"""State sync: this peer's training state between steps, served to others and downloaded from them.
+
+A peer holds the swarm's state (``synced``) once it founded the run or downloaded a member's state;
+only then does it serve snapshots, vote and say so in its record. A snapshot is taken only between
+steps: the training thread holds ``step_lock`` from the start of a step to the end of its
+``after_step``, so the state server's worker thread takes the lock (briefly) before encoding. With an
+overlapped round in flight, its update is part of the state, so the worker first waits for it.
+
+Repairs (a divergence the consensus tag shows), a follower's skip ahead and joining all download
+through ``download``: the fastest synced donors first, proven liars never (``state_transfer.py``
+moves the bytes, ``snapshot.py`` checks and loads them).
+
+Threads: ``synced`` and the lock's holder are written by the training thread; the worker thread
+only reads, under the lock.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import threading
+from collections.abc import Callable, Iterator
+
+from ..aio import BackgroundLoop
+from ..allreduce.admission import Admission
+from ..optim import LionCub
+from . import snapshot
+from .membership import GroupRecord
+from .state_transfer import StateServer, download_state
+from .upkeep import Upkeep
+
+logger = logging.getLogger(__name__)
+
+
+class StateSync:
+    def __init__(self, *, p2p, loop: BackgroundLoop, run_id: str, peer_id: str, admission: Admission,
+                 upkeep: Upkeep, liars: Callable[[], dict[str, str]], max_uploads: int, join_timeout: float,
+                 round_bound: float):
+        self.p2p, self.loop, self.run_id, self.peer_id, self.admission = p2p, loop, run_id, peer_id, admission
+        self.upkeep, self.liars, self.join_timeout, self.round_bound = upkeep, liars, join_timeout, round_bound
+        self.optimizer: LionCub | None = None  # set at join
+        self.server = StateServer(p2p, run_id, max_uploads=max_uploads, provider=self.snapshot_between_steps,
+                                  admission=admission)
+        self.step_lock = threading.Lock()
+        self._in_step = False
+        self.synced = False
+        self.loads = 0  # states loaded from others (a download replaces this peer's momenta too)
+
+    @property
+    def synced(self) -> bool:
+        """This peer holds the swarm's state: it may vote, serve snapshots and say so in its record."""
+        return self._synced
+
+    @synced.setter
+    def synced(self, value: bool) -> None:
+        self._synced = value
+        self.server.serving = value
+
+    def enter_step(self) -> None:
+        if not self._in_step:  # still held if an earlier step stopped between aggregate and after_step
+            self.step_lock.acquire()
+            self._in_step = True
+
+    def exit_step(self) -> None:
+        if self._in_step:
+            self._in_step = False
+            self.step_lock.release()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """A section that changes the state between steps (``LionCub.flush``): no snapshot meanwhile."""
+        if self._in_step:  # inside a step already (the training thread holds the lock)
+            yield
+            return
+        with self.step_lock:
+            yield
+
+    def snapshot_between_steps(self, min_step: int) -> tuple[int, bytes, bytes] | None:
+        """For the state server, from its worker thread: this peer's state if it is between steps.
+        With a round in flight, its update is part of the state: wait for it without holding up the
+        training thread, then take the state only if that round is still the last one."""
+        if self.optimizer is None or not self.synced:
+            return None
+        in_flight = self.optimizer.in_flight
+        if in_flight is not None:
+            in_flight.peek(self.round_bound)
+        if not self.step_lock.acquire(timeout=0.2):
+            return None
+        try:
+            if self.optimizer.step_count < min_step or (self.optimizer.in_flight is not None
+                                                        and not self.optimizer.in_flight.done()):
+                return None
+            blob, digest = snapshot.encode(self.optimizer)
+            return self.optimizer.step_count, blob, digest
+        finally:
+            self.step_lock.release()
+
+    def donors(self, group: GroupRecord) -> list[str]:
+        """Members to download from: not this peer, not clients, not liars; synced ones, fastest first
+        (ties in random order so newcomers spread)."""
+        records = self.upkeep.records
+        liars = self.liars()
+        members = [m for m in group.members if m.peer_id != self.peer_id and not m.client_mode
+                   and m.peer_id not in liars]
+        members.sort(key=lambda m: (-(records[m.peer_id].weight if m.peer_id in records else m.weight),
+                                    random.random()))
+        donors = [m.peer_id for m in members]
+        synced = [pid for pid in donors if pid in records and records[pid].synced]
+        return synced or donors  # peers that are joining themselves hold nothing to give
+
+    def download(self, min_step: int, group: GroupRecord) -> None:
+        """Load a member's state of step ``min_step`` or later (nothing if this peer already holds it)."""
+        have = (self.optimizer.step_count, snapshot.params_digest(self.optimizer))
+        step, blob, digest = self.loop.run(download_state(
+            self.p2p, self.donors(group), self.run_id, min_step=min_step,
+            max_bytes=snapshot.max_size(self.optimizer), have=have, token=self.admission.token(self.peer_id)),
+            timeout=self.join_timeout)
+        if not blob:
+            logger.info("this peer already holds the swarm's state (step 0, same initialization)")
+            return
+        snapshot.load(self.optimizer, blob, expect_digest=digest)
+        self.loads += 1
+        logger.info("loaded the swarm's state at step %d (%.1f MB)", step, len(blob) / 1e6)

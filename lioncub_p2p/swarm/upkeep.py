@@ -1,0 +1,212 @@
+"""Membership upkeep: a member's view of the run's records, kept fresh on the event loop's thread.
+
+Every ``refresh_period`` the loop reads the run's group records (accepting the next group,
+``membership.next_group``) and peer records, announces this peer's record every third of its TTL,
+and, where this peer leads, publishes the group the leader's rules give (``lead.plan_group``).
+
+Threads. ``Upkeep`` runs on the event loop and is the only writer of ``history`` (published whole
+per group, ``GroupHistory``), ``evicted``, ``admitted`` and its publishing clocks once the member
+has joined; before that the joining (training) thread calls ``trust`` while the loop does not run
+upkeep yet. ``records`` is replaced whole, never mutated: by the loop, or by the training thread
+with a fresh read made on the loop. It sees the training side only through ``Local``, a snapshot
+built on demand (``local()``), and the shared round counters ``failures``/``failing_since`` (counted
+by the training thread, reset here for a peer the leader adds back; one key at a time, atomic under
+the GIL: a lost count delays a drop by a round at most).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hivemind.utils import get_dht_time
+
+from ..wire import PROTOCOL_VERSION
+from . import manifest as manifests
+from .lead import Health, leader_of, plan_group, steps_ahead
+from .manifest import Manifest
+from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group
+from .records import RateLimitedLog
+
+logger = logging.getLogger(__name__)
+
+STEP_WINDOW = 100  # steps a member's announced step may lead the leader's and still count (forged far-future steps)
+GROUP_TTL = 60.0  # seconds a published group record lives; the leader republishes it every third of that
+GROUP_REPUBLISH_S = 20.0
+
+
+@dataclass(frozen=True)
+class Local:
+    """What upkeep reads of the training side, taken at once when it needs it."""
+
+    joined: bool = False  # an optimizer is attached
+    step: int = 0
+    synced: bool = False  # holds the swarm's state
+    following: bool = False  # receives results without voting (``follow.py``)
+    idle: bool = True  # not stepping yet: a group change may take effect at once
+    final_step: int | None = None  # no group may start past it
+    steps_per_s: float = 0.0  # this peer's recent pace (the group's, as it steps with it)
+    bytes_up_per_s: float = 0.0
+    bytes_down_per_s: float = 0.0
+    samples_per_step: int = 0
+    loss: float | None = None
+    run_manifest: Manifest | None = None
+
+
+class Upkeep:
+    def __init__(self, *, peer_id: str, spec: PeerSpec, run_id: str, directory: Directory, store_manifest,
+                 admission, verdicts, local: Callable[[], Local], record_ttl: float, refresh_period: float,
+                 lead_steps: int, log: RateLimitedLog):
+        self.peer_id, self.spec, self.run_id = peer_id, spec, run_id
+        self.directory, self.store_manifest = directory, store_manifest  # store_manifest(manifest): a coroutine
+        self.admission, self.verdicts, self.local = admission, verdicts, local
+        self.record_ttl, self.refresh_period, self.lead_steps = record_ttl, refresh_period, lead_steps
+        self.log = log
+        self.history = GroupHistory()
+        self.records: dict[str, PeerRecord] = {}
+        self.evicted: dict[str, float] = {}  # dropped peer -> expiry of its record when it was dropped
+        self.admitted: set[str] = set()  # peers that proved the run key to this peer, or were members of its groups
+        # counted by the training thread from its round reports (``pipeline.py``), read and reset here
+        self.failures: Counter[str] = Counter()  # rounds in a row a member was not counted...
+        self.failing_since: dict[str, float] = {}  # ...since when
+        self.on_epoch: Callable[[int], None] | None = None  # told the newest group's epoch (the vote node)
+        self.stop_waiting_for: Callable[[set[str], str], None] | None = None  # reducers stop waiting for leavers
+        self.published = 0.0  # when this peer last published the group record
+        self.manifest_published = 0.0
+        self._progress = (time.monotonic(), 0)  # (time, step) at the last announcement, for samples/s
+        self._last_expiration = 0.0  # of this peer's newest record (a leaving record must outlive it)
+
+    def trust(self, group: GroupRecord) -> None:
+        """Accept ``group`` as the newest; its members (and those of older groups kept) are admitted."""
+        self.history.add(group)
+        for g in self.history.by_epoch.values():
+            self.admitted.update(g.member_ids())
+        if self.on_epoch is not None:
+            self.on_epoch(self.history.latest.epoch)
+
+    async def adopt(self, group: GroupRecord) -> None:
+        """Follow ``group`` instead of the lineage this peer lost (on the loop: the history's writer)."""
+        self.history.clear()
+        self.trust(group)
+
+    async def run_forever(self) -> None:
+        last_announce = 0.0
+        while True:
+            try:
+                await self.refresh_group()
+                await self.verdicts.remind_leader()
+                self.records = await self.directory.peers()
+                leaving = {pid for pid, r in self.records.items() if r.leaving}  # signed by the peer itself
+                if leaving and self.stop_waiting_for is not None:
+                    self.stop_waiting_for(leaving, "it left the run")
+                if time.monotonic() - last_announce > self.record_ttl / 3:
+                    await self.announce()
+                    last_announce = time.monotonic()
+                await self.lead()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the DHT, a bad record: upkeep goes on with the next refresh
+                self.log.warning(f"upkeep:{type(e).__name__}", "membership refresh failed: %s: %s", type(e).__name__, e)
+            await asyncio.sleep(self.refresh_period)
+
+    async def refresh_group(self) -> None:
+        """Accept the next group from the run's records (``membership.next_group``)."""
+        if self.history.latest is None:
+            return
+        window = 2 * STEP_WINDOW + self.lead_steps
+        chosen = next_group(await self.directory.groups(), self.history, step=self.local().step, window=window,
+                            run_step=announced_step(self.history.latest, self.records),
+                            refused=set(self.verdicts.liars), log=self.log)
+        if chosen is not None:
+            self.trust(chosen)
+
+    async def announce(self, *, leaving: bool = False) -> None:
+        """Publish this peer's record: its step, rates, whether it holds the state, follows, leaves."""
+        me = self.local()
+        now, (t0, step0) = time.monotonic(), self._progress
+        samples_per_s = max(me.samples_per_step * (me.step - step0) / max(now - t0, 1e-6), 0.0)
+        record = PeerRecord(self.peer_id, self.spec.weight, self.spec.client_mode, me.step, PROTOCOL_VERSION,
+                            me.synced and not leaving, samples_per_s=samples_per_s,
+                            bytes_up_per_s=me.bytes_up_per_s, bytes_down_per_s=me.bytes_down_per_s, loss=me.loss,
+                            manifest=me.run_manifest.digest() if me.run_manifest else "", leaving=leaving,
+                            following=me.following and not leaving)
+        self._progress = (now, me.step)
+        # a newer record must expire later than the last (the DHT keeps the latest-expiring one)
+        expiration = max(get_dht_time() + self.record_ttl, self._last_expiration + 1e-3)
+        if await self.directory.announce(record, self.record_ttl, expiration=expiration):
+            self._last_expiration = expiration
+
+    def may_join(self, record: PeerRecord, run_manifest: Manifest | None) -> bool:
+        """Whether the leader may add the peer of ``record`` to the group (logged, rate-limited, if not)."""
+        problem = None
+        if record.version != PROTOCOL_VERSION:
+            problem = f"it speaks protocol version {record.version}, this peer {PROTOCOL_VERSION}"
+        elif run_manifest is None or record.manifest != run_manifest.digest():
+            problem = "it follows another manifest (other settings or model)"
+        elif self.admission.allow and record.peer_id not in self.admission.allow:
+            problem = "not on the run's allow-list"
+        elif self.admission.needs_secret and record.peer_id not in self.admitted:
+            problem = "it has not proved the run secret to this peer"
+        if problem:
+            self.log.warning(f"refuse:{record.peer_id}", "peer %s asked to join but is not added: %s",
+                             record.peer_id, problem)
+        return problem is None
+
+    async def lead(self) -> None:
+        """If this peer leads the group, keep it equal to the live, admitted, compatible peers: who stays,
+        who joins and with which weight is ``lead.plan_group``'s (the rules are in ``lead.py``); this
+        publishes it, starting ``lead_steps`` past the fastest member's step, where a member's step
+        counts only within ``STEP_WINDOW`` of this peer's (a far-future step is a lie, not progress)."""
+        latest, me = self.history.latest, self.local()
+        if latest is None or not me.joined or not me.synced:
+            return
+        suspects = self.verdicts.suspects()
+        healthy = Health(self.records, me=self.peer_id, now=time.monotonic(), failures=self.failures,
+                         failing_since=self.failing_since, suspects=suspects)
+        step = me.step
+        if leader_of(latest, healthy) != self.peer_id or step < latest.from_step:
+            return
+        if me.run_manifest is not None and time.monotonic() - self.manifest_published > manifests.MANIFEST_TTL / 3:
+            self.manifest_published = time.monotonic()  # the leader keeps the run's manifest alive
+            await self.store_manifest(me.run_manifest)
+        plan = plan_group(latest, healthy, evicted=self.evicted,
+                          may_join=lambda record: self.may_join(record, me.run_manifest))
+        liars = self.verdicts.liars
+        for m in plan.dropped:  # remember what the record of a dropped member said when it was dropped
+            if m.peer_id in self.records:
+                self.evicted[m.peer_id] = self.records[m.peer_id].expires
+            if m.peer_id in liars:
+                logger.warning("dropping %s from the group: it lied (%s)", m.peer_id, liars[m.peer_id])
+            elif m.peer_id in suspects:
+                logger.warning("dropping %s from the group: suspected (%s)", m.peer_id,
+                               "; ".join(self.verdicts.suspicions.reasons(m.peer_id)))
+        for m in plan.joined:  # a returning peer starts with a clean slate
+            self.failures[m.peer_id] = 0
+            self.failing_since.pop(m.peer_id, None)
+        desired = plan.members
+        if set(desired) == set(latest.members) or not any(m.reduces for m in desired):
+            if time.monotonic() - self.published > GROUP_REPUBLISH_S:  # keep the record alive (our own subkey)
+                self.published = time.monotonic()
+                if latest.author != self.peer_id:
+                    latest = GroupRecord(latest.epoch, latest.from_step, latest.members, latest.previous, self.peer_id)
+                await self.directory.publish_group(latest, ttl=GROUP_TTL)
+            return
+        known = {m.peer_id for m in latest.members}
+        steps = [r.step for pid, r in self.records.items() if pid in known and step <= r.step <= step + STEP_WINDOW]
+        ahead = max([step] + steps)  # the fastest member (a step beyond the window is a lie, not progress)
+        # idle: at once; alone, nobody else must read the record first (a founder alone steps at any pace)
+        pace = me.steps_per_s if len(latest.members) > 1 else 0.0
+        lead = 0 if me.idle and ahead == step else steps_ahead(self.lead_steps, pace)
+        from_step = ahead + lead
+        if me.final_step is not None:  # a group from past this peer's last step would never take effect
+            from_step = max(latest.from_step, min(from_step, me.final_step))
+        record = GroupRecord(latest.epoch + 1, from_step, desired, previous=latest, author=self.peer_id)
+        if await self.directory.publish_group(record, ttl=GROUP_TTL):
+            self.published = time.monotonic()
+            self.trust(record)
+            logger.info("group epoch %d from step %d: %d members (+%d, -%d), %d reducing", record.epoch,
+                        record.from_step, len(desired), len(plan.joined), len(plan.dropped),
+                        sum(m.reduces for m in desired))
