@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lioncub_p2p import ops
+from lioncub_p2p.allreduce import hierarchy
 from lioncub_p2p.allreduce.hierarchy import (assign_groups, combine_counts, group_counts, majority_of_majorities,
                                              upward_bits)
 
@@ -79,3 +80,22 @@ def test_upward_bits_and_bad_inputs():
         combine_counts([group_counts(_votes(3, 8, 0))], [4])  # 4 voters do not fit in 2 planes
     with pytest.raises(ValueError):
         combine_counts([], [])
+
+
+@pytest.mark.parametrize("n, max_size, nbytes", [(1, 32, 64), (7, 3, 1000), (64, 32, 1 << 17), (65, 32, 1 << 17)])
+def test_two_level_layout_covers_the_buffer_once_per_level_and_names_a_reducer_in_every_group(n, max_size, nbytes):
+    ids = [f"p{i}" for i in range(n)]
+    layout = hierarchy.two_level_layout(ids, 5, nbytes, max_size)
+    assert layout == hierarchy.two_level_layout(ids[::-1], 5, nbytes, max_size)  # any member order
+    assert [list(g) for g in layout.groups] == hierarchy.assign_groups(ids, 5, max_size)
+    smallest = min(len(g) for g in layout.groups)
+    assert len(layout.parts) == smallest
+    coverage = np.zeros(nbytes, dtype=int)
+    for k, (start, stop) in enumerate(layout.parts):
+        coverage[start:stop] += 1
+        slices = layout.slices[k]
+        assert len(slices) == len(layout.groups)
+        assert slices[0][0] == start and slices[-1][1] == stop
+        assert all(a[1] == b[0] for a, b in zip(slices, slices[1:]))  # contiguous
+        assert {layout.reducer(g, k) for g in range(len(layout.groups))} <= set(ids)
+    assert (coverage == 1).all()

@@ -332,3 +332,32 @@ def test_lr_search_walks_the_grid_to_the_best_point():
     lr, tried = search_lr(grid, 4e-3, lambda x: calls.append(x) or {1e-3: 9, 2e-3: 2, 4e-3: 1, 8e-3: 3, 1.6e-2: 9}[x])
     assert lr == 4e-3 and sorted(calls) == [2e-3, 4e-3, 8e-3]  # a minimum in the middle: 3 runs
     assert search_lr([1e-3], 1.0, lambda x: 1.0) == (1e-3, {1e-3: 1.0})
+
+
+def test_a_two_level_majority_of_majorities_against_numpy(tmp_path, monkeypatch):
+    """groupsG: one step of 9 workers in groups of 3 applies numpy's majority of the groups' majorities
+    of the workers' gradient signs (momentum 0, no weight decay); it differs from the flat vote here."""
+    task = _tiny_task(tmp_path, monkeypatch)
+    workers, lr, seed = 9, 3e-2, 4
+    model = task.make_model(seed)
+    sources = task.batches(workers, 8, [torch.Generator().manual_seed(seed * 1000 + i) for i in range(workers)])
+    signs = []
+    for source in sources:
+        model.zero_grad()
+        task.loss(model, source()).backward()
+        signs.append(np.concatenate([p.grad.reshape(-1).numpy() > 0 for p in model.parameters()]))
+    signs = np.array(signs, dtype=int)
+    groups = signs.reshape(3, 3, -1).sum(axis=1) >= 2
+    expected = {"flat": signs.sum(axis=0) >= 5, "groups": groups.sum(axis=0) >= 2}
+    assert (expected["flat"] != expected["groups"]).any()
+    for name, bits in expected.items():
+        stepped, offset = task.make_model(seed), 0
+        with torch.no_grad():
+            for p in stepped.parameters():
+                p.add_(torch.from_numpy(bits[offset:offset + p.numel()] * 2.0 - 1).view_as(p).float(), alpha=-lr)
+                offset += p.numel()
+        expected[name] = task.evaluate(stepped)["loss"]
+    kw = dict(workers=workers, steps=1, batch=8, lr=lr, weight_decay=0.0, seed=seed)
+    assert run_variant(parse_method("sign/majority+groups3"), task, **kw).test_loss == pytest.approx(expected["groups"])
+    assert run_variant(parse_method("sign/majority"), task, **kw).test_loss == pytest.approx(expected["flat"])
+    assert expected["groups"] != pytest.approx(expected["flat"])

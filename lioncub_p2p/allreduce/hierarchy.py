@@ -16,17 +16,27 @@ combined so that every peer of the run applies the same update. Two ways to comb
 ``assign_groups`` is a pure function of the members and the group record's epoch, so every peer
 computes the same groups without matchmaking, and a new epoch (after churn) rebalances them.
 
-Not built yet: the second-level exchange on the wire (who combines which part, and its failure
-rules); these are the pieces it will use, tested against numpy.
+``two_level_layout`` says who does what in a round under exact counts: every group splits the buffer
+into the same P parts (P = its smallest group's size) and its member k reduces part k; the G reducers
+of part k then run a butterfly of their own on the count planes (group q's reducer combines the q-th
+slice of part k and sends that slice's majority back to the other G - 1), and each sends part k's
+result to its group. Per peer and round that is 2(g - 1) + 2(G - 1) messages instead of 2(n - 1).
+``sim/scale.py`` times this pattern against the flat butterfly for hundreds of peers.
+
+Not built yet: the second-level exchange on the wire (its messages and failure rules: a group whose
+counts miss a combiner's deadline would be left out of that slice, as a late voter is today); these
+are the pieces it will use, tested against numpy.
 """
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .. import ops
+from .partition import PeerSpec, part_bounds
 
 
 def assign_groups(peer_ids: Sequence[str], epoch: int, max_size: int = 32) -> list[list[str]]:
@@ -39,6 +49,34 @@ def assign_groups(peer_ids: Sequence[str], epoch: int, max_size: int = 32) -> li
     order = sorted(peer_ids, key=lambda pid: hashlib.blake2b(f"{epoch}|{pid}".encode(), digest_size=16).digest())
     count = max(1, -(-len(order) // max_size))
     return [order[i::count] for i in range(count)] if order else []
+
+
+@dataclass(frozen=True)
+class TwoLevelLayout:
+    """Who reduces and who combines which bytes in a two-level round; the same on every peer.
+
+    ``parts[k]``: the byte range member k of every group reduces (votes of its group, into count
+    planes); ``slices[k][q]``: the range of part k that group q's reducer of part k combines (the
+    groups' counts, into the majority), contiguous and covering part k."""
+
+    groups: tuple[tuple[str, ...], ...]
+    parts: tuple[tuple[int, int], ...]
+    slices: tuple[tuple[tuple[int, int], ...], ...]
+
+    def reducer(self, group: int, part: int) -> str:
+        return self.groups[group][part]
+
+
+def two_level_layout(peer_ids: Sequence[str], epoch: int, nbytes: int, max_size: int = 32) -> TwoLevelLayout:
+    """The layout for these members at this group epoch (``assign_groups``, then equal parts)."""
+    groups = tuple(tuple(g) for g in assign_groups(peer_ids, epoch, max_size))
+    if not groups:
+        raise ValueError("a two-level round needs at least one peer")
+    parts = tuple(part_bounds(nbytes, [PeerSpec(str(k)) for k in range(min(len(g) for g in groups))]))
+    combiners = [PeerSpec(str(q)) for q in range(len(groups))]
+    slices = tuple(tuple((start + a, start + b) for a, b in part_bounds(stop - start, combiners))
+                   for start, stop in parts)
+    return TwoLevelLayout(groups, parts, slices)
 
 
 def group_counts(stack: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,9 @@ option         what changes                                                     
 ``delayD``     the vote of step t is applied at the end of step t + D (pipelined     none
                rounds: it travels while the next D forward/backward passes run on
                parameters without it); weight decay still every step
+``groupsG``    two-level vote, majority of group majorities: groups of G             1 per group
+               consecutive workers vote, the groups' majorities vote (issue 16;      (2nd level)
+               exact counts combined are the flat vote itself, ``hierarchy.py``)
 =============  ==================================================================  ============
 """
 from __future__ import annotations
@@ -43,13 +46,14 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..allreduce.hierarchy import majority_of_majorities
 from ..codecs import UploadCodec, reduce_votes, result_codec, upload_codec
 from ..ops.randbits import derive_key
 from .inprocess import (Clock, CompareTask, DataExhausted, Method, Outcome,
                         MomentumSyncs, momentum_wire_bits, worker_loss)
 
 FLAGS = ("ef", "efvote", "weighted", "tieprev", "agree")
-NUMBERED = ("efdecay", "beta", "abstain", "tieema", "delay")
+NUMBERED = ("efdecay", "beta", "abstain", "tieema", "delay", "groups")
 
 
 def check_variant(name: str, spec: str = "") -> None:
@@ -78,6 +82,7 @@ class Options:
     beta1: float | None = None
     abstain: int = 0
     delay: int = 0
+    groups: int = 0  # majority of the majorities of groups of this many workers (0: the flat vote)
 
     @classmethod
     def of(cls, names: Sequence[str]) -> "Options":
@@ -102,6 +107,8 @@ class Options:
                 values["abstain"] = int(float(name[7:]))
             elif name.startswith("delay"):
                 values["delay"] = int(float(name[5:]))
+            elif name.startswith("groups"):
+                values["groups"] = int(float(name[6:]))
         return cls(**values)
 
 
@@ -147,8 +154,9 @@ def run_variant(method: Method, task: CompareTask, *, workers: int, steps: int, 
     names = [name for name, _ in model.named_parameters()]
     layout = Layout(params)
     up, res = upload_codec(method.upload), result_codec(method.result)
-    if (opt.weighted or opt.abstain) and (up.planes != 1 or res.name != "majority"):
-        raise ValueError(f"method {method.name!r}: weighted and abstain votes take sign uploads, majority results")
+    if (opt.weighted or opt.abstain or opt.groups) and (up.planes != 1 or res.name != "majority"):
+        raise ValueError(f"method {method.name!r}: weighted, abstain and group votes take sign uploads, majority "
+                         f"results")
     beta1, beta2 = betas
     vote_beta1 = opt.beta1 if opt.beta1 is not None else beta1
     momenta = [[torch.zeros_like(p) for p in params] for _ in range(workers)]
@@ -185,7 +193,12 @@ def run_variant(method: Method, task: CompareTask, *, workers: int, steps: int, 
             side_up += 1.0 / opt.abstain
         else:
             uploads = [layout.pack(up, d, seed, step) for d in directions]
-            wire = reduce_votes(uploads, up, res, numel=layout.nbytes * 8, seed=seed, step=step)
+            if opt.groups:  # the groups' packed majorities, then their majority (ties as a flat vote's)
+                wire = majority_of_majorities(torch.stack([
+                    reduce_votes(uploads[g:g + opt.groups], up, res, numel=layout.nbytes * 8, seed=seed, step=step)
+                    for g in range(0, workers, opt.groups)]), seed=seed, step=step)
+            else:
+                wire = reduce_votes(uploads, up, res, numel=layout.nbytes * 8, seed=seed, step=step)
             update = res.decode(wire, layout.nbytes * 8, workers * up.max_code)
             updates = [_signs(u, n) for u, n in zip(layout.split(update), layout.numels)]
         if opt.tie_previous and workers % 2 == 0 and up.planes == 1:
