@@ -6,6 +6,7 @@ import pytest
 
 from lioncub_p2p import ops
 from lioncub_p2p.allreduce.hierarchy import two_level_layout
+from lioncub_p2p.allreduce.partition import PeerSpec, part_bounds
 from lioncub_p2p.sim.scale import Network, flat_round, two_level_round
 
 FAST = 1e15  # bytes/s: links that take no time
@@ -53,12 +54,12 @@ def test_two_level_round_on_latency_alone_crosses_four_paths():
     np.testing.assert_allclose(timing.finished, expected, rtol=1e-9)
 
 
-def test_two_peers_on_bandwidth_alone_take_four_serialisations_of_half_the_bytes():
+def test_two_peers_on_bandwidth_alone_take_two_uploads_of_half_the_bytes_the_downlink_streaming_alongside():
     numel, rate, header = 80_000, 1e6, 40
-    net = Network(np.full(2, rate), np.full(2, rate), np.zeros(2), per_message_s=0.001, header_bytes=header)
+    net = Network(np.full(2, rate), np.full(2, 10 * rate), np.zeros(2), per_message_s=0.001, header_bytes=header)
     half = numel // 8 // 2 + header
-    # vote: CPU, uplink, downlink, CPU; then the result the same way back
-    assert flat_round(net, numel).round_s == pytest.approx(2 * (2 * 0.001 + 2 * half / rate))
+    # vote: CPU, uplink (the downlink streams alongside), CPU; then the result the same way back
+    assert flat_round(net, numel).round_s == pytest.approx(2 * (2 * 0.001 + half / rate))
 
 
 def test_one_group_two_level_round_is_the_flat_round_in_the_groups_order():
@@ -96,3 +97,16 @@ def test_message_and_byte_counts_follow_the_layout(n, max_size):
     flat = flat_round(net, numel)
     assert flat.messages.sum() == 2 * n * (n - 1)
     assert flat.bytes_up.sum() == 2 * (n - 1) * nbytes + header * 2 * n * (n - 1)
+
+
+def test_a_slow_downlink_serves_its_messages_one_after_another():
+    """Three peers, every link instantaneous but peer 0's downlink: it takes in the two votes on its
+    part and the two other parts' results back to back; the others wait for its votes to be in."""
+    numel, rate = 3 * 8 * 1000, 1e6
+    down = np.array([rate, FAST, FAST])
+    net = Network(np.full(3, FAST), down, np.zeros(3), per_message_s=0.0, header_bytes=0)
+    s = [stop - start for start, stop in part_bounds(numel // 8, [PeerSpec(str(i)) for i in range(3)])]
+    timing = flat_round(net, numel)
+    assert timing.finished[0] == pytest.approx((2 * s[0] + s[1] + s[2]) / rate, rel=1e-6)
+    assert (timing.finished[1:] >= 2 * s[0] / rate * (1 - 1e-6)).all()
+    assert (timing.finished[1:] <= timing.finished[0] * (1 + 1e-6)).all()

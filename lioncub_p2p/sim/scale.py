@@ -10,7 +10,8 @@ its time over the internet:
 * the **path**: one-way latency ``access_s[i] + access_s[j]`` between peers i and j.
 
 A message takes the sender's CPU, then its uplink, then the path, then the receiver's downlink and CPU,
-each served first come first served. Every peer starts its round at 0 (no compute skew) and no message
+each served first come first served; its bytes stream through (its downlink starts with its first
+byte's arrival and ends no earlier than its last byte's), as TCP does, not store-and-forward. Every peer starts its round at 0 (no compute skew) and no message
 is lost, so the times are the protocols' floors on these links. Counting votes is left out (microseconds
 per part against milliseconds per message).
 
@@ -109,12 +110,16 @@ class _Engine:
         net = self.net
         while self.events:
             t, _, stage, (src, dst, size, then) = heapq.heappop(self.events)
-            if stage == 0:  # leaves the sender's uplink, crosses the path
+            if stage == 0:  # onto the sender's uplink; its first byte reaches the receiver one path later
+                path = net.access_s[src] + net.access_s[dst]
                 done = self._serve(self.up, src, t, size / net.up[src])
-                self._at(done + net.access_s[src] + net.access_s[dst], 1, (src, dst, size, then))
-            elif stage == 1:  # through the receiver's downlink, then its CPU
-                done = self._serve(self.down, dst, t, size / net.down[dst])
-                self._at(self._serve(self.cpu, dst, done, net.per_message_s), 2, (src, dst, size, then))
+                first = done - size / net.up[src] + path
+                self._at(first, 1, (src, dst, size, (done + path, then)))
+            elif stage == 1:  # through the receiver's downlink (not before its last byte), then its CPU
+                last, then = then
+                start = max(t, self.down[dst])
+                self.down[dst] = max(start + size / net.down[dst], last)
+                self._at(self._serve(self.cpu, dst, self.down[dst], net.per_message_s), 2, (src, dst, size, then))
             else:
                 then(t)
 
