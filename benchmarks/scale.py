@@ -37,8 +37,9 @@ MAX_STREAMS = 256  # AllReduceConfig.max_streams: incoming streams a peer serves
 
 
 def calibrate(sizes: list[int], rounds: int) -> tuple[float, list[dict]]:
-    """Seconds per message end, from real rounds of a tiny buffer (least squares through the origin
-    of the round time minus the smallest group's, against the extra message ends)."""
+    """Seconds per message end, from real rounds of a tiny buffer: for each group size, the round time
+    beyond the smallest group's over the extra message ends; the median of these (one size starved of
+    CPU by something else on the machine must not set it)."""
     from lioncub_p2p.testing import LocalSwarm
     rows = []
     for n in sizes:
@@ -54,9 +55,9 @@ def calibrate(sizes: list[int], rounds: int) -> tuple[float, list[dict]]:
         rows.append({"peers": n, "round_s": statistics.median(times), "message_ends": 4 * n * (n - 1)})
         print(f"  real round, {n} peers in one process: {rows[-1]['round_s'] * 1000:.1f} ms median of {rounds}")
     base = rows[0]
-    x = np.array([r["message_ends"] - base["message_ends"] for r in rows[1:]], dtype=float)
-    y = np.array([r["round_s"] - base["round_s"] for r in rows[1:]])
-    return float((x @ y) / (x @ x)), rows
+    slopes = [(r["round_s"] - base["round_s"]) / (r["message_ends"] - base["message_ends"]) for r in rows[1:]]
+    print("  per message end, each size against the smallest: " + ", ".join(f"{s * 1000:.3f} ms" for s in slopes))
+    return statistics.median(slopes), rows
 
 
 def model(peers: list[int], numels: list[int], seeds: list[int], group: int, per_message_s: float) -> list[dict]:
