@@ -1,7 +1,7 @@
 """The leader's plan for the next group (``swarm/lead.py``), without a network: each rule, one case."""
-from lioncub_p2p.allreduce import PeerSpec
+from lioncub_p2p.allreduce import PartReport, PeerSpec
 from lioncub_p2p.swarm import lead
-from lioncub_p2p.swarm.lead import Health, leader_of, plan_group
+from lioncub_p2p.swarm.lead import Health, failed_reducers, leader_of, plan_group
 from lioncub_p2p.swarm.membership import GroupRecord, PeerRecord
 
 NOW = 1000.0
@@ -15,10 +15,11 @@ def _records(**overrides) -> dict[str, PeerRecord]:
     return {pid: PeerRecord(pid, **fields) for pid, fields in base.items()}
 
 
-def _plan(records, members="abcd", *, failures=None, since=None, suspects=(), evicted=None, refuse=()):
+def _plan(records, members="abcd", *, failures=None, since=None, suspects=(), evicted=None, refuse=(),
+          part_failed_at=None):
     latest = GroupRecord(3, 10, tuple(PeerSpec(pid) for pid in members))
     healthy = Health(records, me="a", now=NOW, failures=failures or {}, failing_since=since or {},
-                     suspects=set(suspects))
+                     suspects=set(suspects), part_failed_at=part_failed_at)
     asked = []
 
     def may_join(r: PeerRecord) -> bool:
@@ -85,3 +86,25 @@ def test_a_new_group_starts_far_enough_ahead_for_every_member_to_read_it():
     assert steps_ahead(3, 0.0) == steps_ahead(3, 1.0) == 3  # idle, or a step a second: lead_steps
     assert steps_ahead(3, 35.0) == 18 == math.ceil(35 * NOTICE_S)  # a small model on loopback
     assert steps_ahead(3, 35.0, notice_s=0.05) == 3
+
+
+def test_a_member_whose_part_failed_alone_rests_without_a_part_then_gets_one_back():
+    plan, weights, _, _ = _plan(_records(), part_failed_at={"c": NOW - 1})
+    assert weights == {"a": 1.0, "b": 1.0, "c": 0.0, "d": 1.0} and not plan.dropped  # still a voter
+    _, weights, _, _ = _plan(_records(), part_failed_at={"c": NOW - lead.REST_S - 1})
+    assert weights["c"] == 1.0  # rested long enough
+    _, weights, _, _ = _plan(_records(), part_failed_at={"a": NOW - 1})
+    assert weights["a"] == 1.0  # the leader does not rest itself on its own word
+    lone = _records(a=dict(weight=0.0), b=dict(weight=1.0), c=dict(weight=0.0), d=dict(weight=0.0))
+    _, weights, _, _ = _plan(lone, part_failed_at={"b": NOW - 1})
+    assert not any(weights.values())  # no reducer left: Upkeep.lead publishes no such group
+
+
+def test_failed_reducers_are_those_missing_while_another_part_came_through():
+    group = [PeerSpec(pid) for pid in "abcd"]
+    part = lambda i, status: PartReport(i, i, 0, 0, status=status)  # noqa: E731
+    statuses = {"ok": ["ok", "ok", "missing", "recovered"], "alone": ["ok", "missing", "missing", "missing"]}
+    assert failed_reducers([part(i, s) for i, s in enumerate(statuses["ok"])], group, me="a") == ["c"]
+    # everything missing but this peer's own part: more likely this peer's own link
+    assert failed_reducers([part(i, s) for i, s in enumerate(statuses["alone"])], group, me="a") == []
+    assert failed_reducers([part(0, "ok"), part(1, "empty"), part(2, "missing"), part(3, "ok")], group, "b") == ["c"]

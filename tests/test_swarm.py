@@ -301,7 +301,8 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
     ``perturb=(peer, step, index)`` adds 1e-3 to the first parameter of that peer before that step
     (all of it, or only flat element ``index``); ``instrument(i, swarm)`` runs before training;
     ``late=(peer, step)``: that peer joins once peer 0 reached that step (the others start without it);
-    ``stall=(peer, step, seconds)``: that peer sleeps before that step; ``slow=(peer, seconds)``: that peer
+    ``stall=(peer, step, seconds)``: that peer sleeps before that step (``peer="last"``: the one last in
+    group order, ``out["stalled"]``); ``slow=(peer, seconds)``: that peer
     sleeps so long after every step (the others 0.02 s). Each peer stops at ``steps`` (its
     ``final_step``, as lioncub-train sets it) and stays up until every peer has stopped.
     Per peer: (step, parameter digest, repairs since the perturbation, snapshot digest)."""
@@ -310,6 +311,9 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
     maddrs = first.visible_maddrs()
     swarms = [first] + [Swarm(c.__class__(**{**c.__dict__, "initial_peers": maddrs})) for c in configs[1:]]
     out, errors, progress = {"repair_steps": {}}, [], {}
+    if stall and stall[0] == "last":  # the peer last in group order (members are sorted): never the first leader
+        stall = (max(range(len(swarms)), key=lambda i: swarms[i].peer_id), *stall[1:])
+        out["stalled"] = stall[0]
 
     def run(i, swarm):
         try:
@@ -349,6 +353,7 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
                     repair_steps.append(before)
                     out.setdefault("all_repair_steps", {}).setdefault(i, []).append(before)
                 progress[i] = opt.step_count
+                out.setdefault("round_s", {}).setdefault(i, []).append((before, swarm.stats.round_s))
                 out["max_lead"] = max(out.get("max_lead", 0), max(progress.values()) - min(progress.values()))
                 if swarm.stats.followed:
                     out.setdefault("followed", {}).setdefault(i, []).append(before)
@@ -434,6 +439,30 @@ def test_a_peer_dropped_near_the_end_still_ends_with_the_final_state(monkeypatch
     assert max(loaded, default=0) >= 25 or max(followed, default=0) >= 25, (loaded, followed)
     if max(loaded, default=0) >= 25:  # a download is always announced, and says why
         assert "rejoining" in caplog.text or "downloading the state" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_stalled_reducer_rests_without_a_part_instead_of_costing_every_round_a_timeout(caplog):
+    """A member stalls 4 s (under the 5 s after which it would be dropped): every round in between loses
+    its part after the join timeout. The leader sees that part missing while the others came through
+    and gives it no part for ``REST_S`` (it still votes), so the group's next rounds do not wait on it;
+    everyone ends equal."""
+    seen = {}
+    configs = [_config("rest") for _ in range(4)]
+    with caplog.at_level(logging.INFO, logger="lioncub_p2p.swarm"):
+        out = _train_swarm(configs, 50, stall=("last", 15, 4.0), instrument=lambda i, s: seen.setdefault(i, s))
+    assert {out[i][0] for i in range(4)} == {50}
+    assert len({out[i][1] for i in range(4)}) == 1
+    stalled = seen[out["stalled"]].peer_id
+    groups = seen[(out["stalled"] + 1) % 4].history.by_epoch.values()
+    weights = [(g.from_step, {m.peer_id: m.weight for m in g.members}.get(stalled)) for g in groups]
+    assert any(step > 15 and weight == 0.0 for step, weight in weights), weights  # (weight 0 at the start: syncing)
+    # without the rest it came back a reducer still behind, its part kept failing, and it was dropped
+    assert all(weight is not None for step, weight in weights if 15 < step < 50), weights
+    slow = {i: [step for step, seconds in out["round_s"][i] if step > 15 and seconds > 1.5] for i in range(4)
+            if i != out["stalled"]}
+    assert all(len(steps) <= 2 for steps in slow.values()), slow  # the stall's round (and one more under load)
+    assert f"{stalled} reduces nothing for the next" in caplog.text
 
 
 @pytest.mark.slow

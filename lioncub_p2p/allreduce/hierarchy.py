@@ -14,7 +14,9 @@ combined so that every peer of the run applies the same update. Two ways to comb
   ``benchmarks/two_level.py`` measures how often on real gradients (``docs/benchmarks.md``).
 
 ``assign_groups`` is a pure function of the members and the group record's epoch, so every peer
-computes the same groups without matchmaking, and a new epoch (after churn) rebalances them.
+computes the same groups without matchmaking, and a new epoch (after churn) rebalances them. It
+reshuffles every group (the epoch salts the order, so nobody picks its group by grinding peer ids):
+under exact counts the result does not depend on the grouping, but each change reopens streams.
 
 ``two_level_layout`` says who does what in a round under exact counts: every group splits the buffer
 into the same P parts (P = its smallest group's size) and its member k reduces part k; the G reducers

@@ -16,6 +16,10 @@ The rules:
   ``may_join`` admits it (protocol version, manifest, allow-list, run secret);
 * weights: ``membership.assigned_weight``, with the floor computed over the members' and newcomers'
   announced weights, and the lone-reducer exception when no member that could reduce reaches it;
+* a member whose part was missing at the leader while the other reducers' parts came through
+  (``failed_reducers``: it is behind, stalled or gone, and every voter waited out a timeout on its
+  part) **rests**: no part for ``REST_S`` seconds, still a voter. Dropping it takes 2 rounds and
+  ``drop_after`` seconds; a reducer a few steps behind costs every member a timeout per step until then;
 * a new group takes effect ``lead_steps`` past the fastest member's step, and further on a group
   that steps fast: every member must read the record before it reaches that step (``steps_ahead``),
   or the members split between the two groups for a round (a failed round and a repair).
@@ -23,10 +27,11 @@ The rules:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..allreduce import PeerSpec
+from ..allreduce.round import PartReport
 from .membership import GroupRecord, PeerRecord, assigned_weight, reducer_floor
 
 # seconds most members need to read a new group record: one refresh period (0.5 s by default); a
@@ -34,15 +39,17 @@ from .membership import GroupRecord, PeerRecord, assigned_weight, reducer_floor
 NOTICE_S = 0.5
 SYNC_GRACE_ROUNDS = 30  # rounds a joining member may miss before it is dropped (it downloads the state)...
 DROP_AFTER_S = 5.0  # ...and seconds any member may miss rounds: fast rounds must not drop a peer that is starting up
+REST_S = 30.0  # seconds a member whose part failed reduces nothing (it votes)
 
 
 class Health:
     """Which members a leader keeps (the first rule above), from one moment's records and observations."""
 
     def __init__(self, records: Mapping[str, PeerRecord], *, me: str, now: float, failures: Mapping[str, int],
-                 failing_since: Mapping[str, float], suspects: set[str]):
+                 failing_since: Mapping[str, float], suspects: set[str], part_failed_at: Mapping[str, float] | None = None):
         self.records, self.me, self.now, self.suspects = records, me, now, suspects
         self.failures, self.failing_since = failures, failing_since
+        self.resting = {pid for pid, at in (part_failed_at or {}).items() if now - at < REST_S and pid != me}
         self.alive = {pid for pid, r in records.items() if not r.leaving} | {me}
         self.syncing = {pid for pid, r in records.items() if not r.synced}
         self.following = {pid for pid, r in records.items() if r.following and not r.leaving}
@@ -81,13 +88,14 @@ def plan_group(latest: GroupRecord, healthy: Health, *, evicted: Mapping[str, fl
     floor = reducer_floor([announced(m) for m in latest.members if not m.client_mode]
                           + [r.weight for r in records.values() if r.peer_id not in known and not r.client_mode])
     # the floor never leaves the group without a reducer (a slow founder while the others sync)
-    reducible = [announced(m) for m in latest.members
-                 if m.peer_id not in syncing and m.peer_id not in following and not m.client_mode]
+    reducible = [announced(m) for m in latest.members if m.peer_id not in syncing and m.peer_id not in following
+                 and m.peer_id not in healthy.resting and not m.client_mode]
     lone_reducers = bool(reducible) and max(reducible) < floor
 
     def spec(pid: str, weight: float, client_mode: bool) -> PeerSpec:
         return PeerSpec(pid, assigned_weight(weight, syncing=pid in syncing, following=pid in following,
-                                             floor=floor, lone_reducers=lone_reducers), client_mode)
+                                             resting=pid in healthy.resting, floor=floor,
+                                             lone_reducers=lone_reducers), client_mode)
 
     dropped = tuple(m for m in latest.members if not healthy(m.peer_id))
     kept = [spec(m.peer_id, announced(m), m.client_mode) for m in latest.members if m not in dropped]
@@ -97,7 +105,16 @@ def plan_group(latest: GroupRecord, healthy: Health, *, evicted: Mapping[str, fl
     return GroupPlan(tuple(sorted(kept + list(joined), key=lambda m: m.peer_id)), dropped, joined)
 
 
-__all__ = ["Health", "GroupPlan", "leader_of", "plan_group", "SYNC_GRACE_ROUNDS", "DROP_AFTER_S"]
+def failed_reducers(parts: Sequence[PartReport], group: Sequence[PeerSpec], me: str) -> list[str]:
+    """The members whose part was missing in this round while another member's part came through
+    (when every part is missing, the fault is more likely this peer's own)."""
+    others = [p for p in parts if p.status != "empty" and group[p.reducer].peer_id != me]
+    missing = [group[p.reducer].peer_id for p in others if p.status == "missing"]
+    return missing if len(missing) < len(others) else []
+
+
+__all__ = ["Health", "GroupPlan", "leader_of", "plan_group", "failed_reducers", "SYNC_GRACE_ROUNDS", "DROP_AFTER_S",
+           "REST_S"]
 
 
 def steps_ahead(lead_steps: int, steps_per_s: float, notice_s: float = NOTICE_S) -> int:

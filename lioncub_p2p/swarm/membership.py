@@ -315,11 +315,13 @@ def reducer_floor(weights: list[float]) -> float:
     return MIN_REDUCER_SHARE * statistics.median(weights) if weights else 0.0
 
 
-def assigned_weight(announced: float, *, syncing: bool, following: bool, floor: float, lone_reducers: bool) -> float:
-    """The weight a leader gives a member (its share of the parts): none while it downloads the state
-    or follows (``follow.py``: nobody should wait for its part), none below ``floor`` unless every
-    member that could reduce is below it (``lone_reducers``: a group always has a reducer), else its own."""
-    return 0.0 if syncing or following or (announced < floor and not lone_reducers) else announced
+def assigned_weight(announced: float, *, syncing: bool, following: bool, floor: float, lone_reducers: bool,
+                    resting: bool = False) -> float:
+    """The weight a leader gives a member (its share of the parts): none while it downloads the state,
+    follows (``follow.py``: nobody should wait for its part) or rests after its part failed (``lead.py``),
+    none below ``floor`` unless every member that could reduce is below it (``lone_reducers``: a group
+    always has a reducer), else its own."""
+    return 0.0 if syncing or following or resting or (announced < floor and not lone_reducers) else announced
 
 
 def read_peer_records(dht: DHT, run_id: str, *, timeout: float = DHT_TIMEOUT) -> dict[str, PeerRecord]:

@@ -8,8 +8,9 @@ round any more, and lets this peer's reducer prepare the next step's part. Anyth
 is a missed round (a zero update), never an exception out of ``optimizer.step()``.
 
 Threads: every field here is the training thread's. The loop reads ``follow.following`` (to
-announce it) and resets ``failures``/``failing_since`` for a peer the leader adds back (one key at
-a time, atomic under the GIL: a lost count delays a drop by a round at most). Repairs go through
+announce it) and ``part_failed_at`` (a leader rests such a reducer, ``lead.py``), and resets
+``failures``/``failing_since`` for a peer the leader adds back (one key at a time, atomic under the
+GIL: a lost count delays a drop by a round at most). Repairs go through
 ``StateSync`` (``state_sync.py``), membership through ``Upkeep`` (``upkeep.py``).
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..allreduce.allgather import GatherNode
 from ..optim import Resolved, TrainingView
 from . import snapshot
 from .follow import FollowRule
+from .lead import failed_reducers
 from .membership import GroupRecord
 from .records import RateLimitedLog
 from .state_sync import StateSync
@@ -88,6 +90,7 @@ class VotePipeline:
         self.stranded: str | None = None  # why training cannot go on (every other peer left), once it cannot
         self._alone_since: float | None = None
         self.failures, self.failing_since = upkeep.failures, upkeep.failing_since  # written here, reset there
+        self.part_failed_at = upkeep.part_failed_at  # written here, read there
         self.current = ("vote", 0)  # the kind and step of the round in progress, for failpoints
         self.step_s = 0.0  # recent seconds per step (consecutive steps only: a download's jump is no pace)
         self._last_start: tuple[float, int] | None = None
@@ -260,6 +263,9 @@ class VotePipeline:
                 else:
                     self.failures[member.peer_id] += 1
                     self.failing_since.setdefault(member.peer_id, time.monotonic())
+        if not report.followed:  # a follower's parts come from archives: a missing one says little
+            for pid in failed_reducers(report.parts, spec.group, self.peer_id):
+                self.part_failed_at[pid] = time.monotonic()
         numel = self.optimizer.param_count
         self.stats.peers = max((len(p.counted) for p in received), default=0)
         self.stats.group_size = len(spec.group)

@@ -26,7 +26,7 @@ from hivemind.utils import get_dht_time
 
 from ..wire import PROTOCOL_VERSION
 from . import manifest as manifests
-from .lead import Health, leader_of, plan_group, steps_ahead
+from .lead import REST_S, Health, leader_of, plan_group, steps_ahead
 from .manifest import Manifest
 from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group
 from .records import RateLimitedLog
@@ -72,6 +72,7 @@ class Upkeep:
         # counted by the training thread from its round reports (``pipeline.py``), read and reset here
         self.failures: Counter[str] = Counter()  # rounds in a row a member was not counted...
         self.failing_since: dict[str, float] = {}  # ...since when
+        self.part_failed_at: dict[str, float] = {}  # when a member's part last failed here alone (lead.REST_S)
         self.on_epoch: Callable[[int], None] | None = None  # told the newest group's epoch (the vote node)
         self.stop_waiting_for: Callable[[set[str], str], None] | None = None  # reducers stop waiting for leavers
         self.published = 0.0  # when this peer last published the group record
@@ -165,7 +166,8 @@ class Upkeep:
             return
         suspects = self.verdicts.suspects()
         healthy = Health(self.records, me=self.peer_id, now=time.monotonic(), failures=self.failures,
-                         failing_since=self.failing_since, suspects=suspects)
+                         failing_since=self.failing_since, suspects=suspects,
+                         part_failed_at=dict(self.part_failed_at))
         step = me.step
         if leader_of(latest, healthy) != self.peer_id or step < latest.from_step:
             return
@@ -183,6 +185,10 @@ class Upkeep:
             elif m.peer_id in suspects:
                 logger.warning("dropping %s from the group: suspected (%s)", m.peer_id,
                                "; ".join(self.verdicts.suspicions.reasons(m.peer_id)))
+        reducing = {m.peer_id for m in latest.members if m.reduces}
+        for pid in sorted(healthy.resting & reducing & {m.peer_id for m in plan.members}):
+            self.log.warning(f"rest:{pid}", "%s reduces nothing for the next %.0f s: its part failed while the "
+                             "others came through", pid, REST_S)
         for m in plan.joined:  # a returning peer starts with a clean slate
             self.failures[m.peer_id] = 0
             self.failing_since.pop(m.peer_id, None)
