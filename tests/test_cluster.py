@@ -654,19 +654,25 @@ def test_hybrid_with_a_real_butterfly_keeps_the_box_equal_to_the_swarm():
 # The examples, run as users run them
 
 
-def _run_example(*args: str, timeout: float = 600) -> str:
+def _run_example(*args: str, timeout: float = 300) -> str:
     """Run an example in its own process group; the whole group (spawned ranks, libp2p daemons) is
-    killed if it outlives ``timeout`` or when it is done."""
+    killed if it outlives ``timeout`` (under pytest-timeout's 600 s), after every Python process in it
+    printed where it hung (SIGABRT with faulthandler on), or when it is done."""
     import signal
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     proc = subprocess.Popen([sys.executable, *args], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGABRT)
+            stdout, stderr = proc.communicate(timeout=60)
+            raise AssertionError(f"{args[0]} hung for {timeout:.0f} s; its stacks:\n{stderr[-20000:]}") from None
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
