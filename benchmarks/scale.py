@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from lioncub_p2p import ops
+from lioncub_p2p.allreduce import AllReduceConfig
 from lioncub_p2p.allreduce.hierarchy import assign_groups
 from lioncub_p2p.sim.scale import Network, flat_round, two_level_round
 
@@ -33,7 +34,7 @@ try:
 except ImportError:  # run as a module
     from benchmarks.kernels import parse_size
 
-MAX_STREAMS = 256  # AllReduceConfig.max_streams: incoming streams a peer serves at once
+MAX_STREAMS = AllReduceConfig().max_streams  # incoming streams a peer serves at once
 
 
 def calibrate(sizes: list[int], rounds: int) -> tuple[float, list[dict]]:

@@ -11,8 +11,9 @@ its time over the internet:
 
 A message takes the sender's CPU, then its uplink, then the path, then the receiver's downlink and CPU,
 each served first come first served; its bytes stream through (its downlink starts with its first
-byte's arrival and ends no earlier than its last byte's), as TCP does, not store-and-forward. Every peer starts its round at 0 (no compute skew) and no message
-is lost, so the times are the protocols' floors on these links. Counting votes is left out (microseconds
+byte's arrival and ends no earlier than its last byte's), as TCP does, not store-and-forward. Every
+peer starts its round at 0 (no compute skew) and no message is lost, so the times are the protocols'
+floors on these links. Counting votes is left out (microseconds
 per part against milliseconds per message).
 
 Flat: every voter sends part j of its packed votes to member j, which sends the part's majority back
@@ -79,9 +80,12 @@ class _Engine:
     """The three FIFO servers per peer and an event queue; ``send`` calls ``then`` on delivery."""
 
     net: Network
-    cpu: np.ndarray = field(init=False)
+    cpu: np.ndarray = field(init=False)  # when each server is next free
     up: np.ndarray = field(init=False)
     down: np.ndarray = field(init=False)
+    bytes_up: np.ndarray = field(init=False)
+    bytes_down: np.ndarray = field(init=False)
+    messages: np.ndarray = field(init=False)
     events: list = field(default_factory=list)
     seq: int = 0
 
@@ -104,22 +108,20 @@ class _Engine:
         self.bytes_up[src] += size
         self.bytes_down[dst] += size
         self.messages[src] += 1
-        self._at(self._serve(self.cpu, src, t, self.net.per_message_s), 0, (src, dst, size, then))
+        self._at(self._serve(self.cpu, src, t, self.net.per_message_s), 0, (src, dst, size, 0.0, then))
 
     def run(self) -> None:
         net = self.net
         while self.events:
-            t, _, stage, (src, dst, size, then) = heapq.heappop(self.events)
+            t, _, stage, (src, dst, size, last, then) = heapq.heappop(self.events)
             if stage == 0:  # onto the sender's uplink; its first byte reaches the receiver one path later
                 path = net.access_s[src] + net.access_s[dst]
                 done = self._serve(self.up, src, t, size / net.up[src])
-                first = done - size / net.up[src] + path
-                self._at(first, 1, (src, dst, size, (done + path, then)))
+                self._at(done - size / net.up[src] + path, 1, (src, dst, size, done + path, then))
             elif stage == 1:  # through the receiver's downlink (not before its last byte), then its CPU
-                last, then = then
                 start = max(t, self.down[dst])
                 self.down[dst] = max(start + size / net.down[dst], last)
-                self._at(self._serve(self.cpu, dst, self.down[dst], net.per_message_s), 2, (src, dst, size, then))
+                self._at(self._serve(self.cpu, dst, self.down[dst], net.per_message_s), 2, (src, dst, size, last, then))
             else:
                 then(t)
 
@@ -127,13 +129,9 @@ class _Engine:
         return RoundTiming(finished, self.bytes_up, self.bytes_down, self.messages)
 
 
-def _packed_bytes(numel: int) -> int:
-    return (numel + 7) // 8
-
-
 def flat_round(net: Network, numel: int) -> RoundTiming:
     """One flat butterfly round: every peer reduces 1/n of the packed votes."""
-    n, nbytes = net.peers, _packed_bytes(numel)
+    n, nbytes = net.peers, ops.packed_size(numel)
     parts = part_bounds(nbytes, [PeerSpec(str(j)) for j in range(n)])
     engine, votes, results = _Engine(net), np.zeros(n, dtype=int), np.zeros(n, dtype=int)
     finished = np.zeros(n)
@@ -174,7 +172,7 @@ def two_level_round(net: Network, numel: int, max_size: int = 32, epoch: int = 0
     n = net.peers
     ids = [f"peer{i}" for i in range(n)]
     index = {pid: i for i, pid in enumerate(ids)}
-    layout = two_level_layout(ids, epoch, _packed_bytes(numel), max_size)
+    layout = two_level_layout(ids, epoch, ops.packed_size(numel), max_size)
     groups = [[index[pid] for pid in g] for g in layout.groups]
     G, P = len(groups), len(layout.parts)
     engine, finished = _Engine(net), np.zeros(n)
