@@ -84,12 +84,23 @@ def test_bf16_signs_are_not_read_as_raw_integers():
     np.testing.assert_array_equal(got, pack(x.cpu().float().numpy() > 0))
 
 
+def _at(t: torch.Tensor, misalign: int) -> torch.Tensor:
+    """``t`` on DEVICE, ``misalign`` elements past the start of its storage (0: 16-byte aligned)."""
+    room = torch.empty(t.numel() + misalign, dtype=t.dtype, device=DEVICE)
+    view = room[misalign:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("misalign", [0, 1])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_many_tensor_kernels_same_bytes(dtype):
-    """One launch over a table of tensors (odd sizes, empty, no gradient, exact zeros) gives the bytes,
-    momenta and parameters of the per-tensor torch path."""
+def test_many_tensor_kernels_same_bytes(dtype, misalign):
+    """One launch over a table of tensors (odd sizes, empty, no gradient, exact zeros, chunks wholly
+    inside a tensor and its last, addresses 16-byte aligned or not) gives the bytes, momenta and
+    parameters of the per-tensor torch path."""
     gen = _gen(5)
-    shapes = [(3,), (17,), (5, 7), (4099,), (0,), (1,), (1030,)]
+    whole = 8 * max(triton_impl.PACK_BLOCK, triton_impl.ELEM_BLOCK)  # elements of two whole chunks or more
+    shapes = [(3,), (17,), (5, 7), (4099,), (0,), (1,), (1030,), (whole + 13,)]
     params = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
     moms = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
     grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
@@ -98,20 +109,21 @@ def test_many_tensor_kernels_same_bytes(dtype):
     nbytes = [(p.numel() + 7) // 8 for p in params]
     offsets = np.concatenate([[0], np.cumsum(nbytes)[:-1]]).astype(np.int64)
     keys = step_zero_keys(3, 5, len(shapes))  # an odd step: bit 32 of every key set
-    betas = np.array([0.9, 0.8, 0.9, 0.95, 0.9, 0.9, 0.5]), np.full(len(shapes), 0.99)
+    betas = np.array([0.9, 0.8, 0.9, 0.95, 0.9, 0.9, 0.5, 0.9]), np.full(len(shapes), 0.99)
     expected = torch.empty(sum(nbytes), dtype=torch.uint8)
     expected_moms = [m.clone() for m in moms]
     for i, (g, m) in enumerate(zip(grads, expected_moms)):
         bits = torch_impl.lion_direction_pack(g if g is not None else torch.zeros_like(m), m, float(betas[0][i]),
                                               float(betas[1][i]), int(keys[i]))
         expected[offsets[i] : offsets[i] + nbytes[i]] = bits
-    dev = lambda ts: [t.to(DEVICE) if t is not None else None for t in ts]  # noqa: E731
+    dev = lambda ts: [_at(t, misalign) if t is not None else None for t in ts]  # noqa: E731
     batch = _TritonBatch(list(range(len(shapes))), dev(params), dev(moms), offsets)
     out = torch.empty(sum(nbytes), dtype=torch.uint8, device=DEVICE)
+    assert batch.m_aligned == batch.p_aligned == (misalign == 0)
     batch.direction_pack(dev(grads), torch_impl.coefficients(*betas), keys, out)
     assert torch.equal(out.cpu(), expected)
     assert all(torch.equal(a.cpu(), b) for a, b in zip(batch.momenta, expected_moms))
-    lr, wd = np.array([1e-2, 3e-3, 1e-2, 1e-2, 1e-2, 1e-2, 5e-2]), np.array([0.1, 0.0, 0.1, 0.1, 0.1, 0.1, 0.3])
+    lr, wd = np.array([1e-2, 3e-3, 1e-2, 1e-2, 1e-2, 1e-2, 5e-2, 1e-2]), np.array([0.1, 0.0, 0.1, 0.1, 0.1, 0.1, 0.3, 0])
     for update in (expected, torch.rand(8 * sum(nbytes), generator=gen) * 2 - 1):
         ref = [p.cpu().clone() for p in batch.params]
         batch.apply(update.to(DEVICE), torch_impl.apply_scalars(lr, wd))

@@ -32,6 +32,10 @@ def _none(values) -> bool:
     return not any(values)
 
 
+def _aligned(addresses: np.ndarray) -> bool:
+    return bool((addresses % 16 == 0).all())
+
+
 def _addresses(tensors: Sequence[torch.Tensor]) -> np.ndarray:
     return np.array(list(map(_data_ptr, tensors)), dtype=np.int64)
 
@@ -110,6 +114,8 @@ class _TritonBatch(_Batch):
         nbytes = [(int(n) + 7) // 8 for n in self.numels]
         self.pack_chunks = impl.chunk_table(nbytes, impl.PACK_BLOCK, device)
         self.elem_chunks = impl.chunk_table([int(n) for n in self.numels], impl.ELEM_BLOCK, device)
+        # 16-byte aligned addresses let the kernels read and write 16 bytes at a time
+        self.p_aligned, self.m_aligned = _aligned(self.p_addrs), _aligned(self.m_addrs)
 
     def direction_pack(self, grads: list, coefs: np.ndarray, keys: np.ndarray, out: torch.Tensor) -> None:
         keep: list[torch.Tensor] = []
@@ -119,12 +125,13 @@ class _TritonBatch(_Batch):
         table[2 * n :] = np.ascontiguousarray(coefs, dtype=np.float32).view(np.int64).reshape(-1)
         d = torch.from_numpy(table).to(out.device)
         triton_impl().lion_pack_many(self.dtype, self.pack_chunks, self.d_m, self.d_numels, self.d_offsets, d[:n],
-                                     d[n : 2 * n], d[2 * n :].view(torch.float32), out)
+                                     d[n : 2 * n], d[2 * n :].view(torch.float32), out,
+                                     self.m_aligned and _aligned(table[:n]))
 
     def apply(self, update: torch.Tensor, scalars: np.ndarray) -> None:
         d = torch.from_numpy(np.ascontiguousarray(scalars, dtype=np.float32)).to(update.device)
         triton_impl().apply_many(self.dtype, self.elem_chunks, self.d_p, self.d_numels, self.d_offsets, d.view(-1),
-                                 update)
+                                 update, self.p_aligned)
 
 
 class LionKernels:

@@ -11,9 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-PACK_BLOCK = 512  # output bytes per program (4096 elements)
-ELEM_BLOCK = 1024  # elements per program in the elementwise kernels
-COUNT_BLOCK = 256  # bytes per program in the counting kernels
+# Launch shapes: bytes or elements per program, warps; the fastest of benchmarks/triton_tune.py's sweep
+# on an H200 at 64M elements (docs/benchmarks.md). Within ~10% of each other: 256-512 bytes with 2-4
+# warps for packing, any of 1024-4096 elements for the elementwise kernels, any for counting.
+PACK_BLOCK, PACK_WARPS = 256, 2  # output bytes per program (2048 elements)
+ELEM_BLOCK, ELEM_WARPS = 4096, 8  # elements per program in the elementwise kernels (a multiple of 8)
+COUNT_BLOCK, COUNT_WARPS = 512, 4  # bytes per program in the counting kernels
 
 # dtype -> (integer view, largest bit pattern of a non-NaN positive value, magnitude mask)
 _INT_VIEW = {
@@ -38,12 +41,17 @@ def _random_bit(key, pos):
 
 
 @triton.jit
-def _load_f32(ptr, offs, mask, IS_BF16: tl.constexpr):
-    if IS_BF16:
-        raw = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
-        return ((raw & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+def _load_f32(ptr, offs, mask, IS_BF16: tl.constexpr, WHOLE: tl.constexpr = False):
+    """WHOLE: every offset is inside, no mask (a masked load with a bound of unknown alignment is
+    split into 4-byte accesses)."""
+    if WHOLE:
+        raw = tl.load(ptr + offs)
     else:
-        return tl.load(ptr + offs, mask=mask, other=0).to(tl.float32)
+        raw = tl.load(ptr + offs, mask=mask, other=0)
+    if IS_BF16:
+        return ((raw.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        return raw.to(tl.float32)
 
 
 @triton.jit
@@ -63,11 +71,15 @@ def _round_to(x, ptr, IS_BF16: tl.constexpr):
 
 
 @triton.jit
-def _store_f32(ptr, offs, x, mask, IS_BF16: tl.constexpr):
+def _store_f32(ptr, offs, x, mask, IS_BF16: tl.constexpr, WHOLE: tl.constexpr = False):
     if IS_BF16:
-        tl.store(ptr + offs, _bf16_bits(x).to(tl.int16), mask=mask)
+        x = _bf16_bits(x).to(tl.int16)
     else:
-        tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)
+        x = x.to(ptr.dtype.element_ty)
+    if WHOLE:
+        tl.store(ptr + offs, x)
+    else:
+        tl.store(ptr + offs, x, mask=mask)
 
 
 @triton.jit
@@ -162,52 +174,87 @@ def _majority_kernel(stack_ptr, out_ptr, n, nbytes, row_stride, key, RANDOM_TIES
 
 
 # -- many tensors per launch: a table of (tensor, first byte or element) chunks; tensors by address --
+# A chunk wholly inside its tensor runs without masks (WHOLE), at addresses the compiler is told are
+# 16-byte aligned (ALIGNED): then its loads and stores are 16 bytes wide. A mask whose bound comes
+# from the table, or an address of unknown alignment, splits every access into 4-byte ones.
+
+
+@triton.jit
+def _lion_pack_chunk(has_grad, g_ptr, m_ptr, out, byte, numel, coef_ptr, key, t, IS_BF16: tl.constexpr,
+                     WHOLE: tl.constexpr, BLOCK: tl.constexpr):
+    lane = tl.arange(0, 8)
+    pos = byte[:, None] * 8 + lane[None, :]
+    inside = pos < numel
+    if has_grad:
+        g = _load_f32(g_ptr, pos, inside, IS_BF16, WHOLE)
+    else:  # no gradient: g = +0.0
+        g = tl.zeros((BLOCK, 8), dtype=tl.float32)
+    m = _load_f32(m_ptr, pos, inside, IS_BF16, WHOLE)
+    beta1, one_minus_beta1 = tl.load(coef_ptr + 4 * t), tl.load(coef_ptr + 4 * t + 1)
+    beta2, one_minus_beta2 = tl.load(coef_ptr + 4 * t + 2), tl.load(coef_ptr + 4 * t + 3)
+    c = tl.fma(g, one_minus_beta1, m * beta1)
+    random = _random_bit(key & 0xFFFFFFFF, pos) != (((key >> 32) & 1) != 0)
+    bits = ((c > 0) | ((c == 0) & random)) & inside
+    tl.store(out + byte, _pack_byte(bits, lane), mask=byte < (numel + 7) // 8)
+    _store_f32(m_ptr, pos, tl.fma(g, one_minus_beta2, m * beta2), inside, IS_BF16, WHOLE)
 
 
 @triton.jit
 def _lion_pack_many_kernel(chunk_tensor_ptr, chunk_start_ptr, m_addr_ptr, numel_ptr, offset_ptr, g_addr_ptr, key_ptr,
-                           coef_ptr, out_ptr, ELEM: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+                           coef_ptr, out_ptr, ELEM: tl.constexpr, IS_BF16: tl.constexpr, ALIGNED: tl.constexpr,
+                           BLOCK: tl.constexpr):
     chunk = tl.program_id(0)
     t = tl.load(chunk_tensor_ptr + chunk)
-    byte = tl.load(chunk_start_ptr + chunk) + tl.arange(0, BLOCK)
+    first = tl.multiple_of(tl.load(chunk_start_ptr + chunk), BLOCK)
+    byte = first + tl.arange(0, BLOCK)
     numel = tl.load(numel_ptr + t)
-    lane = tl.arange(0, 8)
-    pos = byte[:, None] * 8 + lane[None, :]
-    inside = pos < numel
     g_addr = tl.load(g_addr_ptr + t)
-    g_ptr = g_addr.to(tl.pointer_type(ELEM))
-    m_ptr = tl.load(m_addr_ptr + t).to(tl.pointer_type(ELEM))
-    g = _load_f32(g_ptr, pos, pos < tl.where(g_addr != 0, numel, 0), IS_BF16)  # no gradient: g = +0.0
-    m = _load_f32(m_ptr, pos, inside, IS_BF16)
-    beta1, one_minus_beta1 = tl.load(coef_ptr + 4 * t), tl.load(coef_ptr + 4 * t + 1)
-    beta2, one_minus_beta2 = tl.load(coef_ptr + 4 * t + 2), tl.load(coef_ptr + 4 * t + 3)
-    c = tl.fma(g, one_minus_beta1, m * beta1)
+    g_ptr, m_ptr = g_addr.to(tl.pointer_type(ELEM)), tl.load(m_addr_ptr + t).to(tl.pointer_type(ELEM))
+    if ALIGNED:  # a hint on the pointer: one on the integer address is lost in the cast
+        g_ptr, m_ptr = tl.multiple_of(g_ptr, 16), tl.multiple_of(m_ptr, 16)
     key = tl.load(key_ptr + t)  # int64: the stream's key below bit 32, "inverted" at bit 32
-    random = _random_bit(key & 0xFFFFFFFF, pos) != (((key >> 32) & 1) != 0)
-    bits = ((c > 0) | ((c == 0) & random)) & inside
     out = out_ptr + tl.load(offset_ptr + t)
-    tl.store(out + byte, _pack_byte(bits, lane), mask=byte < (numel + 7) // 8)
-    _store_f32(m_ptr, pos, tl.fma(g, one_minus_beta2, m * beta2), inside, IS_BF16)
+    if (first + BLOCK) * 8 <= numel:
+        _lion_pack_chunk(g_addr != 0, g_ptr, m_ptr, out, byte, numel, coef_ptr, key, t, IS_BF16, True, BLOCK)
+    else:
+        _lion_pack_chunk(g_addr != 0, g_ptr, m_ptr, out, byte, numel, coef_ptr, key, t, IS_BF16, False, BLOCK)
+
+
+@triton.jit
+def _apply_chunk(p_ptr, u, offs, row, numel, scale, neg_lr, IS_BF16: tl.constexpr, PACKED: tl.constexpr,
+                 WHOLE: tl.constexpr):
+    mask = offs < numel
+    # scale = 1 (no decay) leaves p exactly as torch's skipped mul_ does
+    p = _round_to(_load_f32(p_ptr, offs, mask, IS_BF16, WHOLE) * scale, p_ptr, IS_BF16)
+    if PACKED:  # one byte per row of 8 values, read once
+        byte = tl.load(u + row, mask=row < (numel + 7) // 8, other=0).to(tl.int32)
+        v = (((byte[:, None] >> tl.arange(0, 8)[None, :]) & 1) * 2 - 1).to(tl.float32)
+    else:
+        v = _load_f32(u, offs, mask, False, WHOLE)
+    _store_f32(p_ptr, offs, tl.fma(v, neg_lr, p), mask, IS_BF16, WHOLE)
 
 
 @triton.jit
 def _apply_many_kernel(chunk_tensor_ptr, chunk_start_ptr, p_addr_ptr, numel_ptr, offset_ptr, scalar_ptr, u_ptr,
-                       ELEM: tl.constexpr, IS_BF16: tl.constexpr, PACKED: tl.constexpr, BLOCK: tl.constexpr):
+                       ELEM: tl.constexpr, IS_BF16: tl.constexpr, PACKED: tl.constexpr, ALIGNED: tl.constexpr,
+                       BLOCK: tl.constexpr):
     chunk = tl.program_id(0)
     t = tl.load(chunk_tensor_ptr + chunk)
-    offs = tl.load(chunk_start_ptr + chunk) + tl.arange(0, BLOCK)
-    mask = offs < tl.load(numel_ptr + t)
+    first = tl.multiple_of(tl.load(chunk_start_ptr + chunk), BLOCK)
+    local = tl.arange(0, BLOCK // 8)
+    row = first // 8 + local  # the byte of the tensor's bits that holds each row of 8 values
+    offs = first + local[:, None] * 8 + tl.arange(0, 8)[None, :]  # (not row * 8, whose alignment is unknown)
+    numel = tl.load(numel_ptr + t)
     p_ptr = tl.load(p_addr_ptr + t).to(tl.pointer_type(ELEM))
+    if ALIGNED:
+        p_ptr = tl.multiple_of(p_ptr, 16)
     scale, neg_lr = tl.load(scalar_ptr + 2 * t), tl.load(scalar_ptr + 2 * t + 1)
-    # scale = 1 (no decay) leaves p exactly as torch's skipped mul_ does
-    p = _round_to(_load_f32(p_ptr, offs, mask, IS_BF16) * scale, p_ptr, IS_BF16)
-    first = tl.load(offset_ptr + t)
-    if PACKED:
-        byte = tl.load(u_ptr + first + offs // 8, mask=mask, other=0).to(tl.int32)
-        u = (((byte >> (offs % 8).to(tl.int32)) & 1) * 2 - 1).to(tl.float32)
+    offset = tl.load(offset_ptr + t)
+    u = u_ptr + offset if PACKED else u_ptr + 8 * offset
+    if first + BLOCK <= numel:
+        _apply_chunk(p_ptr, u, offs, row, numel, scale, neg_lr, IS_BF16, PACKED, True)
     else:
-        u = tl.load(u_ptr + 8 * first + offs, mask=mask, other=0).to(tl.float32)
-    _store_f32(p_ptr, offs, tl.fma(u, neg_lr, p), mask, IS_BF16)
+        _apply_chunk(p_ptr, u, offs, row, numel, scale, neg_lr, IS_BF16, PACKED, False)
 
 
 _ELEM = {torch.float32: (tl.float32, False), torch.float16: (tl.float16, False), torch.bfloat16: (tl.int16, True)}
@@ -226,21 +273,26 @@ def chunk_table(numels: list[int], block: int, device: torch.device) -> tuple[to
 
 def lion_pack_many(dtype: torch.dtype, pack_chunks: tuple[torch.Tensor, torch.Tensor], m_addrs: torch.Tensor,
                    numels: torch.Tensor, offsets: torch.Tensor, g_addrs: torch.Tensor, keys: torch.Tensor,
-                   coefs: torch.Tensor, out: torch.Tensor) -> None:
+                   coefs: torch.Tensor, out: torch.Tensor, aligned: bool) -> None:
     """Every tensor's direction packed into ``out`` at its offset, momenta updated; tables on the device
-    (chunks of PACK_BLOCK bytes; coefs float32 (n, 4) = β1, 1−β1, β2, 1−β2; g_addrs 0 = no gradient)."""
+    (chunks of PACK_BLOCK bytes; coefs float32 (n, 4) = β1, 1−β1, β2, 1−β2; g_addrs 0 = no gradient);
+    ``aligned``: every gradient and momentum address is a multiple of 16."""
     elem, is_bf16 = _ELEM[dtype]
     _lion_pack_many_kernel[(pack_chunks[0].numel(),)](pack_chunks[0], pack_chunks[1], m_addrs, numels, offsets,
-                                                      g_addrs, keys, coefs, out, elem, is_bf16, PACK_BLOCK)
+                                                      g_addrs, keys, coefs, out, elem, is_bf16, aligned, PACK_BLOCK,
+                                                      num_warps=PACK_WARPS)
 
 
 def apply_many(dtype: torch.dtype, elem_chunks: tuple[torch.Tensor, torch.Tensor], p_addrs: torch.Tensor,
-               numels: torch.Tensor, offsets: torch.Tensor, scalars: torch.Tensor, update: torch.Tensor) -> None:
+               numels: torch.Tensor, offsets: torch.Tensor, scalars: torch.Tensor, update: torch.Tensor,
+               aligned: bool) -> None:
     """θ ← θ·scale − lr·u for every tensor (chunks of ELEM_BLOCK elements; scalars float32 (n, 2) =
-    1 − lr·λ, −lr); u packed uint8 at byte offsets, or float32 at 8·offsets."""
+    1 − lr·λ, −lr); u packed uint8 at byte offsets, or float32 at 8·offsets; ``aligned``: every
+    parameter address is a multiple of 16."""
     elem, is_bf16 = _ELEM[dtype]
     _apply_many_kernel[(elem_chunks[0].numel(),)](elem_chunks[0], elem_chunks[1], p_addrs, numels, offsets, scalars,
-                                                  update, elem, is_bf16, update.dtype == torch.uint8, ELEM_BLOCK)
+                                                  update, elem, is_bf16, update.dtype == torch.uint8, aligned,
+                                                  ELEM_BLOCK, num_warps=ELEM_WARPS)
 
 
 def _grid(count: int, block: int) -> tuple[int]:
@@ -258,21 +310,21 @@ def pack_signs(x: torch.Tensor, key: int) -> torch.Tensor:
     nbytes = (flat.numel() + 7) // 8
     out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     _pack_kernel[_grid(nbytes, PACK_BLOCK)](flat, out, flat.numel(), nbytes, key & 0xFFFFFFFF, pos_limit, mag_mask,
-                                            bool((key >> 32) & 1), PACK_BLOCK)
+                                            bool((key >> 32) & 1), PACK_BLOCK, num_warps=PACK_WARPS)
     return out
 
 
 def unpack_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(numel, dtype=dtype, device=packed.device)
     target, is_bf16 = _as_kernel_arg(out)
-    _unpack_kernel[_grid(numel, ELEM_BLOCK)](packed, target, numel, is_bf16, ELEM_BLOCK)
+    _unpack_kernel[_grid(numel, ELEM_BLOCK)](packed, target, numel, is_bf16, ELEM_BLOCK, num_warps=ELEM_WARPS)
     return out
 
 
 def vote_counts(stack: torch.Tensor) -> torch.Tensor:
     n, nbytes = stack.shape
     out = torch.empty(nbytes * 8, dtype=torch.uint8 if n < 256 else torch.int16, device=stack.device)
-    _count_kernel[_grid(nbytes, COUNT_BLOCK)](stack, out, n, nbytes, stack.stride(0), COUNT_BLOCK)
+    _count_kernel[_grid(nbytes, COUNT_BLOCK)](stack, out, n, nbytes, stack.stride(0), COUNT_BLOCK, num_warps=COUNT_WARPS)
     return out
 
 
@@ -280,7 +332,7 @@ def majority_vote(stack: torch.Tensor, ties: str, key: int) -> torch.Tensor:
     n, nbytes = stack.shape
     out = torch.empty(nbytes, dtype=torch.uint8, device=stack.device)
     _majority_kernel[_grid(nbytes, COUNT_BLOCK)](stack, out, n, nbytes, stack.stride(0), key, ties == "random",
-                                                 COUNT_BLOCK)
+                                                 COUNT_BLOCK, num_warps=COUNT_WARPS)
     return out
 
 
@@ -291,7 +343,8 @@ def lion_direction_pack(grad: torch.Tensor, exp_avg: torch.Tensor, beta1: float,
     nbytes = (numel + 7) // 8
     out = torch.empty(nbytes, dtype=torch.uint8, device=grad.device)
     _lion_pack_kernel[_grid(nbytes, PACK_BLOCK)](g, m, out, numel, nbytes, key & 0xFFFFFFFF, beta1, 1 - beta1, beta2,
-                                                 1 - beta2, g_bf16, m_bf16, bool((key >> 32) & 1), PACK_BLOCK)
+                                                 1 - beta2, g_bf16, m_bf16, bool((key >> 32) & 1), PACK_BLOCK,
+                                                 num_warps=PACK_WARPS)
     return out
 
 
@@ -299,4 +352,4 @@ def apply_update(param: torch.Tensor, update: torch.Tensor, lr: float, weight_de
     p, p_bf16 = _as_kernel_arg(param.view(-1))
     numel = p.numel()
     _apply_kernel[_grid(numel, ELEM_BLOCK)](p, update, numel, lr, 1 - lr * weight_decay, update.dtype == torch.uint8,
-                                            weight_decay != 0, p_bf16, ELEM_BLOCK)
+                                            weight_decay != 0, p_bf16, ELEM_BLOCK, num_warps=ELEM_WARPS)
