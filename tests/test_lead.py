@@ -1,8 +1,11 @@
 """The leader's plan for the next group (``swarm/lead.py``), without a network: each rule, one case."""
+import time
+
 from lioncub_p2p.allreduce import PartReport, PeerSpec
 from lioncub_p2p.swarm import lead
 from lioncub_p2p.swarm.lead import Health, failed_reducers, leader_of, plan_group
 from lioncub_p2p.swarm.membership import GroupRecord, PeerRecord
+from lioncub_p2p.swarm.upkeep import Upkeep
 
 NOW = 1000.0
 
@@ -108,3 +111,44 @@ def test_failed_reducers_are_those_missing_while_another_part_came_through():
     # everything missing but this peer's own part: more likely this peer's own link
     assert failed_reducers([part(i, s) for i, s in enumerate(statuses["alone"])], group, me="a") == []
     assert failed_reducers([part(0, "ok"), part(1, "empty"), part(2, "missing"), part(3, "ok")], group, "b") == ["c"]
+
+
+def test_a_member_dropped_for_missed_votes_comes_back_on_probation_until_a_vote_counts():
+    """Dropped alive for missed votes, it rejoins with no part and is not dropped for missed votes
+    again (a 1 Mbit/s link was re-added and dropped every 5-25 s); counted once, the rules are the
+    usual ones again."""
+    failing = {"failures": {"c": 2}, "since": {"c": NOW - lead.DROP_AFTER_S - 1}}
+    records = _records(c=dict(expires=60.0))  # a newer record than at its drop
+    latest = GroupRecord(3, 10, tuple(PeerSpec(pid) for pid in "abd"))
+
+    def plan(probation):
+        healthy = Health(records, me="a", now=NOW, failures=failing["failures"], failing_since=failing["since"],
+                         suspects=set(), probation=probation)
+        return healthy, plan_group(latest, healthy, evicted={"c": 50.0}, may_join=lambda r: True)
+
+    healthy, rejoined = plan({"c"})
+    assert [m.peer_id for m in rejoined.joined] == ["c"] and {m.peer_id: m.weight for m in rejoined.members}["c"] == 0.0
+    member = GroupRecord(4, 12, rejoined.members)
+    assert not plan_group(member, healthy, evicted={}, may_join=lambda r: True).dropped  # missed votes, kept
+    healthy, _ = plan(set())  # its vote counted: probation over
+    after = plan_group(member, healthy, evicted={}, may_join=lambda r: True)
+    assert [m.peer_id for m in after.dropped] == ["c"]
+    assert healthy.unproven("c") and not healthy.unproven("a")  # "a" is the leader itself
+    assert not Health(records, me="a", now=NOW, failures={}, failing_since={}, suspects={"c"}).unproven("c")
+    leaving = _records(c=dict(leaving=True))
+    assert not Health(leaving, me="a", now=NOW, failures={}, failing_since={}, suspects=set()).unproven("c")
+    del records["c"]  # an expired record: perhaps only late (a saturated link), no proof of anything
+    assert Health(records, me="a", now=NOW, failures={}, failing_since={}, suspects=set()).unproven("c")
+
+
+def test_upkeep_keeps_a_probation_until_a_vote_counts_or_it_is_old():
+    upkeep = Upkeep(peer_id="a", spec=PeerSpec("a"), run_id="run", directory=None, store_manifest=None,
+                    admission=None, verdicts=None, local=None, record_ttl=10.0, refresh_period=0.5, lead_steps=2,
+                    log=None)
+    upkeep.records = _records()
+    now = time.monotonic()
+    upkeep.missed_out.update(b=now - lead.PROBATION_MEMORY_S - 1, c=now - 10, d=now - 10)
+    upkeep.counted_at.update(c=now - 11, d=now - 9, x=5.0)  # d counted since its drop; x has no record
+    assert upkeep._probation() == {"c"} and "x" not in upkeep.counted_at and set(upkeep.missed_out) == {"c"}
+    upkeep.records = {pid: r for pid, r in upkeep.records.items() if pid != "c"}  # its record expired: remembered
+    assert upkeep._probation() == {"c"}

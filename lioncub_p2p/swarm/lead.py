@@ -16,6 +16,13 @@ The rules:
   ``may_join`` admits it (protocol version, manifest, allow-list, run secret);
 * weights: ``membership.assigned_weight``, with the floor computed over the members' and newcomers'
   announced weights, and the lone-reducer exception when no member that could reduce reaches it;
+* a member dropped for missed votes or an expired record (not suspected, not leaving) that comes
+  back within ``PROBATION_MEMORY_S`` is on **probation** until one of its votes counts again: it
+  rejoins without a part and is not dropped for missed votes, as if it followed. A link too slow for
+  the group's pace (1 Mbit/s among 100) is dropped after ``drop_after`` seconds, before its own
+  rounds (~10 s each) tell it to follow, and its record expires while its announcements queue behind
+  downloads; without probation it was re-added at its next record and dropped again, a group change
+  every 5-25 s;
 * a member whose part was missing at the leader while the other reducers' parts came through
   (``failed_reducers``: it is behind, stalled or gone, and every voter waited out a timeout on its
   part) **rests**: no part for ``REST_S`` seconds, still a voter. Dropping it takes 2 rounds and
@@ -27,7 +34,7 @@ The rules:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..allreduce import PeerSpec
@@ -40,14 +47,17 @@ NOTICE_S = 0.5
 SYNC_GRACE_ROUNDS = 30  # rounds a joining member may miss before it is dropped (it downloads the state)...
 DROP_AFTER_S = 5.0  # ...and seconds any member may miss rounds: fast rounds must not drop a peer that is starting up
 REST_S = 30.0  # seconds a member whose part failed reduces nothing (it votes)
+PROBATION_MEMORY_S = 600.0  # how long a leader remembers a member it dropped without proof
 
 
 class Health:
     """Which members a leader keeps (the first rule above), from one moment's records and observations."""
 
     def __init__(self, records: Mapping[str, PeerRecord], *, me: str, now: float, failures: Mapping[str, int],
-                 failing_since: Mapping[str, float], suspects: set[str], part_failed_at: Mapping[str, float] | None = None):
+                 failing_since: Mapping[str, float], suspects: set[str], part_failed_at: Mapping[str, float] | None = None,
+                 probation: Collection[str] = ()):
         self.records, self.me, self.now, self.suspects = records, me, now, suspects
+        self.probation = set(probation) - {me}
         self.failures, self.failing_since = failures, failing_since
         self.resting = {pid for pid, at in (part_failed_at or {}).items() if now - at < REST_S and pid != me}
         self.alive = {pid for pid, r in records.items() if not r.leaving} | {me}
@@ -60,7 +70,13 @@ class Health:
         limit = SYNC_GRACE_ROUNDS if pid in self.syncing else 2
         recent = self.now - self.failing_since.get(pid, self.now) < DROP_AFTER_S
         return pid == self.me or (pid in self.alive and (self.failures.get(pid, 0) < limit or recent
-                                                         or pid in self.following))
+                                                         or pid in self.following or pid in self.probation))
+
+    def unproven(self, pid: str) -> bool:
+        """Dropped without proof or notice (missed votes, or a record that expired: a saturated link
+        delays its announcements), not leaving, not suspected: on probation when it comes back."""
+        record = self.records.get(pid)
+        return pid != self.me and pid not in self.suspects and not (record is not None and record.leaving)
 
 
 def leader_of(latest: GroupRecord, healthy: Health) -> str | None:
@@ -79,7 +95,8 @@ def plan_group(latest: GroupRecord, healthy: Health, *, evicted: Mapping[str, fl
                may_join: Callable[[PeerRecord], bool]) -> GroupPlan:
     """The next group as its leader makes it. ``evicted``: the expiry of a dropped peer's record when it
     was dropped; ``may_join`` is asked only about peers that would join otherwise (it may log why not)."""
-    records, syncing, following = healthy.records, healthy.syncing, healthy.following
+    records, syncing = healthy.records, healthy.syncing
+    following = healthy.following | healthy.probation  # neither gets a part
 
     def announced(m: PeerSpec) -> float:  # a member's group weight is 0 while it syncs: its record says more
         return records[m.peer_id].weight if m.peer_id in records else m.weight
@@ -114,7 +131,7 @@ def failed_reducers(parts: Sequence[PartReport], group: Sequence[PeerSpec], me: 
 
 
 __all__ = ["Health", "GroupPlan", "leader_of", "plan_group", "failed_reducers", "SYNC_GRACE_ROUNDS", "DROP_AFTER_S",
-           "REST_S"]
+           "REST_S", "PROBATION_MEMORY_S"]
 
 
 def steps_ahead(lead_steps: int, steps_per_s: float, notice_s: float = NOTICE_S) -> int:

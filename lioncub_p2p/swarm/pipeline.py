@@ -8,9 +8,9 @@ round any more, and lets this peer's reducer prepare the next step's part. Anyth
 is a missed round (a zero update), never an exception out of ``optimizer.step()``.
 
 Threads: every field here is the training thread's. The loop reads ``follow.following`` (to
-announce it) and ``part_failed_at`` (a leader rests such a reducer, ``lead.py``), and resets
-``failures``/``failing_since`` for a peer the leader adds back (one key at a time, atomic under the
-GIL: a lost count delays a drop by a round at most). Repairs go through
+announce it), ``part_failed_at`` (a leader rests such a reducer, ``lead.py``) and ``counted_at`` (it
+ends a probation), and resets ``failures``/``failing_since`` for a peer the leader adds back (one key
+at a time, atomic under the GIL: a lost count delays a drop by a round at most). Repairs go through
 ``StateSync`` (``state_sync.py``), membership through ``Upkeep`` (``upkeep.py``).
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ class VotePipeline:
         self.stranded: str | None = None  # why training cannot go on (every other peer left), once it cannot
         self._alone_since: float | None = None
         self.failures, self.failing_since = upkeep.failures, upkeep.failing_since  # written here, reset there
-        self.part_failed_at = upkeep.part_failed_at  # written here, read there
+        self.part_failed_at, self.counted_at = upkeep.part_failed_at, upkeep.counted_at  # written here, read there
         self.current = ("vote", 0)  # the kind and step of the round in progress, for failpoints
         self.step_s = 0.0  # recent seconds per step (consecutive steps only: a download's jump is no pace)
         self._last_start: tuple[float, int] | None = None
@@ -260,6 +260,7 @@ class VotePipeline:
                 if i in counted:
                     self.failures[member.peer_id] = 0
                     self.failing_since.pop(member.peer_id, None)
+                    self.counted_at[member.peer_id] = time.monotonic()
                 else:
                     self.failures[member.peer_id] += 1
                     self.failing_since.setdefault(member.peer_id, time.monotonic())

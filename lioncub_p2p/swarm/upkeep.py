@@ -9,9 +9,9 @@ per group, ``GroupHistory``), ``evicted``, ``admitted`` and its publishing clock
 has joined; before that the joining (training) thread calls ``trust`` while the loop does not run
 upkeep yet. ``records`` is replaced whole, never mutated: by the loop, or by the training thread
 with a fresh read made on the loop. It sees the training side only through ``Local``, a snapshot
-built on demand (``local()``), and the shared round counters ``failures``/``failing_since`` (counted
-by the training thread, reset here for a peer the leader adds back; one key at a time, atomic under
-the GIL: a lost count delays a drop by a round at most).
+built on demand (``local()``), and the shared round counters ``failures``/``failing_since``/``counted_at``
+(counted by the training thread, reset or pruned here; one key at a time, atomic under the GIL: a
+lost count delays a drop, or the end of a probation, by a round at most).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from hivemind.utils import get_dht_time
 
 from ..wire import PROTOCOL_VERSION
 from . import manifest as manifests
-from .lead import REST_S, Health, leader_of, plan_group, steps_ahead
+from .lead import PROBATION_MEMORY_S, REST_S, Health, leader_of, plan_group, steps_ahead
 from .manifest import Manifest
 from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group
 from .records import RateLimitedLog
@@ -73,6 +73,8 @@ class Upkeep:
         self.failures: Counter[str] = Counter()  # rounds in a row a member was not counted...
         self.failing_since: dict[str, float] = {}  # ...since when
         self.part_failed_at: dict[str, float] = {}  # when a member's part last failed here alone (lead.REST_S)
+        self.counted_at: dict[str, float] = {}  # when a member's vote last counted here
+        self.missed_out: dict[str, float] = {}  # (here only) member dropped without proof -> when: probation
         self.on_epoch: Callable[[int], None] | None = None  # told the newest group's epoch (the vote node)
         self.stop_waiting_for: Callable[[set[str], str], None] | None = None  # reducers stop waiting for leavers
         self.published = 0.0  # when this peer last published the group record
@@ -156,6 +158,17 @@ class Upkeep:
                              record.peer_id, problem)
         return problem is None
 
+    def _probation(self) -> set[str]:
+        """Peers this leader dropped without proof whose votes have not counted since (``lead.py``),
+        remembered for ``PROBATION_MEMORY_S``; counts of peers without a record are forgotten."""
+        now = time.monotonic()
+        for pid in [p for p, at in self.missed_out.items()
+                    if now - at > PROBATION_MEMORY_S or self.counted_at.get(p, 0.0) > at]:
+            del self.missed_out[pid]
+        for pid in [p for p in list(self.counted_at) if p not in self.records]:  # a copy: the training thread writes
+            self.counted_at.pop(pid, None)
+        return set(self.missed_out)
+
     async def lead(self) -> None:
         """If this peer leads the group, keep it equal to the live, admitted, compatible peers: who stays,
         who joins and with which weight is ``lead.plan_group``'s (the rules are in ``lead.py``); this
@@ -167,7 +180,7 @@ class Upkeep:
         suspects = self.verdicts.suspects()
         healthy = Health(self.records, me=self.peer_id, now=time.monotonic(), failures=self.failures,
                          failing_since=self.failing_since, suspects=suspects,
-                         part_failed_at=dict(self.part_failed_at))
+                         part_failed_at=dict(self.part_failed_at), probation=self._probation())
         step = me.step
         if leader_of(latest, healthy) != self.peer_id or step < latest.from_step:
             return
@@ -180,6 +193,8 @@ class Upkeep:
         for m in plan.dropped:  # remember what the record of a dropped member said when it was dropped
             if m.peer_id in self.records:
                 self.evicted[m.peer_id] = self.records[m.peer_id].expires
+            if healthy.unproven(m.peer_id):
+                self.missed_out[m.peer_id] = time.monotonic()
             if m.peer_id in liars:
                 logger.warning("dropping %s from the group: it lied (%s)", m.peer_id, liars[m.peer_id])
             elif m.peer_id in suspects:
@@ -192,6 +207,9 @@ class Upkeep:
         for m in plan.joined:  # a returning peer starts with a clean slate
             self.failures[m.peer_id] = 0
             self.failing_since.pop(m.peer_id, None)
+            if m.peer_id in healthy.probation:
+                logger.info("%s rejoins without a part, on probation: it was dropped for missed votes and is not "
+                            "dropped for them again until one of its votes counts", m.peer_id)
         desired = plan.members
         if set(desired) == set(latest.members) or not any(m.reduces for m in desired):
             if time.monotonic() - self.published > GROUP_REPUBLISH_S:  # keep the record alive (our own subkey)
