@@ -1,11 +1,12 @@
 """The leader's plan for the next group (``swarm/lead.py``), without a network: each rule, one case."""
+import asyncio
 import time
 
 from lioncub_p2p.allreduce import PartReport, PeerSpec
 from lioncub_p2p.swarm import lead
 from lioncub_p2p.swarm.lead import Health, failed_reducers, leader_of, plan_group
 from lioncub_p2p.swarm.membership import GroupRecord, PeerRecord
-from lioncub_p2p.swarm.upkeep import Upkeep
+from lioncub_p2p.swarm.upkeep import Local, Upkeep
 
 NOW = 1000.0
 
@@ -152,3 +153,41 @@ def test_upkeep_keeps_a_probation_until_a_vote_counts_or_it_is_old():
     assert upkeep._probation() == {"c"} and "x" not in upkeep.counted_at and set(upkeep.missed_out) == {"c"}
     upkeep.records = {pid: r for pid, r in upkeep.records.items() if pid != "c"}  # its record expired: remembered
     assert upkeep._probation() == {"c"}
+
+
+class _Directory:
+    """Group publishes answered from ``answers`` (True: confirmed, False: not confirmed)."""
+
+    def __init__(self, *answers: bool):
+        self.answers, self.published = list(answers), []
+
+    async def publish_group(self, record: GroupRecord, ttl: float) -> bool:
+        self.published.append(record)
+        return self.answers.pop(0)
+
+
+class _Verdicts:
+    liars: dict = {}
+
+    def suspects(self) -> set:
+        return set()
+
+
+def test_a_group_whose_store_was_not_confirmed_is_kept_and_published_again_never_a_rival_epoch():
+    """A store reported failed can still land, and members that read it move to its epoch; a leader that
+    planned another group for that epoch from the older one split them from the rest (seen once: three
+    rounds at the join timeout, then a repair). It keeps the record and publishes the same one again."""
+    directory = _Directory(False, True)
+    upkeep = Upkeep(peer_id="a", spec=PeerSpec("a"), run_id="run", directory=directory, store_manifest=None,
+                    admission=None, verdicts=_Verdicts(), record_ttl=10.0, refresh_period=0.5, lead_steps=2,
+                    local=lambda: Local(joined=True, step=10, synced=True, idle=False, steps_per_s=1.0), log=None)
+    upkeep.trust(GroupRecord(3, 5, tuple(PeerSpec(pid) for pid in "abcd")))
+    upkeep.records = {pid: r for pid, r in _records().items() if pid != "d"}  # d's record expired: dropped
+    asyncio.run(upkeep.lead())
+    first = directory.published[-1]
+    assert first.epoch == 4 and first.member_ids() == ["a", "b", "c"]
+    assert upkeep.history.latest == first and upkeep.published == 0.0  # kept, though not confirmed
+    assert "d" in upkeep.missed_out  # dropped without proof: probation if it comes back
+    asyncio.run(upkeep.lead())
+    assert len(directory.published) == 2 and directory.published[-1].epoch == 4  # the same epoch again
+    assert directory.published[-1].member_ids() == first.member_ids() and upkeep.published > 0

@@ -481,9 +481,7 @@ def test_a_member_dropped_for_a_stall_rejoins_on_probation_without_a_part_until_
     weights = [{m.peer_id: m.weight for m in g.members}.get(stalled) for g in groups]
     back = [i for i, w in enumerate(weights) if i > 0 and w is not None and weights[i - 1] is None]
     assert back and weights[back[-1]] == 0.0, weights  # dropped, then re-added with no part
-    assert all(w is not None for w in weights[back[-1]:]), weights  # not dropped again
-    assert any(stalled in s.upkeep.missed_out for s in seen.values())  # the leader's probation (here it follows
-    # to the end: its probes come too late to count, so the probation lasts; ``test_lead.py`` ends one)
+    assert all(w is not None for w in weights[back[-1]:]), weights  # not dropped again (it follows)
 
 
 @pytest.mark.slow

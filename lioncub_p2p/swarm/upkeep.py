@@ -177,6 +177,10 @@ class Upkeep:
         latest, me = self.history.latest, self.local()
         if latest is None or not me.joined or not me.synced:
             return
+        if self.published == 0.0 and latest.author == self.peer_id:  # its store was not confirmed (below)
+            if await self.directory.publish_group(latest, ttl=GROUP_TTL):
+                self.published = time.monotonic()
+            return
         suspects = self.verdicts.suspects()
         healthy = Health(self.records, me=self.peer_id, now=time.monotonic(), failures=self.failures,
                          failing_since=self.failing_since, suspects=suspects,
@@ -208,15 +212,17 @@ class Upkeep:
             self.failures[m.peer_id] = 0
             self.failing_since.pop(m.peer_id, None)
             if m.peer_id in healthy.probation:
-                logger.info("%s rejoins without a part, on probation: it was dropped for missed votes and is not "
-                            "dropped for them again until one of its votes counts", m.peer_id)
+                logger.info("%s rejoins without a part, on probation: it was dropped without proof (missed votes or "
+                            "an expired record) and is not dropped for missed votes until one of its votes counts",
+                            m.peer_id)
         desired = plan.members
         if set(desired) == set(latest.members) or not any(m.reduces for m in desired):
             if time.monotonic() - self.published > GROUP_REPUBLISH_S:  # keep the record alive (our own subkey)
                 self.published = time.monotonic()
                 if latest.author != self.peer_id:
                     latest = GroupRecord(latest.epoch, latest.from_step, latest.members, latest.previous, self.peer_id)
-                await self.directory.publish_group(latest, ttl=GROUP_TTL)
+                if not await self.directory.publish_group(latest, ttl=GROUP_TTL):
+                    self.published = 0.0  # again at the next upkeep
             return
         known = {m.peer_id for m in latest.members}
         steps = [r.step for pid, r in self.records.items() if pid in known and step <= r.step <= step + STEP_WINDOW]
@@ -228,9 +234,16 @@ class Upkeep:
         if me.final_step is not None:  # a group from past this peer's last step would never take effect
             from_step = max(latest.from_step, min(from_step, me.final_step))
         record = GroupRecord(latest.epoch + 1, from_step, desired, previous=latest, author=self.peer_id)
-        if await self.directory.publish_group(record, ttl=GROUP_TTL):
-            self.published = time.monotonic()
-            self.trust(record)
-            logger.info("group epoch %d from step %d: %d members (+%d, -%d), %d reducing", record.epoch,
-                        record.from_step, len(desired), len(plan.joined), len(plan.dropped),
-                        sum(m.reduces for m in desired))
+        try:
+            stored = await self.directory.publish_group(record, ttl=GROUP_TTL)
+        except asyncio.TimeoutError:
+            stored = False
+        # A store reported failed may still land (it reached a node, or the DHT finishes it after the
+        # timeout), and members that read it move to this epoch: planning a rival one from ``latest``
+        # would split them from the rest (seen on a loaded machine: 3 rounds lost at the join timeout,
+        # then a repair). So this peer keeps it, and publishes it again at its next upkeep.
+        self.published = time.monotonic() if stored else 0.0
+        self.trust(record)
+        logger.info("group epoch %d from step %d: %d members (+%d, -%d), %d reducing%s", record.epoch,
+                    record.from_step, len(desired), len(plan.joined), len(plan.dropped),
+                    sum(m.reduces for m in desired), "" if stored else " (its store was not confirmed: again next)")
