@@ -441,20 +441,26 @@ def test_a_peer_dropped_near_the_end_still_ends_with_the_final_state(monkeypatch
         assert "rejoining" in caplog.text or "downloading the state" in caplog.text
 
 
+def _stalled_run(name: str, steps: int, seconds: float, caplog) -> tuple[dict, str, list[GroupRecord]]:
+    """4 members train ``steps`` steps, the last one stalling ``seconds`` at step 15; all must end at
+    ``steps`` with equal parameters. The run's output, the stalled peer and the groups another saw."""
+    seen = {}
+    with caplog.at_level(logging.INFO, logger="lioncub_p2p.swarm"):
+        out = _train_swarm([_config(name) for _ in range(4)], steps, stall=("last", 15, seconds),
+                           instrument=lambda i, s: seen.setdefault(i, s))
+    assert {out[i][0] for i in range(4)} == {steps}
+    assert len({out[i][1] for i in range(4)}) == 1
+    groups = sorted(seen[(out["stalled"] + 1) % 4].history.by_epoch.values(), key=lambda g: g.epoch)
+    return out, seen[out["stalled"]].peer_id, groups
+
+
 @pytest.mark.slow
 def test_a_stalled_reducer_rests_without_a_part_instead_of_costing_every_round_a_timeout(caplog):
     """A member stalls 3 s (under the 5 s after which it would be dropped): every round in between loses
     its part after the join timeout. The leader sees that part missing while the others came through
     and gives it no part for ``REST_S`` (it still votes), so the group's next rounds do not wait on it;
     everyone ends equal."""
-    seen = {}
-    configs = [_config("rest") for _ in range(4)]
-    with caplog.at_level(logging.INFO, logger="lioncub_p2p.swarm"):
-        out = _train_swarm(configs, 50, stall=("last", 15, 3.0), instrument=lambda i, s: seen.setdefault(i, s))
-    assert {out[i][0] for i in range(4)} == {50}
-    assert len({out[i][1] for i in range(4)}) == 1
-    stalled = seen[out["stalled"]].peer_id
-    groups = seen[(out["stalled"] + 1) % 4].history.by_epoch.values()
+    out, stalled, groups = _stalled_run("rest", 50, 3.0, caplog)
     weights = [(g.from_step, {m.peer_id: m.weight for m in g.members}.get(stalled)) for g in groups]
     assert any(step > 15 and weight == 0.0 for step, weight in weights), weights  # (weight 0 at the start: syncing)
     # without the rest it came back a reducer still behind, its part kept failing, and it was dropped
@@ -465,19 +471,13 @@ def test_a_stalled_reducer_rests_without_a_part_instead_of_costing_every_round_a
     assert f"{stalled} reduces nothing for the next" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_member_dropped_for_a_stall_rejoins_on_probation_without_a_part_until_its_vote_counts(caplog):
     """A member stalls 8 s: past the 5 s and 2 rounds after which the leader drops it. When it comes back
     the leader re-adds it without a part and does not drop it again for missed votes (it follows: its
     votes would come too late). Everyone ends equal."""
-    seen = {}
-    configs = [_config("probation") for _ in range(4)]
-    with caplog.at_level(logging.INFO, logger="lioncub_p2p.swarm"):
-        out = _train_swarm(configs, 100, stall=("last", 15, 8.0), instrument=lambda i, s: seen.setdefault(i, s))
-    assert {out[i][0] for i in range(4)} == {100}
-    assert len({out[i][1] for i in range(4)}) == 1
-    stalled = seen[out["stalled"]].peer_id
+    _, stalled, groups = _stalled_run("probation", 100, 8.0, caplog)
     assert f"{stalled} rejoins without a part, on probation" in caplog.text, caplog.text[-3000:]
-    groups = sorted(seen[(out["stalled"] + 1) % 4].history.by_epoch.values(), key=lambda g: g.epoch)
     weights = [{m.peer_id: m.weight for m in g.members}.get(stalled) for g in groups]
     back = [i for i, w in enumerate(weights) if i > 0 and w is not None and weights[i - 1] is None]
     assert back and weights[back[-1]] == 0.0, weights  # dropped, then re-added with no part

@@ -16,13 +16,11 @@ The rules:
   ``may_join`` admits it (protocol version, manifest, allow-list, run secret);
 * weights: ``membership.assigned_weight``, with the floor computed over the members' and newcomers'
   announced weights, and the lone-reducer exception when no member that could reduce reaches it;
-* a member dropped for missed votes or an expired record (not suspected, not leaving) that comes
-  back within ``PROBATION_MEMORY_S`` is on **probation** until one of its votes counts again: it
-  rejoins without a part and is not dropped for missed votes, as if it followed. A link too slow for
-  the group's pace (1 Mbit/s among 100) is dropped after ``drop_after`` seconds, before its own
-  rounds (~10 s each) tell it to follow, and its record expires while its announcements queue behind
-  downloads; without probation it was re-added at its next record and dropped again, a group change
-  every 5-25 s;
+* a member dropped for missed votes while alive (its record fresh, not suspected) that comes back is on
+  **probation** until one of its votes counts again: it rejoins without a part and is not dropped
+  for missed votes, as if it followed. A link too slow for the group's pace (1 Mbit/s among 100) is
+  dropped after ``drop_after`` seconds, before its own rounds (~10 s each) tell it to follow; without
+  probation it was re-added at its next record and dropped again, a group change every 5-25 s;
 * a member whose part was missing at the leader while the other reducers' parts came through
   (``failed_reducers``: it is behind, stalled or gone, and every voter waited out a timeout on its
   part) **rests**: no part for ``REST_S`` seconds, still a voter. Dropping it takes 2 rounds and
@@ -47,7 +45,6 @@ NOTICE_S = 0.5
 SYNC_GRACE_ROUNDS = 30  # rounds a joining member may miss before it is dropped (it downloads the state)...
 DROP_AFTER_S = 5.0  # ...and seconds any member may miss rounds: fast rounds must not drop a peer that is starting up
 REST_S = 30.0  # seconds a member whose part failed reduces nothing (it votes)
-PROBATION_MEMORY_S = 600.0  # how long a leader remembers a member it dropped without proof
 
 
 class Health:
@@ -72,11 +69,11 @@ class Health:
         return pid == self.me or (pid in self.alive and (self.failures.get(pid, 0) < limit or recent
                                                          or pid in self.following or pid in self.probation))
 
-    def unproven(self, pid: str) -> bool:
-        """Dropped without proof or notice (missed votes, or a record that expired: a saturated link
-        delays its announcements), not leaving, not suspected: on probation when it comes back."""
-        record = self.records.get(pid)
-        return pid != self.me and pid not in self.suspects and not (record is not None and record.leaving)
+    def dropped_alive(self, pid: str) -> bool:
+        """Dropped for missed votes alone: its record fresh, not leaving, not suspected (on probation when
+        it comes back). A member whose record expired is not: it may be gone (measured: counting it in
+        made more group changes, not fewer)."""
+        return pid in self.alive and pid != self.me and pid not in self.suspects
 
 
 def leader_of(latest: GroupRecord, healthy: Health) -> str | None:
@@ -131,7 +128,7 @@ def failed_reducers(parts: Sequence[PartReport], group: Sequence[PeerSpec], me: 
 
 
 __all__ = ["Health", "GroupPlan", "leader_of", "plan_group", "failed_reducers", "SYNC_GRACE_ROUNDS", "DROP_AFTER_S",
-           "REST_S", "PROBATION_MEMORY_S"]
+           "REST_S"]
 
 
 def steps_ahead(lead_steps: int, steps_per_s: float, notice_s: float = NOTICE_S) -> int:

@@ -26,7 +26,7 @@ from hivemind.utils import get_dht_time
 
 from ..wire import PROTOCOL_VERSION
 from . import manifest as manifests
-from .lead import PROBATION_MEMORY_S, REST_S, Health, leader_of, plan_group, steps_ahead
+from .lead import REST_S, Health, leader_of, plan_group, steps_ahead
 from .manifest import Manifest
 from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group
 from .records import RateLimitedLog
@@ -74,7 +74,7 @@ class Upkeep:
         self.failing_since: dict[str, float] = {}  # ...since when
         self.part_failed_at: dict[str, float] = {}  # when a member's part last failed here alone (lead.REST_S)
         self.counted_at: dict[str, float] = {}  # when a member's vote last counted here
-        self.missed_out: dict[str, float] = {}  # (here only) member dropped without proof -> when: probation
+        self.missed_out: dict[str, float] = {}  # (here only) member dropped for missed votes -> when: probation
         self.on_epoch: Callable[[int], None] | None = None  # told the newest group's epoch (the vote node)
         self.stop_waiting_for: Callable[[set[str], str], None] | None = None  # reducers stop waiting for leavers
         self.published = 0.0  # when this peer last published the group record
@@ -159,11 +159,9 @@ class Upkeep:
         return problem is None
 
     def _probation(self) -> set[str]:
-        """Peers this leader dropped without proof whose votes have not counted since (``lead.py``),
-        remembered for ``PROBATION_MEMORY_S``; counts of peers without a record are forgotten."""
-        now = time.monotonic()
-        for pid in [p for p, at in self.missed_out.items()
-                    if now - at > PROBATION_MEMORY_S or self.counted_at.get(p, 0.0) > at]:
+        """Members this leader dropped for missed votes whose votes have not counted since (``lead.py``);
+        a peer whose record is gone is forgotten, as are counts of peers without a record (bounded memory)."""
+        for pid in [p for p, at in self.missed_out.items() if p not in self.records or self.counted_at.get(p, 0.0) > at]:
             del self.missed_out[pid]
         for pid in [p for p in list(self.counted_at) if p not in self.records]:  # a copy: the training thread writes
             self.counted_at.pop(pid, None)
@@ -176,10 +174,6 @@ class Upkeep:
         counts only within ``STEP_WINDOW`` of this peer's (a far-future step is a lie, not progress)."""
         latest, me = self.history.latest, self.local()
         if latest is None or not me.joined or not me.synced:
-            return
-        if self.published == 0.0 and latest.author == self.peer_id:  # its store was not confirmed (below)
-            if await self.directory.publish_group(latest, ttl=GROUP_TTL):
-                self.published = time.monotonic()
             return
         suspects = self.verdicts.suspects()
         healthy = Health(self.records, me=self.peer_id, now=time.monotonic(), failures=self.failures,
@@ -197,7 +191,7 @@ class Upkeep:
         for m in plan.dropped:  # remember what the record of a dropped member said when it was dropped
             if m.peer_id in self.records:
                 self.evicted[m.peer_id] = self.records[m.peer_id].expires
-            if healthy.unproven(m.peer_id):
+            if healthy.dropped_alive(m.peer_id):
                 self.missed_out[m.peer_id] = time.monotonic()
             if m.peer_id in liars:
                 logger.warning("dropping %s from the group: it lied (%s)", m.peer_id, liars[m.peer_id])
@@ -212,17 +206,15 @@ class Upkeep:
             self.failures[m.peer_id] = 0
             self.failing_since.pop(m.peer_id, None)
             if m.peer_id in healthy.probation:
-                logger.info("%s rejoins without a part, on probation: it was dropped without proof (missed votes or "
-                            "an expired record) and is not dropped for missed votes until one of its votes counts",
-                            m.peer_id)
+                logger.info("%s rejoins without a part, on probation: it was dropped for missed votes and is not "
+                            "dropped for them again until one of its votes counts", m.peer_id)
         desired = plan.members
         if set(desired) == set(latest.members) or not any(m.reduces for m in desired):
             if time.monotonic() - self.published > GROUP_REPUBLISH_S:  # keep the record alive (our own subkey)
                 self.published = time.monotonic()
                 if latest.author != self.peer_id:
                     latest = GroupRecord(latest.epoch, latest.from_step, latest.members, latest.previous, self.peer_id)
-                if not await self.directory.publish_group(latest, ttl=GROUP_TTL):
-                    self.published = 0.0  # again at the next upkeep
+                await self.directory.publish_group(latest, ttl=GROUP_TTL)
             return
         known = {m.peer_id for m in latest.members}
         steps = [r.step for pid, r in self.records.items() if pid in known and step <= r.step <= step + STEP_WINDOW]
@@ -234,16 +226,9 @@ class Upkeep:
         if me.final_step is not None:  # a group from past this peer's last step would never take effect
             from_step = max(latest.from_step, min(from_step, me.final_step))
         record = GroupRecord(latest.epoch + 1, from_step, desired, previous=latest, author=self.peer_id)
-        try:
-            stored = await self.directory.publish_group(record, ttl=GROUP_TTL)
-        except asyncio.TimeoutError:
-            stored = False
-        # A store reported failed may still land (it reached a node, or the DHT finishes it after the
-        # timeout), and members that read it move to this epoch: planning a rival one from ``latest``
-        # would split them from the rest (seen on a loaded machine: 3 rounds lost at the join timeout,
-        # then a repair). So this peer keeps it, and publishes it again at its next upkeep.
-        self.published = time.monotonic() if stored else 0.0
-        self.trust(record)
-        logger.info("group epoch %d from step %d: %d members (+%d, -%d), %d reducing%s", record.epoch,
-                    record.from_step, len(desired), len(plan.joined), len(plan.dropped),
-                    sum(m.reduces for m in desired), "" if stored else " (its store was not confirmed: again next)")
+        if await self.directory.publish_group(record, ttl=GROUP_TTL):
+            self.published = time.monotonic()
+            self.trust(record)
+            logger.info("group epoch %d from step %d: %d members (+%d, -%d), %d reducing", record.epoch,
+                        record.from_step, len(desired), len(plan.joined), len(plan.dropped),
+                        sum(m.reduces for m in desired))
