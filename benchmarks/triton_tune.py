@@ -52,10 +52,16 @@ def family_ops(family: str, numel: int, device: str) -> list[tuple[str, int, Cal
     grad[::97] = 0.0
     mom[::97] = 0.0  # exact zeros take the seeded stream's bits
     key = ops.zero_sign_key(1)
-    ref_bits = torch_impl.lion_direction_pack(grad, mom.clone(), 0.9, 0.99, key)
+    if family == "count":
+        stack = torch.randint(0, 256, (16, numel // 8), dtype=torch.uint8, generator=gen).to(device)
+        tie = ops.tie_key(1, 2)
+        _equal(triton_impl.majority_vote(stack, "random", tie), torch_impl.majority_vote(stack, "random", tie),
+               "majority_vote")
+        return [("majority_vote n=16", 2 * numel, lambda: triton_impl.majority_vote(stack, "random", tie))]
+    m_ref = mom.clone()  # the torch path's momentum after the step
+    ref_bits = torch_impl.lion_direction_pack(grad, m_ref, 0.9, 0.99, key)
     if family == "pack":
-        m_ref, m = mom.clone(), mom.clone()
-        torch_impl.lion_direction_pack(grad, m_ref, 0.9, 0.99, key)
+        m = mom.clone()
         batch = _TritonBatch([0], [param], [m], np.zeros(1, dtype=np.int64))
         packed = torch.empty_like(ref_bits)
         keys, coefs = np.array([key], dtype=np.int64), torch_impl.coefficients([0.9], [0.99])
@@ -65,28 +71,21 @@ def family_ops(family: str, numel: int, device: str) -> list[tuple[str, int, Cal
         _equal(triton_impl.pack_signs(grad, key), torch_impl.pack_signs(grad, key), "pack_signs")
         return [("lion pack", 8 * numel, lambda: batch.direction_pack([grad], coefs, keys, packed)),
                 ("pack_signs", 4 * numel, lambda: triton_impl.pack_signs(grad, key))]
-    if family == "elem":
-        p = param.clone()
-        batch = _TritonBatch([0], [p], [mom.clone()], np.zeros(1, dtype=np.int64))
-        floats = (torch.rand(numel, generator=gen) * 2 - 1).to(device)
-        for update in (ref_bits, floats):
-            p.copy_(param)
-            p_ref = param.clone()
-            batch.apply(update, torch_impl.apply_scalars([1e-3], [0.1]))
-            torch_impl.apply_update(p_ref, update, 1e-3, 0.1)
-            _equal(p, p_ref, f"apply {update.dtype}")
-        scalars = torch_impl.apply_scalars([1e-6], [0.1])
-        _equal(triton_impl.unpack_signs(ref_bits, numel, torch.float32),
-               torch_impl.unpack_signs(ref_bits, numel, torch.float32), "unpack_signs")
-        return [("apply packed", 4 * numel + numel // 8, lambda: batch.apply(ref_bits, scalars)),
-                ("apply float", 8 * numel, lambda: batch.apply(floats, scalars)),
-                ("unpack_signs", 4 * numel, lambda: triton_impl.unpack_signs(ref_bits, numel, torch.float32))]
-    stack = torch.randint(0, 256, (16, numel // 8), dtype=torch.uint8, generator=gen).to(device)
-    tie = ops.tie_key(1, 2)
-    _equal(triton_impl.majority_vote(stack, "random", tie), torch_impl.majority_vote(stack, "random", tie),
-           "majority_vote")
-    return [("majority_vote n=16", 2 * numel, lambda: triton_impl.majority_vote(stack, "random", tie))]
-
+    p = param.clone()  # elementwise
+    batch = _TritonBatch([0], [p], [mom.clone()], np.zeros(1, dtype=np.int64))
+    floats = (torch.rand(numel, generator=gen) * 2 - 1).to(device)
+    for update in (ref_bits, floats):
+        p.copy_(param)
+        p_ref = param.clone()
+        batch.apply(update, torch_impl.apply_scalars([1e-3], [0.1]))
+        torch_impl.apply_update(p_ref, update, 1e-3, 0.1)
+        _equal(p, p_ref, f"apply {update.dtype}")
+    scalars = torch_impl.apply_scalars([1e-6], [0.1])
+    _equal(triton_impl.unpack_signs(ref_bits, numel, torch.float32),
+           torch_impl.unpack_signs(ref_bits, numel, torch.float32), "unpack_signs")
+    return [("apply packed", 4 * numel + numel // 8, lambda: batch.apply(ref_bits, scalars)),
+            ("apply float", 8 * numel, lambda: batch.apply(floats, scalars)),
+            ("unpack_signs", 4 * numel, lambda: triton_impl.unpack_signs(ref_bits, numel, torch.float32))]
 
 def sweep(sizes: list[str], device: str, repeats: int) -> tuple[list[dict], dict[str, tuple[int, int]]]:
     rows, best = [], {}
