@@ -1,4 +1,6 @@
 """The leader's plan for the next group (``swarm/lead.py``), without a network: each rule, one case."""
+import time
+
 from lioncub_p2p.allreduce import PartReport, PeerSpec
 from lioncub_p2p.swarm import lead
 from lioncub_p2p.swarm.lead import Health, failed_reducers, leader_of, plan_group
@@ -146,6 +148,17 @@ def test_upkeep_keeps_a_probation_until_a_vote_counts_and_forgets_peers_without_
     upkeep.records = _records()
     upkeep.missed_out.update(c=100.0, d=100.0)
     upkeep.counted_at.update(c=99.0, d=101.0, x=5.0)  # d counted since its drop; x has no record
+    upkeep._prune_round_counters()
     assert upkeep._probation() == {"c"} and "x" not in upkeep.counted_at and set(upkeep.missed_out) == {"c"}
     upkeep.records = {pid: r for pid, r in upkeep.records.items() if pid != "c"}  # its record expired
     assert upkeep._probation() == set() and not upkeep.missed_out
+
+
+def test_upkeep_forgets_part_failures_whose_rest_is_over():
+    upkeep = Upkeep(peer_id="a", spec=PeerSpec("a"), run_id="run", directory=None, store_manifest=None,
+                    admission=None, verdicts=None, local=None, record_ttl=10.0, refresh_period=0.5, lead_steps=2,
+                    log=None)
+    now = time.monotonic()
+    upkeep.part_failed_at.update(b=now - lead.REST_S - 1, c=now - 1)
+    upkeep._prune_round_counters()
+    assert upkeep.part_failed_at == {"c": now - 1}  # b's rest is over; c still rests

@@ -160,12 +160,20 @@ class Upkeep:
 
     def _probation(self) -> set[str]:
         """Members this leader dropped for missed votes whose votes have not counted since (``lead.py``);
-        a peer whose record is gone is forgotten, as are counts of peers without a record (bounded memory)."""
+        a peer whose record is gone is forgotten."""
         for pid in [p for p, at in self.missed_out.items() if p not in self.records or self.counted_at.get(p, 0.0) > at]:
             del self.missed_out[pid]
-        for pid in [p for p in list(self.counted_at) if p not in self.records]:  # a copy: the training thread writes
-            self.counted_at.pop(pid, None)
         return set(self.missed_out)
+
+    def _prune_round_counters(self) -> None:
+        """Bounded memory: forget counts of peers without a record, and part failures whose rest is over.
+        Copies first (the training thread writes these); a failure rewritten meanwhile is kept."""
+        for pid in [p for p in list(self.counted_at) if p not in self.records]:
+            self.counted_at.pop(pid, None)
+        now = time.monotonic()
+        for pid, at in list(self.part_failed_at.items()):
+            if now - at >= REST_S and self.part_failed_at.get(pid) == at:
+                self.part_failed_at.pop(pid, None)
 
     async def lead(self) -> None:
         """If this peer leads the group, keep it equal to the live, admitted, compatible peers: who stays,
@@ -176,6 +184,7 @@ class Upkeep:
         if latest is None or not me.joined or not me.synced:
             return
         suspects = self.verdicts.suspects()
+        self._prune_round_counters()
         healthy = Health(self.records, me=self.peer_id, now=time.monotonic(), failures=self.failures,
                          failing_since=self.failing_since, suspects=suspects,
                          part_failed_at=dict(self.part_failed_at), probation=self._probation())
