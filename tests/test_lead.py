@@ -1,11 +1,14 @@
 """The leader's plan for the next group (``swarm/lead.py``), without a network: each rule, one case."""
+import asyncio
+import logging
 import time
 
 from lioncub_p2p.allreduce import PartReport, PeerSpec
 from lioncub_p2p.swarm import lead
 from lioncub_p2p.swarm.lead import Health, failed_reducers, leader_of, plan_group
 from lioncub_p2p.swarm.membership import GroupRecord, PeerRecord
-from lioncub_p2p.swarm.upkeep import Upkeep
+from lioncub_p2p.swarm.records import RateLimitedLog
+from lioncub_p2p.swarm.upkeep import Local, Upkeep
 
 NOW = 1000.0
 
@@ -162,3 +165,72 @@ def test_upkeep_forgets_part_failures_whose_rest_is_over():
     upkeep.part_failed_at.update(b=now - lead.REST_S - 1, c=now - 1)
     upkeep._prune_round_counters()
     assert upkeep.part_failed_at == {"c": now - 1}  # b's rest is over; c still rests
+
+
+class _Directory:
+    """The run's group records as ``groups``; each publish answered from ``answers`` (True: confirmed,
+    False: not confirmed, an exception: raised)."""
+
+    def __init__(self, *answers, groups=()):
+        self.answers, self.published, self.stored = list(answers), [], list(groups)
+
+    async def publish_group(self, record: GroupRecord, ttl: float) -> bool:
+        self.published.append(record)
+        answer = self.answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    async def groups(self) -> list[GroupRecord]:
+        return list(self.stored)
+
+
+class _Verdicts:
+    liars: dict = {}
+
+    def suspects(self) -> set:
+        return set()
+
+
+def _upkeep(me: str, directory: _Directory, step: int = 10) -> Upkeep:
+    return Upkeep(peer_id=me, spec=PeerSpec(me), run_id="run", directory=directory, store_manifest=None,
+                  admission=None, verdicts=_Verdicts(), record_ttl=10.0, refresh_period=0.5, lead_steps=2,
+                  local=lambda: Local(joined=True, step=step, synced=True, idle=False, steps_per_s=1.0),
+                  log=RateLimitedLog(logging.getLogger("test")))
+
+
+def test_a_group_whose_store_was_not_confirmed_is_kept_and_stored_again_never_a_rival_for_its_epoch():
+    """A store reported failed can still land, and members that read it move to its epoch; a leader that
+    planned another group for that epoch split them from the rest (seen on a loaded machine: three
+    rounds at the join timeout, then a repair). It keeps the record and stores the same one again."""
+    directory = _Directory(False, asyncio.TimeoutError(), True)
+    upkeep = _upkeep("a", directory)
+    upkeep.trust(GroupRecord(3, 5, tuple(PeerSpec(pid) for pid in "abcd")))
+    upkeep.records = {pid: r for pid, r in _records().items() if pid != "d"}  # d's record expired: dropped
+    asyncio.run(upkeep.lead())
+    first = directory.published[-1]
+    assert first.epoch == 4 and first.member_ids() == ["a", "b", "c"]
+    assert upkeep.history.latest == first and upkeep.published == 0.0  # kept, though not confirmed
+    upkeep.records = _records(e={})  # meanwhile e asks to join: still the same record, stored again
+    asyncio.run(upkeep.lead())  # a timeout: not confirmed either
+    asyncio.run(upkeep.lead())
+    assert [g.epoch for g in directory.published] == [4, 4, 4] and all(g == first for g in directory.published)
+    assert upkeep.published > 0 and upkeep.history.latest == first
+
+
+def test_a_member_holding_the_later_listed_leaders_record_switches_to_the_first_listed_ones():
+    """b saw a miss rounds and published epoch 5 without it; a, still alive, published epoch 5 with d
+    added. c read b's first: its next refresh follows a's (listed first in epoch 4), as does b itself."""
+    previous = GroupRecord(4, 5, tuple(PeerSpec(pid) for pid in "abc"), author="a")
+    b_record = GroupRecord(5, 20, tuple(PeerSpec(pid) for pid in "bc"), previous, "b")
+    a_record = GroupRecord(5, 21, tuple(PeerSpec(pid) for pid in "abcd"), previous, "a")
+    for me in "cb":
+        upkeep = _upkeep(me, _Directory(groups=[b_record, a_record]))
+        upkeep.trust(b_record)
+        asyncio.run(upkeep.refresh_group())
+        assert upkeep.history.latest == a_record and upkeep.history.latest.author == "a"
+        assert upkeep.history.by_epoch[4] == previous
+    late = _upkeep("c", _Directory(groups=[b_record, a_record]), step=19)  # b's record takes effect next step
+    late.trust(b_record)
+    asyncio.run(late.refresh_group())
+    assert late.history.latest.author == "b"  # too late to switch: the digest and a repair mend it

@@ -18,8 +18,8 @@ from lioncub_p2p.allreduce import PeerSpec
 from lioncub_p2p.allreduce.admission import Admission
 from lioncub_p2p.identity import Identity, Verifier
 from lioncub_p2p.swarm import admit
-from lioncub_p2p.swarm.membership import (MAX_EPOCH_GAP, GroupHistory, GroupRecord, PeerRecord, announced_step,
-                                          next_group)
+from lioncub_p2p.swarm.membership import (MAX_EPOCH_GAP, MAX_RIVAL_LEAD, GroupHistory, GroupRecord, PeerRecord,
+                                          announced_step, next_group, preferred_rival)
 from lioncub_p2p.swarm.records import (REGULAR_VALUE_TAG, RateLimitedLog, RecordError, RunRecordValidator, canonical,
                                        open_record, seal, signed_bytes)
 
@@ -155,6 +155,30 @@ def test_members_follow_only_their_group_within_windows(caplog):
         for _ in range(5):
             pick([outsider])
     assert sum("not following" in r.message for r in caplog.records) == 1  # rate-limited
+
+
+def test_two_leaders_of_one_epoch_every_member_ends_on_the_record_of_the_one_listed_first():
+    """b thought a missed rounds and led: b and a each published epoch 5. A member that read b's first
+    switches to a's while neither has taken effect here; never to a later-listed author, a liar's,
+    another lineage's, a far-future start, or once either record is in effect (then a repair mends it)."""
+    previous = _group(4, 100, ["a", "b", "c"], "a")
+    b_record = _group(5, 130, ["b", "c"], "b", previous)  # b dropped a
+    a_record = _group(5, 131, ["a", "b", "c", "d"], "a", previous)  # a added d
+    history = GroupHistory()
+    history.add(b_record)
+    assert history.latest == b_record and history.by_epoch[4] == previous
+    rival = lambda groups, step=120, **kw: preferred_rival(groups, history, step=step, **kw)  # noqa: E731
+    assert rival([b_record, a_record]) == a_record
+    assert rival([a_record], step=128) == a_record and rival([a_record], step=129) is None  # b's starts at 130
+    assert rival([_group(5, 131, ["a", "b"], "c", previous)]) is None  # listed after b
+    assert rival([a_record], refused={"a"}) is None
+    assert rival([_group(5, 131, ["a", "b"], "a", _group(4, 90, ["a", "b"], "a"))]) is None  # another lineage
+    assert rival([_group(5, 130 + MAX_RIVAL_LEAD + 1, ["a", "b"], "a", previous)]) is None
+    assert rival([_group(5, 121, ["a", "b"], "a", previous)]) is None  # starts at the next step: too late
+    history.replace(a_record)
+    assert history.latest == a_record and history.by_epoch[4] == previous and len(history.by_epoch) == 2
+    assert rival([b_record, a_record]) is None  # a's record holds: nothing wins over it
+    assert preferred_rival([a_record], GroupHistory(), step=0) is None
 
 
 def test_a_newcomer_follows_the_group_of_a_long_running_run_but_not_a_liars_far_future():

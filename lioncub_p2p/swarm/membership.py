@@ -270,6 +270,34 @@ def next_group(candidates: list[GroupRecord], history: "GroupHistory", *, step: 
     return max(accepted, key=lambda g: (g.epoch, -order.get(g.author, len(order))))
 
 
+def preferred_rival(candidates: list[GroupRecord], history: "GroupHistory", *, step: int,
+                    refused: frozenset[str] | set[str] = frozenset()) -> GroupRecord | None:
+    """A record for this peer's newest epoch that wins over the one it holds, if any.
+
+    Two members may each believe it leads (one saw the other miss rounds) and publish a group for the
+    same epoch; members that read them in different orders would split. The rule every member applies:
+    for one epoch, the record of the author listed first in the group both were planned from (the
+    leader rule's own order, ``lead.leader_of``), from the same previous group. A member switches only
+    while neither record has taken effect here (both start past ``step + 1``: an overlapped round may
+    be in flight); later, a split is what the state digest finds and a repair mends."""
+    latest = history.latest
+    previous = history.by_epoch.get(latest.epoch - 1) if latest is not None else None
+    if latest is None or previous is None or latest.from_step <= step + 1:
+        return None
+    order = {pid: i for i, pid in enumerate(previous.member_ids())}
+    rank = order.get(latest.author, len(order))
+    rivals = [g for g in candidates
+              if g.epoch == latest.epoch and g.author != latest.author and g.author not in refused
+              and order.get(g.author, len(order)) < rank and g.previous == previous and g.from_step > step + 1
+              and g.from_step <= latest.from_step + MAX_RIVAL_LEAD]
+    return min(rivals, key=lambda g: order[g.author]) if rivals else None
+
+
+# a rival record may start at most this many steps after the one it replaces (a forged far-future start
+# would otherwise freeze the group)
+MAX_RIVAL_LEAD = 64
+
+
 class GroupHistory:
     """The groups this peer has accepted, by epoch: which group votes at a given step.
 
@@ -288,6 +316,12 @@ class GroupHistory:
             record = record.previous
         for epoch in sorted(groups)[: -self.keep]:
             del groups[epoch]
+        self.by_epoch = groups
+
+    def replace(self, record: GroupRecord) -> None:
+        """``record`` instead of the one held for its epoch (``preferred_rival``); older epochs stay."""
+        groups = {epoch: g for epoch, g in self.by_epoch.items() if epoch < record.epoch}
+        groups[record.epoch] = record
         self.by_epoch = groups
 
     def clear(self) -> None:

@@ -28,7 +28,8 @@ from ..wire import PROTOCOL_VERSION
 from . import manifest as manifests
 from .lead import REST_S, Health, leader_of, plan_group, steps_ahead
 from .manifest import Manifest
-from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group
+from .membership import (Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group,
+                         preferred_rival)
 from .records import RateLimitedLog
 
 logger = logging.getLogger(__name__)
@@ -116,15 +117,23 @@ class Upkeep:
             await asyncio.sleep(self.refresh_period)
 
     async def refresh_group(self) -> None:
-        """Accept the next group from the run's records (``membership.next_group``)."""
+        """Accept the next group from the run's records (``membership.next_group``), or the record that
+        wins this peer's newest epoch from a rival leader (``membership.preferred_rival``)."""
         if self.history.latest is None:
             return
         window = 2 * STEP_WINDOW + self.lead_steps
-        chosen = next_group(await self.directory.groups(), self.history, step=self.local().step, window=window,
-                            run_step=announced_step(self.history.latest, self.records),
-                            refused=set(self.verdicts.liars), log=self.log)
+        candidates, step, liars = await self.directory.groups(), self.local().step, set(self.verdicts.liars)
+        chosen = next_group(candidates, self.history, step=step, window=window,
+                            run_step=announced_step(self.history.latest, self.records), refused=liars, log=self.log)
         if chosen is not None:
             self.trust(chosen)
+            return
+        rival = preferred_rival(candidates, self.history, step=step, refused=liars)
+        if rival is not None:
+            logger.info("group epoch %d: following %s's record, not %s's (two leaders; the one listed first wins)",
+                        rival.epoch, rival.author, self.history.latest.author)
+            self.history.replace(rival)
+            self.trust(rival)
 
     async def announce(self, *, leaving: bool = False) -> None:
         """Publish this peer's record: its step, rates, whether it holds the state, follows, leaves."""
@@ -183,6 +192,10 @@ class Upkeep:
         latest, me = self.history.latest, self.local()
         if latest is None or not me.joined or not me.synced:
             return
+        if self.published == 0.0 and latest.author == self.peer_id:  # its store was not confirmed (below)
+            if await self._publish(latest):
+                self.published = time.monotonic()
+            return
         suspects = self.verdicts.suspects()
         self._prune_round_counters()
         healthy = Health(self.records, me=self.peer_id, now=time.monotonic(), failures=self.failures,
@@ -223,7 +236,8 @@ class Upkeep:
                 self.published = time.monotonic()
                 if latest.author != self.peer_id:
                     latest = GroupRecord(latest.epoch, latest.from_step, latest.members, latest.previous, self.peer_id)
-                await self.directory.publish_group(latest, ttl=GROUP_TTL)
+                if not await self._publish(latest):
+                    self.published = 0.0  # again at the next upkeep
             return
         known = {m.peer_id for m in latest.members}
         steps = [r.step for pid, r in self.records.items() if pid in known and step <= r.step <= step + STEP_WINDOW]
@@ -235,9 +249,20 @@ class Upkeep:
         if me.final_step is not None:  # a group from past this peer's last step would never take effect
             from_step = max(latest.from_step, min(from_step, me.final_step))
         record = GroupRecord(latest.epoch + 1, from_step, desired, previous=latest, author=self.peer_id)
-        if await self.directory.publish_group(record, ttl=GROUP_TTL):
-            self.published = time.monotonic()
-            self.trust(record)
-            logger.info("group epoch %d from step %d: %d members (+%d, -%d), %d reducing", record.epoch,
-                        record.from_step, len(desired), len(plan.joined), len(plan.dropped),
-                        sum(m.reduces for m in desired))
+        stored = await self._publish(record)
+        # A store reported failed may still land (it reached a node, or the DHT finishes it after the
+        # timeout), and members that read it move to this epoch: planning another group for the same
+        # epoch would split them from the rest (seen on a loaded machine: 3 rounds at the join timeout,
+        # then a repair). One epoch, one record: this peer keeps it and stores it again next upkeep.
+        self.published = time.monotonic() if stored else 0.0
+        self.trust(record)
+        logger.info("group epoch %d from step %d: %d members (+%d, -%d), %d reducing%s", record.epoch,
+                    record.from_step, len(desired), len(plan.joined), len(plan.dropped),
+                    sum(m.reduces for m in desired), "" if stored else " (its store was not confirmed: again next)")
+
+    async def _publish(self, record: GroupRecord) -> bool:
+        """Store a group record; False when the DHT did not confirm it (a timeout included)."""
+        try:
+            return bool(await self.directory.publish_group(record, ttl=GROUP_TTL))
+        except asyncio.TimeoutError:
+            return False
