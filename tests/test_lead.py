@@ -144,15 +144,24 @@ def test_a_member_dropped_for_missed_votes_comes_back_on_probation_until_a_vote_
     assert not Health(records, me="a", now=NOW, failures={}, failing_since={}, suspects=set()).dropped_alive("c")
 
 
-def test_upkeep_keeps_a_probation_until_a_vote_counts_and_forgets_peers_without_records():
+def test_upkeep_keeps_a_probation_until_votes_count_in_a_row_and_forgets_peers_without_records():
+    """One counted vote (a slow peer's probe) does not end a probation: a 1 Mbit/s peer was then dropped
+    again 5 s later, a group change every 5-10 s; ``STEADY_ROUNDS`` counted rounds in a row do."""
     upkeep = Upkeep(peer_id="a", spec=PeerSpec("a"), run_id="run", directory=None, store_manifest=None,
                     admission=None, verdicts=None, local=None, record_ttl=10.0, refresh_period=0.5, lead_steps=2,
                     log=None)
     upkeep.records = _records()
-    upkeep.missed_out.update(c=100.0, d=100.0)
-    upkeep.counted_at.update(c=99.0, d=101.0, x=5.0)  # d counted since its drop; x has no record
+    upkeep.missed_out.update(c=time.monotonic() - 1, d=time.monotonic() - 1)
+    for counted in [True, False] * 3 + [True] * (lead.STEADY_ROUNDS - 1):  # c: counted now and then
+        upkeep.count_vote("c", counted)
+    for _ in range(lead.STEADY_ROUNDS):
+        upkeep.count_vote("d", True)
+    upkeep.count_vote("x", True)  # x has no record
+    assert upkeep.failures["c"] == 0 and upkeep.failures["d"] == 0
     upkeep._prune_round_counters()
-    assert upkeep._probation() == {"c"} and "x" not in upkeep.counted_at and set(upkeep.missed_out) == {"c"}
+    assert upkeep._probation() == {"c"} and "x" not in upkeep.counted_run and set(upkeep.missed_out) == {"c"}
+    upkeep.count_vote("c", False)
+    assert upkeep.failures["c"] == 1 and upkeep.counted_run["c"] == 0 and "c" in upkeep.failing_since
     upkeep.records = {pid: r for pid, r in upkeep.records.items() if pid != "c"}  # its record expired
     assert upkeep._probation() == set() and not upkeep.missed_out
 

@@ -17,10 +17,11 @@ The rules:
 * weights: ``membership.assigned_weight``, with the floor computed over the members' and newcomers'
   announced weights, and the lone-reducer exception when no member that could reduce reaches it;
 * a member dropped for missed votes while alive (its record fresh, not suspected) that comes back is on
-  **probation** until one of its votes counts again: it rejoins without a part and is not dropped
-  for missed votes, as if it followed. A link too slow for the group's pace (1 Mbit/s among 100) is
-  dropped after ``drop_after`` seconds, before its own rounds (~10 s each) tell it to follow; without
-  probation it was re-added at its next record and dropped again, a group change every 5-25 s;
+  **probation** until its votes count in ``STEADY_ROUNDS`` rounds in a row: it rejoins without a part
+  and is not dropped for missed votes, as if it followed. A link too slow for the group's pace
+  (1 Mbit/s among 100) is dropped after ``drop_after`` seconds, before its own rounds (~10 s each)
+  tell it to follow; without probation it was re-added at its next record and dropped again, a group
+  change every 5-25 s, and so it was when one counted vote (a probe) ended the probation;
 * a member whose part was missing at the leader while the other reducers' parts came through
   (``failed_reducers``: it is behind, stalled or gone, and every voter waited out a timeout on its
   part) **rests**: no part for ``REST_S`` seconds, still a voter. Dropping it takes 2 rounds and
@@ -45,6 +46,7 @@ NOTICE_S = 0.5
 SYNC_GRACE_ROUNDS = 30  # rounds a joining member may miss before it is dropped (it downloads the state)...
 DROP_AFTER_S = 5.0  # ...and seconds any member may miss rounds: fast rounds must not drop a peer that is starting up
 REST_S = 30.0  # seconds a member whose part failed reduces nothing (it votes)
+STEADY_ROUNDS = 3  # rounds in a row a member on probation must be counted in to leave it
 
 
 class Health:
@@ -128,7 +130,7 @@ def failed_reducers(parts: Sequence[PartReport], group: Sequence[PeerSpec], me: 
 
 
 __all__ = ["Health", "GroupPlan", "leader_of", "plan_group", "failed_reducers", "SYNC_GRACE_ROUNDS", "DROP_AFTER_S",
-           "REST_S"]
+           "REST_S", "STEADY_ROUNDS"]
 
 
 def steps_ahead(lead_steps: int, steps_per_s: float, notice_s: float = NOTICE_S) -> int:

@@ -32,8 +32,8 @@ thread; the state server's worker thread only reads, under the lock); ``Upkeep``
 keeps the run's records, this peer's record and the group it leads (event loop thread; it reads
 the training side only through ``upkeep.Local``); ``MomentumSync`` (``momentum_sync.py``) and
 ``Verdicts`` (``verdicts.py``) are the momentum rounds and the judgement of liars. Shared across
-threads, written down where they are: ``failures``/``failing_since`` (counted by the training
-thread, reset by the leader on the loop, one key at a time) and ``records`` (replaced whole,
+threads, written down where they are: the round counters of ``Upkeep.count_vote`` (counted by
+the training thread, reset by the leader on the loop, one key at a time) and ``records`` (replaced whole,
 never mutated).
 """
 from __future__ import annotations
@@ -217,8 +217,8 @@ class Swarm:
     missed_rounds = _from_rounds("missed_rounds")
     last_report = _from_rounds("last_report")
     stranded = _from_rounds("stranded")
-    failures = _from_rounds("failures")
-    failing_since = _from_rounds("failing_since")
+    failures = property(lambda swarm: swarm.upkeep.failures, doc="``Upkeep.failures``")
+    failing_since = property(lambda swarm: swarm.upkeep.failing_since, doc="``Upkeep.failing_since``")
 
     def __init__(self, config: SwarmConfig | None = None, **kwargs):
         self.config = config = config or SwarmConfig(**kwargs)

@@ -8,9 +8,8 @@ round any more, and lets this peer's reducer prepare the next step's part. Anyth
 is a missed round (a zero update), never an exception out of ``optimizer.step()``.
 
 Threads: every field here is the training thread's. The loop reads ``follow.following`` (to
-announce it), ``part_failed_at`` (a leader rests such a reducer, ``lead.py``) and ``counted_at`` (it
-ends a probation), and resets ``failures``/``failing_since`` for a peer the leader adds back (one key
-at a time, atomic under the GIL: a lost count delays a drop by a round at most). Repairs go through
+announce it) and ``part_failed_at`` (a leader rests such a reducer, ``lead.py``); whose votes counted
+goes to ``Upkeep.count_vote`` (counters the loop reads and resets). Repairs go through
 ``StateSync`` (``state_sync.py``), membership through ``Upkeep`` (``upkeep.py``).
 """
 from __future__ import annotations
@@ -89,8 +88,7 @@ class VotePipeline:
         self.last_report: RoundReport | None = None
         self.stranded: str | None = None  # why training cannot go on (every other peer left), once it cannot
         self._alone_since: float | None = None
-        self.failures, self.failing_since = upkeep.failures, upkeep.failing_since  # written here, reset there
-        self.part_failed_at, self.counted_at = upkeep.part_failed_at, upkeep.counted_at  # written here, read there
+        self.part_failed_at = upkeep.part_failed_at  # written here, read there
         self.current = ("vote", 0)  # the kind and step of the round in progress, for failpoints
         self.step_s = 0.0  # recent seconds per step (consecutive steps only: a download's jump is no pace)
         self._last_start: tuple[float, int] | None = None
@@ -257,13 +255,7 @@ class VotePipeline:
         counted = set().union(*(set(p.counted) for p in received)) if received else set()
         for i, member in enumerate(spec.group):
             if member.peer_id != self.peer_id:
-                if i in counted:
-                    self.failures[member.peer_id] = 0
-                    self.failing_since.pop(member.peer_id, None)
-                    self.counted_at[member.peer_id] = time.monotonic()
-                else:
-                    self.failures[member.peer_id] += 1
-                    self.failing_since.setdefault(member.peer_id, time.monotonic())
+                self.upkeep.count_vote(member.peer_id, i in counted)
         if not report.followed:  # a follower's parts come from archives: a missing one says little
             for pid in failed_reducers(report.parts, spec.group, self.peer_id):
                 self.part_failed_at[pid] = time.monotonic()

@@ -9,7 +9,7 @@ per group, ``GroupHistory``), ``evicted``, ``admitted`` and its publishing clock
 has joined; before that the joining (training) thread calls ``trust`` while the loop does not run
 upkeep yet. ``records`` is replaced whole, never mutated: by the loop, or by the training thread
 with a fresh read made on the loop. It sees the training side only through ``Local``, a snapshot
-built on demand (``local()``), and the shared round counters ``failures``/``failing_since``/``counted_at``
+built on demand (``local()``), and the shared round counters ``failures``/``failing_since``/``counted_run``/``steady_at``
 (counted by the training thread, reset or pruned here; one key at a time, atomic under the GIL: a
 lost count delays a drop, or the end of a probation, by a round at most).
 """
@@ -26,7 +26,7 @@ from hivemind.utils import get_dht_time
 
 from ..wire import PROTOCOL_VERSION
 from . import manifest as manifests
-from .lead import REST_S, Health, leader_of, plan_group, steps_ahead
+from .lead import REST_S, STEADY_ROUNDS, Health, leader_of, plan_group, steps_ahead
 from .manifest import Manifest
 from .membership import (Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group,
                          preferred_rival)
@@ -74,7 +74,8 @@ class Upkeep:
         self.failures: Counter[str] = Counter()  # rounds in a row a member was not counted...
         self.failing_since: dict[str, float] = {}  # ...since when
         self.part_failed_at: dict[str, float] = {}  # when a member's part last failed here alone (lead.REST_S)
-        self.counted_at: dict[str, float] = {}  # when a member's vote last counted here
+        self.counted_run: Counter[str] = Counter()  # rounds in a row a member's vote counted here...
+        self.steady_at: dict[str, float] = {}  # ...when that run last reached lead.STEADY_ROUNDS
         self.missed_out: dict[str, float] = {}  # (here only) member dropped for missed votes -> when: probation
         self.on_epoch: Callable[[int], None] | None = None  # told the newest group's epoch (the vote node)
         self.stop_waiting_for: Callable[[set[str], str], None] | None = None  # reducers stop waiting for leavers
@@ -167,18 +168,32 @@ class Upkeep:
                              record.peer_id, problem)
         return problem is None
 
+    def count_vote(self, pid: str, counted: bool) -> None:
+        """From the training thread, per member and finished round: whether its vote counted here."""
+        if counted:
+            self.failures[pid] = 0
+            self.failing_since.pop(pid, None)
+            self.counted_run[pid] += 1
+            if self.counted_run[pid] >= STEADY_ROUNDS:
+                self.steady_at[pid] = time.monotonic()
+        else:
+            self.counted_run[pid] = 0
+            self.failures[pid] += 1
+            self.failing_since.setdefault(pid, time.monotonic())
+
     def _probation(self) -> set[str]:
-        """Members this leader dropped for missed votes whose votes have not counted since (``lead.py``);
-        a peer whose record is gone is forgotten."""
-        for pid in [p for p, at in self.missed_out.items() if p not in self.records or self.counted_at.get(p, 0.0) > at]:
+        """Members this leader dropped for missed votes whose votes have not counted since in
+        ``lead.STEADY_ROUNDS`` rounds in a row (``lead.py``); a peer whose record is gone is forgotten."""
+        for pid in [p for p, at in self.missed_out.items() if p not in self.records or self.steady_at.get(p, 0.0) > at]:
             del self.missed_out[pid]
         return set(self.missed_out)
 
     def _prune_round_counters(self) -> None:
         """Bounded memory: forget counts of peers without a record, and part failures whose rest is over.
         Copies first (the training thread writes these); a failure rewritten meanwhile is kept."""
-        for pid in [p for p in list(self.counted_at) if p not in self.records]:
-            self.counted_at.pop(pid, None)
+        for counter in (self.steady_at, self.counted_run):
+            for pid in [p for p in list(counter) if p not in self.records]:
+                counter.pop(pid, None)
         now = time.monotonic()
         for pid, at in list(self.part_failed_at.items()):
             if now - at >= REST_S and self.part_failed_at.get(pid) == at:
