@@ -49,14 +49,25 @@ def test_unpack_same_values(dtype):
     assert torch.equal(got, torch_impl.unpack_signs(packed, 1037, dtype))
 
 
-@pytest.mark.parametrize("n", [1, 4, 7])
-def test_counts_and_majority_same_bytes(n):
-    stack = torch.randint(0, 256, (n, 300), dtype=torch.uint8, generator=_gen(3 + n))
-    dev = stack.to(DEVICE)
-    assert torch.equal(triton_impl.vote_counts(dev).cpu(), torch_impl.vote_counts(stack))
+@pytest.mark.parametrize("n", [1, 2, 4, 7, 16, 254, 255, 256])
+@pytest.mark.parametrize("layout", ["words", "tail", "misaligned"])
+def test_counts_and_majority_same_bytes(n, layout):
+    """Up to 255 voters the word kernels count bit-sliced (1 to 8 planes; 254: ties at a count of 127),
+    over a whole number of words, a zero-padded last word ("tail"), or rows that do not start on a
+    word (the byte kernels, as for 256 voters); the bytes equal the torch path's and numpy's counts."""
+    nbytes = {"words": 300, "tail": 301, "misaligned": 300}[layout]
+    full = torch.randint(0, 256, (n, 308), dtype=torch.uint8, generator=_gen(3 + n))  # rows 4-byte aligned
+    first = 1 if layout == "misaligned" else 0
+    stack, dev = full[:, first:first + nbytes], full.to(DEVICE)[:, first:first + nbytes]
+    assert (triton_impl._word_rows(dev) is None) == (layout == "misaligned" or n > 255)
+    counts = triton_impl.vote_counts(dev).cpu()
+    assert torch.equal(counts, torch_impl.vote_counts(stack))
+    np.testing.assert_array_equal(counts.numpy(), np.unpackbits(stack.numpy(), axis=1, bitorder="little").sum(0))
     for ties in ("random", "zero"):
         got = triton_impl.majority_vote(dev, ties, tie_key(1, 2)).cpu()
         assert torch.equal(got, torch_impl.majority_vote(stack, ties, tie_key(1, 2)))
+    expected = np.packbits(2 * counts.numpy().astype(np.int64) > n, bitorder="little")
+    np.testing.assert_array_equal(triton_impl.majority_vote(dev, "zero", 0).cpu().numpy(), expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -173,6 +173,125 @@ def _majority_kernel(stack_ptr, out_ptr, n, nbytes, row_stride, key, RANDOM_TIES
     tl.store(out_ptr + byte, _pack_byte(bits, lane), mask=mask)
 
 
+# -- counting on 32-bit words, bit-sliced: plane k holds bit k of the count at each of the word's 32
+# positions, so adding a row is a ripple of (and, xor) through the planes: 2 * NPLANES operations per
+# word and row, where unpacking to one counter per position costs 24 per 4 bytes (the byte kernels
+# above, kept for over 255 voters and odd layouts). The packed result falls out of the planes as is.
+
+
+@triton.jit
+def _add_row(x, p0, p1, p2, p3, p4, p5, p6, p7, NPLANES: tl.constexpr):
+    c = p0 & x
+    p0 = p0 ^ x
+    if NPLANES > 1:
+        t = p1 & c
+        p1 = p1 ^ c
+        c = t
+    if NPLANES > 2:
+        t = p2 & c
+        p2 = p2 ^ c
+        c = t
+    if NPLANES > 3:
+        t = p3 & c
+        p3 = p3 ^ c
+        c = t
+    if NPLANES > 4:
+        t = p4 & c
+        p4 = p4 ^ c
+        c = t
+    if NPLANES > 5:
+        t = p5 & c
+        p5 = p5 ^ c
+        c = t
+    if NPLANES > 6:
+        t = p6 & c
+        p6 = p6 ^ c
+        c = t
+    if NPLANES > 7:
+        p7 = p7 ^ c
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def _count_planes(words_ptr, row_stride, n, w, mask, NPLANES: tl.constexpr, BLOCK: tl.constexpr):
+    z = tl.zeros((BLOCK,), dtype=tl.int32)
+    p0, p1, p2, p3, p4, p5, p6, p7 = z, z, z, z, z, z, z, z
+    for r in range(0, n):
+        x = tl.load(words_ptr + r * row_stride + w, mask=mask, other=0)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _add_row(x, p0, p1, p2, p3, p4, p5, p6, p7, NPLANES)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def _compare_plane(gt, eq, p, k, h):
+    """One step, from the top plane down, of count > h and count == h for a scalar h."""
+    hk = 0 - ((h >> k) & 1)  # all ones where bit k of h is set
+    gt = gt | (eq & p & ~hk)
+    eq = eq & ~(p ^ hk)
+    return gt, eq
+
+
+@triton.jit
+def _majority_words_kernel(words_ptr, out_ptr, n, nwords, row_stride, first_word, key, RANDOM_TIES: tl.constexpr,
+                           NPLANES: tl.constexpr, BLOCK: tl.constexpr):
+    w = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = w < nwords
+    p0, p1, p2, p3, p4, p5, p6, p7 = _count_planes(words_ptr, row_stride, n, w, mask, NPLANES, BLOCK)
+    h = n // 2  # majority: count > h; a tie (even n): count == h
+    gt = tl.zeros((BLOCK,), dtype=tl.int32)
+    eq = gt - 1
+    if NPLANES > 7:
+        gt, eq = _compare_plane(gt, eq, p7, 7, h)
+    if NPLANES > 6:
+        gt, eq = _compare_plane(gt, eq, p6, 6, h)
+    if NPLANES > 5:
+        gt, eq = _compare_plane(gt, eq, p5, 5, h)
+    if NPLANES > 4:
+        gt, eq = _compare_plane(gt, eq, p4, 4, h)
+    if NPLANES > 3:
+        gt, eq = _compare_plane(gt, eq, p3, 3, h)
+    if NPLANES > 2:
+        gt, eq = _compare_plane(gt, eq, p2, 2, h)
+    if NPLANES > 1:
+        gt, eq = _compare_plane(gt, eq, p1, 1, h)
+    gt, eq = _compare_plane(gt, eq, p0, 0, h)
+    if RANDOM_TIES:
+        if n % 2 == 0:  # the tie stream's word for these 32 positions: _random_bit's hash of the word index
+            r = (w + first_word).to(tl.uint32) * 0x9E3779B1
+            r = r ^ key.to(tl.uint32)
+            r = r ^ (r >> 16)
+            r = r * 0x85EBCA6B
+            r = r ^ (r >> 13)
+            r = r * 0xC2B2AE35
+            r = r ^ (r >> 16)
+            gt = gt | (eq & r.to(tl.int32, bitcast=True))
+    tl.store(out_ptr + w, gt, mask=mask)
+
+
+@triton.jit
+def _count_words_kernel(words_ptr, out_ptr, n, nwords, row_stride, NPLANES: tl.constexpr, BLOCK: tl.constexpr):
+    w = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = w < nwords
+    p0, p1, p2, p3, p4, p5, p6, p7 = _count_planes(words_ptr, row_stride, n, w, mask, NPLANES, BLOCK)
+    j = tl.arange(0, 32)[None, :]
+    count = (p0[:, None] >> j) & 1
+    if NPLANES > 1:
+        count += ((p1[:, None] >> j) & 1) << 1
+    if NPLANES > 2:
+        count += ((p2[:, None] >> j) & 1) << 2
+    if NPLANES > 3:
+        count += ((p3[:, None] >> j) & 1) << 3
+    if NPLANES > 4:
+        count += ((p4[:, None] >> j) & 1) << 4
+    if NPLANES > 5:
+        count += ((p5[:, None] >> j) & 1) << 5
+    if NPLANES > 6:
+        count += ((p6[:, None] >> j) & 1) << 6
+    if NPLANES > 7:
+        count += ((p7[:, None] >> j) & 1) << 7
+    tl.store(out_ptr + w[:, None] * 32 + j, count.to(tl.uint8), mask=mask[:, None])
+
+
 # -- many tensors per launch: a table of (tensor, first byte or element) chunks; tensors by address --
 # A chunk wholly inside its tensor runs without masks (WHOLE), at addresses the compiler is told are
 # 16-byte aligned (ALIGNED): then its loads and stores are 16 bytes wide. A mask whose bound comes
@@ -321,18 +440,64 @@ def unpack_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.
     return out
 
 
+MAX_WORD_VOTERS = 255  # the word kernels' 8 planes
+
+
+def _word_rows(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``stack`` as (n, nbytes // 4) int32 words, and its last nbytes % 4 bytes as one zero-padded word
+    per row (or None); None when the layout does not allow a word view (then the byte kernels run)."""
+    n, nbytes = stack.shape
+    if not 0 < n <= MAX_WORD_VOTERS or stack.stride(1) != 1 or stack.stride(0) % 4 or stack.data_ptr() % 4:
+        return None
+    main = nbytes // 4 * 4
+    words = stack[:, :main].view(torch.int32)
+    tail = None
+    if main < nbytes:
+        tail = torch.zeros((n, 4), dtype=torch.uint8, device=stack.device)
+        tail[:, : nbytes - main] = stack[:, main:]
+        tail = tail.view(torch.int32)
+    return words, tail
+
+
 def vote_counts(stack: torch.Tensor) -> torch.Tensor:
     n, nbytes = stack.shape
     out = torch.empty(nbytes * 8, dtype=torch.uint8 if n < 256 else torch.int16, device=stack.device)
-    _count_kernel[_grid(nbytes, COUNT_BLOCK)](stack, out, n, nbytes, stack.stride(0), COUNT_BLOCK, num_warps=COUNT_WARPS)
+    rows = _word_rows(stack)
+    if rows is None:
+        _count_kernel[_grid(nbytes, COUNT_BLOCK)](stack, out, n, nbytes, stack.stride(0), COUNT_BLOCK,
+                                                  num_warps=COUNT_WARPS)
+        return out
+    words, tail = rows
+    planes, block = n.bit_length(), COUNT_BLOCK // 4
+    if words.shape[1]:
+        _count_words_kernel[_grid(words.shape[1], block)](words, out, n, words.shape[1], words.stride(0), planes,
+                                                          block, num_warps=COUNT_WARPS)
+    if tail is not None:
+        counts = torch.empty(32, dtype=torch.uint8, device=stack.device)
+        _count_words_kernel[(1,)](tail, counts, n, 1, 1, planes, block, num_warps=COUNT_WARPS)
+        out[words.shape[1] * 32:] = counts[: nbytes * 8 - words.shape[1] * 32]
     return out
 
 
 def majority_vote(stack: torch.Tensor, ties: str, key: int) -> torch.Tensor:
     n, nbytes = stack.shape
     out = torch.empty(nbytes, dtype=torch.uint8, device=stack.device)
-    _majority_kernel[_grid(nbytes, COUNT_BLOCK)](stack, out, n, nbytes, stack.stride(0), key, ties == "random",
-                                                 COUNT_BLOCK, num_warps=COUNT_WARPS)
+    rows = _word_rows(stack)
+    if rows is None:
+        _majority_kernel[_grid(nbytes, COUNT_BLOCK)](stack, out, n, nbytes, stack.stride(0), key, ties == "random",
+                                                     COUNT_BLOCK, num_warps=COUNT_WARPS)
+        return out
+    words, tail = rows
+    planes, block, nwords = n.bit_length(), COUNT_BLOCK // 4, words.shape[1]
+    if nwords:
+        _majority_words_kernel[_grid(nwords, block)](words, out[: nwords * 4].view(torch.int32), n, nwords,
+                                                     words.stride(0), 0, key, ties == "random", planes, block,
+                                                     num_warps=COUNT_WARPS)
+    if tail is not None:
+        last = torch.empty(1, dtype=torch.int32, device=stack.device)
+        _majority_words_kernel[(1,)](tail, last, n, 1, 1, nwords, key, ties == "random", planes, block,
+                                     num_warps=COUNT_WARPS)
+        out[nwords * 4:] = last.view(torch.uint8)[: nbytes - nwords * 4]
     return out
 
 
