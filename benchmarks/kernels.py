@@ -23,6 +23,9 @@ per-tensor path they replaced (``optim.reference_upload`` / ``reference_apply``)
 simulator's 5.45M-parameter digits MLP (64-2300-2300-10), 200 tensors of 1k elements and one of
 200k.
 
+On CUDA a last section times Triton's counting kernels on 32-bit words against its byte kernels
+(``--counting``: the voters).
+
     python benchmarks/kernels.py [--device cuda] [--sizes 1M 16M] [--threads 1] [--json out.json]
 """
 from __future__ import annotations
@@ -137,6 +140,30 @@ def run_kernels(sizes: list[str], device: str, repeats: int) -> list[dict]:
     return rows
 
 
+def run_counting(size: str, device: str, repeats: int, voters: list[int]) -> list[dict]:
+    """Triton's counting kernels on 32-bit words (bit-sliced) against its byte kernels, which run on rows
+    that do not start on a word boundary (the same views shifted by one byte), and a copy of the stack."""
+    numel, rows = parse_size(size), []
+    print(f"\n{'op':<22}{'voters':>7}{'elements':>9}{'words ms':>10}{'bytes ms':>10}{'copy ms':>9}"
+          f"{'words x copy':>13}{'bytes x copy':>13}")
+    for n in voters:
+        full = torch.randint(0, 256, (n, numel // 8 + 64), dtype=torch.uint8, device=device)  # rows on 64 B
+        words, shifted = full[:, : numel // 8], full[:, 1 : numel // 8 + 1]
+        copy = _copy(n * numel // 8, device)
+        check = words[:, :4099]
+        off_word = torch.empty((n, 4100), dtype=torch.uint8, device=device)[:, 1:]
+        off_word.copy_(check)
+        for name, op in (("vote_counts", ops.vote_counts), ("majority_vote", ops.majority_vote)):
+            if not torch.equal(op(check), op(off_word)):  # the same bytes through the word and the byte kernels
+                raise SystemExit(f"{name}: the word and byte kernels disagree")
+            t_words, t_bytes, t_copy = side_by_side([lambda: op(words), lambda: op(shifted), copy], device, repeats)
+            rows.append(dict(op=name, voters=n, numel=numel, words_ms=t_words * 1e3, bytes_ms=t_bytes * 1e3,
+                             copy_ms=t_copy * 1e3, words_x_copy=t_words / t_copy, bytes_x_copy=t_bytes / t_copy))
+            print(f"{name:<22}{n:>7}{size:>9}{t_words * 1e3:>10.3f}{t_bytes * 1e3:>10.3f}{t_copy * 1e3:>9.3f}"
+                  f"{t_words / t_copy:>13.2f}{t_bytes / t_copy:>13.2f}")
+    return rows
+
+
 class _Echo:
     upload = SignUpload()
 
@@ -186,6 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the numba kernels use one)")
     parser.add_argument("--skip", choices=["kernels", "optimizer"], default=None)
+    parser.add_argument("--counting", type=int, nargs="*", default=[4, 16, 64, 255],
+                        help="voters for the Triton counting comparison (CUDA only; at the largest size)")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -198,6 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
         result["kernels"] = run_kernels(args.sizes, args.device, args.repeats)
     if args.skip != "optimizer":
         result["optimizer"] = run_optimizer(args.device, args.repeats)
+    if args.device.startswith("cuda") and args.counting:
+        result["counting"] = run_counting(max(args.sizes, key=parse_size), args.device, args.repeats, args.counting)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
