@@ -141,22 +141,27 @@ def run_kernels(sizes: list[str], device: str, repeats: int) -> list[dict]:
 
 
 def run_counting(size: str, device: str, repeats: int, voters: list[int]) -> list[dict]:
-    """Triton's counting kernels on 32-bit words (bit-sliced) against its byte kernels, which run on rows
-    that do not start on a word boundary (the same views shifted by one byte), and a copy of the stack."""
+    """Triton's counting kernels on 32-bit words (bit-sliced) against its byte kernels, which take rows
+    that do not start on a word boundary (the same bytes one byte further into an allocation), and a
+    copy of the stack. ``triton_impl`` directly: ``ops`` would first make a strided view contiguous."""
+    from lioncub_p2p.ops import triton_impl
+
     numel, rows = parse_size(size), []
     print(f"\n{'op':<22}{'voters':>7}{'elements':>9}{'words ms':>10}{'bytes ms':>10}{'copy ms':>9}"
           f"{'words x copy':>13}{'bytes x copy':>13}")
     for n in voters:
-        full = torch.randint(0, 256, (n, numel // 8 + 64), dtype=torch.uint8, device=device)  # rows on 64 B
-        words, shifted = full[:, : numel // 8], full[:, 1 : numel // 8 + 1]
+        words = torch.randint(0, 256, (n, numel // 8), dtype=torch.uint8, device=device)
+        off_word = torch.empty(n * numel // 8 + 1, dtype=torch.uint8, device=device)[1:].view(n, numel // 8)
+        off_word.copy_(words)
+        if triton_impl._word_rows(off_word) is not None or triton_impl._word_rows(words) is None:
+            raise SystemExit("the layouts do not select the byte and the word kernels")
         copy = _copy(n * numel // 8, device)
-        check = words[:, :4099]
-        off_word = torch.empty((n, 4100), dtype=torch.uint8, device=device)[:, 1:]
-        off_word.copy_(check)
-        for name, op in (("vote_counts", ops.vote_counts), ("majority_vote", ops.majority_vote)):
-            if not torch.equal(op(check), op(off_word)):  # the same bytes through the word and the byte kernels
+        key = ops.tie_key(1, 2)
+        for name, op in (("vote_counts", triton_impl.vote_counts),
+                         ("majority_vote", lambda s: triton_impl.majority_vote(s, "random", key))):
+            if not torch.equal(op(words), op(off_word)):  # the same bytes through the word and the byte kernels
                 raise SystemExit(f"{name}: the word and byte kernels disagree")
-            t_words, t_bytes, t_copy = side_by_side([lambda: op(words), lambda: op(shifted), copy], device, repeats)
+            t_words, t_bytes, t_copy = side_by_side([lambda: op(words), lambda: op(off_word), copy], device, repeats)
             rows.append(dict(op=name, voters=n, numel=numel, words_ms=t_words * 1e3, bytes_ms=t_bytes * 1e3,
                              copy_ms=t_copy * 1e3, words_x_copy=t_words / t_copy, bytes_x_copy=t_bytes / t_copy))
             print(f"{name:<22}{n:>7}{size:>9}{t_words * 1e3:>10.3f}{t_bytes * 1e3:>10.3f}{t_copy * 1e3:>9.3f}"
