@@ -243,3 +243,26 @@ def test_a_member_holding_the_later_listed_leaders_record_switches_to_the_first_
     late.trust(b_record)
     asyncio.run(late.refresh_group())
     assert late.history.latest.author == "b"  # too late to switch: the digest and a repair mend it
+
+
+def test_a_slow_dht_moves_a_new_group_further_ahead():
+    """A record stored in 3 s started at a step the group had reached by then: the members that read it
+    in time split from the rest. The leader's notice counts its recent DHT store and read times."""
+    class _SlowDirectory(_Directory):
+        async def publish_group(self, record, ttl):
+            await asyncio.sleep(0.3)
+            return await super().publish_group(record, ttl)
+
+    directory = _SlowDirectory(True, True)
+    upkeep = _upkeep("a", directory)
+    upkeep.local = lambda: Local(joined=True, step=100, synced=True, idle=False, steps_per_s=10.0)
+    upkeep.trust(GroupRecord(3, 5, tuple(PeerSpec(pid) for pid in "abcd")))
+    upkeep.records = {pid: r for pid, r in _records().items() if pid != "d"}
+    asyncio.run(upkeep.lead())
+    assert directory.published[-1].from_step == 100 + 5  # 10 steps/s x 0.5 s: nothing measured yet
+    assert 0.3 <= upkeep.dht_s < 1.0
+    upkeep.records = {pid: r for pid, r in _records().items() if pid in "ab"}  # c gone at step 106: the next
+    # group starts 10 x (0.5 + 2 x 0.3) steps on
+    upkeep.local = lambda: Local(joined=True, step=106, synced=True, idle=False, steps_per_s=10.0)
+    asyncio.run(upkeep.lead())
+    assert directory.published[-1].epoch == 5 and directory.published[-1].from_step >= 106 + 11

@@ -26,7 +26,7 @@ from hivemind.utils import get_dht_time
 
 from ..wire import PROTOCOL_VERSION
 from . import manifest as manifests
-from .lead import REST_S, STEADY_ROUNDS, Health, leader_of, plan_group, steps_ahead
+from .lead import NOTICE_S, REST_S, STEADY_ROUNDS, Health, leader_of, plan_group, steps_ahead
 from .manifest import Manifest
 from .membership import (Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group,
                          preferred_rival)
@@ -80,6 +80,7 @@ class Upkeep:
         self.on_epoch: Callable[[int], None] | None = None  # told the newest group's epoch (the vote node)
         self.stop_waiting_for: Callable[[set[str], str], None] | None = None  # reducers stop waiting for leavers
         self.published = 0.0  # when this peer last published the group record
+        self.dht_s = 0.0  # this peer's recent slowest group-record store or read (decays 20% a call)
         self.manifest_published = 0.0
         self._progress = (time.monotonic(), 0)  # (time, step) at the last announcement, for samples/s
         self._last_expiration = 0.0  # of this peer's newest record (a leaving record must outlive it)
@@ -123,7 +124,8 @@ class Upkeep:
         if self.history.latest is None:
             return
         window = 2 * STEP_WINDOW + self.lead_steps
-        candidates, step, liars = await self.directory.groups(), self.local().step, set(self.verdicts.liars)
+        candidates = await self._timed(self.directory.groups())
+        step, liars = self.local().step, set(self.verdicts.liars)
         chosen = next_group(candidates, self.history, step=step, window=window,
                             run_step=announced_step(self.history.latest, self.records), refused=liars, log=self.log)
         if chosen is not None:
@@ -259,7 +261,11 @@ class Upkeep:
         ahead = max([step] + steps)  # the fastest member (a step beyond the window is a lie, not progress)
         # idle: at once; alone, nobody else must read the record first (a founder alone steps at any pace)
         pace = me.steps_per_s if len(latest.members) > 1 else 0.0
-        lead = 0 if me.idle and ahead == step else steps_ahead(self.lead_steps, pace)
+        # the members must read the record before the group reaches its first step: a store and a read
+        # take seconds on a loaded machine (a record stored in 3 s started at a step the group had
+        # reached: the members that read it in time split from the rest, measured)
+        notice = NOTICE_S + 2 * self.dht_s
+        lead = 0 if me.idle and ahead == step else steps_ahead(self.lead_steps, pace, notice)
         from_step = ahead + lead
         if me.final_step is not None:  # a group from past this peer's last step would never take effect
             from_step = max(latest.from_step, min(from_step, me.final_step))
@@ -278,6 +284,14 @@ class Upkeep:
     async def _publish(self, record: GroupRecord) -> bool:
         """Store a group record; False when the DHT did not confirm it (a timeout included)."""
         try:
-            return bool(await self.directory.publish_group(record, ttl=GROUP_TTL))
+            return bool(await self._timed(self.directory.publish_group(record, ttl=GROUP_TTL)))
         except asyncio.TimeoutError:
             return False
+
+    async def _timed(self, call):
+        """Await a DHT call, keeping ``dht_s`` (how slow the DHT is here lately)."""
+        start = time.monotonic()
+        try:
+            return await call
+        finally:
+            self.dht_s = max(time.monotonic() - start, 0.8 * self.dht_s)
