@@ -43,10 +43,11 @@ def test_pack_signs_same_bytes(dtype, numel):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_unpack_same_values(dtype):
-    packed = torch.randint(0, 256, (130,), dtype=torch.uint8, generator=_gen(2))
-    got = triton_impl.unpack_signs(packed.to(DEVICE), 1037, dtype).cpu()
-    assert torch.equal(got, torch_impl.unpack_signs(packed, 1037, dtype))
+@pytest.mark.parametrize("numel", [1037, 8195])
+def test_unpack_same_values(dtype, numel):
+    packed = torch.randint(0, 256, ((numel + 7) // 8,), dtype=torch.uint8, generator=_gen(2))
+    got = triton_impl.unpack_signs(packed.to(DEVICE), numel, dtype).cpu()
+    assert torch.equal(got, torch_impl.unpack_signs(packed, numel, dtype))
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 7, 16, 254, 255, 256])
@@ -71,17 +72,18 @@ def test_counts_and_majority_same_bytes(n, layout):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_lion_and_apply_same_bytes(dtype):
+@pytest.mark.parametrize("numel", [2051, 8195])  # a whole program and a tail of the pack and apply kernels
+def test_fused_lion_and_apply_same_bytes(dtype, numel):
     gen = _gen(4)
-    g, m = torch.randn(2051, generator=gen).to(dtype), torch.randn(2051, generator=gen).to(dtype)
+    g, m = torch.randn(numel, generator=gen).to(dtype), torch.randn(numel, generator=gen).to(dtype)
     g[:100], m[:100] = 0, 0
     m_ref, m_dev = m.clone(), m.clone().to(DEVICE)
     key = zero_sign_key(8) | 1 << 32  # an odd step's key: its zero signs inverted
     packed = triton_impl.lion_direction_pack(g.to(DEVICE), m_dev, 0.9, 0.99, key).cpu()
     assert torch.equal(packed, torch_impl.lion_direction_pack(g, m_ref, 0.9, 0.99, key))
     assert torch.equal(m_dev.cpu(), m_ref)
-    for update in (packed, torch.rand(2051, generator=gen) * 2 - 1):
-        p_ref = torch.randn(2051, generator=gen).to(dtype)
+    for update in (packed, torch.rand(numel, generator=gen) * 2 - 1):
+        p_ref = torch.randn(numel, generator=gen).to(dtype)
         p_dev = p_ref.clone().to(DEVICE)
         triton_impl.apply_update(p_dev, update.to(DEVICE), 3e-3, 0.1)
         torch_impl.apply_update(p_ref, update, 3e-3, 0.1)

@@ -87,59 +87,120 @@ def _pack_byte(bits, lane):
     return tl.sum(bits.to(tl.int32) << lane[None, :], axis=1).to(tl.uint8)
 
 
+# The single-tensor kernels below: a program wholly inside the tensor runs without masks (WHOLE), so
+# its accesses are 16 bytes wide whatever the length; Triton's own specialization (a length divisible
+# by 16) gave that only to some lengths, and a mask of unknown alignment splits every access in four.
+
+
 @triton.jit
-def _pack_kernel(x_ptr, out_ptr, numel, nbytes, key, POS_LIMIT: tl.constexpr, MAG_MASK: tl.constexpr,
-                 FLIP: tl.constexpr, BLOCK: tl.constexpr):
-    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _pack_chunk(x_ptr, out_ptr, byte, numel, nbytes, key, POS_LIMIT: tl.constexpr, MAG_MASK: tl.constexpr,
+                FLIP: tl.constexpr, WHOLE: tl.constexpr):
     lane = tl.arange(0, 8)
     pos = byte[:, None] * 8 + lane[None, :]
     inside = pos < numel
-    v = tl.load(x_ptr + pos, mask=inside, other=0)
+    if WHOLE:
+        v = tl.load(x_ptr + pos)
+    else:
+        v = tl.load(x_ptr + pos, mask=inside, other=0)
     positive = (v > 0) & (v <= POS_LIMIT)  # sign bit clear, nonzero, not NaN
     zero = (v & MAG_MASK) == 0
     bits = (positive | (zero & (_random_bit(key, pos) != FLIP))) & inside
-    tl.store(out_ptr + byte, _pack_byte(bits, lane), mask=byte < nbytes)
+    if WHOLE:
+        tl.store(out_ptr + byte, _pack_byte(bits, lane))
+    else:
+        tl.store(out_ptr + byte, _pack_byte(bits, lane), mask=byte < nbytes)
+
+
+@triton.jit
+def _pack_kernel(x_ptr, out_ptr, numel, nbytes, key, POS_LIMIT: tl.constexpr, MAG_MASK: tl.constexpr,
+                 FLIP: tl.constexpr, BLOCK: tl.constexpr):
+    first = tl.program_id(0).to(tl.int64) * BLOCK
+    byte = first + tl.arange(0, BLOCK)
+    if (first + BLOCK) * 8 <= numel:
+        _pack_chunk(x_ptr, out_ptr, byte, numel, nbytes, key, POS_LIMIT, MAG_MASK, FLIP, True)
+    else:
+        _pack_chunk(x_ptr, out_ptr, byte, numel, nbytes, key, POS_LIMIT, MAG_MASK, FLIP, False)
+
+
+@triton.jit
+def _unpack_chunk(packed_ptr, out_ptr, offs, numel, OUT_BF16: tl.constexpr, WHOLE: tl.constexpr):
+    mask = offs < numel
+    if WHOLE:
+        byte = tl.load(packed_ptr + offs // 8).to(tl.int32)
+    else:
+        byte = tl.load(packed_ptr + offs // 8, mask=mask, other=0).to(tl.int32)
+    bit = (byte >> (offs % 8).to(tl.int32)) & 1
+    _store_f32(out_ptr, offs, (bit * 2 - 1).to(tl.float32), mask, OUT_BF16, WHOLE)
 
 
 @triton.jit
 def _unpack_kernel(packed_ptr, out_ptr, numel, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    byte = tl.load(packed_ptr + offs // 8, mask=mask, other=0).to(tl.int32)
-    bit = (byte >> (offs % 8).to(tl.int32)) & 1
-    _store_f32(out_ptr, offs, (bit * 2 - 1).to(tl.float32), mask, OUT_BF16)
+    first = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = first + tl.arange(0, BLOCK)
+    if first + BLOCK <= numel:
+        _unpack_chunk(packed_ptr, out_ptr, offs, numel, OUT_BF16, True)
+    else:
+        _unpack_chunk(packed_ptr, out_ptr, offs, numel, OUT_BF16, False)
+
+
+@triton.jit
+def _lion_pack_one(g_ptr, m_ptr, out_ptr, byte, numel, nbytes, key, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                   G_BF16: tl.constexpr, M_BF16: tl.constexpr, FLIP: tl.constexpr, WHOLE: tl.constexpr):
+    lane = tl.arange(0, 8)
+    pos = byte[:, None] * 8 + lane[None, :]
+    inside = pos < numel
+    g = _load_f32(g_ptr, pos, inside, G_BF16, WHOLE)
+    m = _load_f32(m_ptr, pos, inside, M_BF16, WHOLE)
+    c = tl.fma(g, one_minus_beta1, m * beta1)  # the rounding of torch's mul then add_(alpha=)
+    bits = ((c > 0) | ((c == 0) & (_random_bit(key, pos) != FLIP))) & inside
+    if WHOLE:
+        tl.store(out_ptr + byte, _pack_byte(bits, lane))
+    else:
+        tl.store(out_ptr + byte, _pack_byte(bits, lane), mask=byte < nbytes)
+    _store_f32(m_ptr, pos, tl.fma(g, one_minus_beta2, m * beta2), inside, M_BF16, WHOLE)
 
 
 @triton.jit
 def _lion_pack_kernel(g_ptr, m_ptr, out_ptr, numel, nbytes, key, beta1, one_minus_beta1, beta2,
                       one_minus_beta2, G_BF16: tl.constexpr, M_BF16: tl.constexpr, FLIP: tl.constexpr,
                       BLOCK: tl.constexpr):
-    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    lane = tl.arange(0, 8)
-    pos = byte[:, None] * 8 + lane[None, :]
-    inside = pos < numel
-    g = _load_f32(g_ptr, pos, inside, G_BF16)
-    m = _load_f32(m_ptr, pos, inside, M_BF16)
-    c = tl.fma(g, one_minus_beta1, m * beta1)  # the rounding of torch's mul then add_(alpha=)
-    bits = ((c > 0) | ((c == 0) & (_random_bit(key, pos) != FLIP))) & inside
-    tl.store(out_ptr + byte, _pack_byte(bits, lane), mask=byte < nbytes)
-    _store_f32(m_ptr, pos, tl.fma(g, one_minus_beta2, m * beta2), inside, M_BF16)
+    first = tl.program_id(0).to(tl.int64) * BLOCK
+    byte = first + tl.arange(0, BLOCK)
+    if (first + BLOCK) * 8 <= numel:
+        _lion_pack_one(g_ptr, m_ptr, out_ptr, byte, numel, nbytes, key, beta1, one_minus_beta1, beta2,
+                       one_minus_beta2, G_BF16, M_BF16, FLIP, True)
+    else:
+        _lion_pack_one(g_ptr, m_ptr, out_ptr, byte, numel, nbytes, key, beta1, one_minus_beta1, beta2,
+                       one_minus_beta2, G_BF16, M_BF16, FLIP, False)
+
+
+@triton.jit
+def _apply_one(p_ptr, u_ptr, offs, numel, lr, decay_scale, PACKED: tl.constexpr, HAS_DECAY: tl.constexpr,
+               P_BF16: tl.constexpr, WHOLE: tl.constexpr):
+    mask = offs < numel
+    p = _load_f32(p_ptr, offs, mask, P_BF16, WHOLE)
+    if HAS_DECAY:
+        p = _round_to(p * decay_scale, p_ptr, P_BF16)
+    if PACKED:
+        if WHOLE:
+            byte = tl.load(u_ptr + offs // 8).to(tl.int32)
+        else:
+            byte = tl.load(u_ptr + offs // 8, mask=mask, other=0).to(tl.int32)
+        u = (((byte >> (offs % 8).to(tl.int32)) & 1) * 2 - 1).to(tl.float32)
+    else:
+        u = _load_f32(u_ptr, offs, mask, False, WHOLE)
+    _store_f32(p_ptr, offs, tl.fma(u, -lr, p), mask, P_BF16, WHOLE)
 
 
 @triton.jit
 def _apply_kernel(p_ptr, u_ptr, numel, lr, decay_scale, PACKED: tl.constexpr, HAS_DECAY: tl.constexpr,
                   P_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    p = _load_f32(p_ptr, offs, mask, P_BF16)
-    if HAS_DECAY:
-        p = _round_to(p * decay_scale, p_ptr, P_BF16)
-    if PACKED:
-        byte = tl.load(u_ptr + offs // 8, mask=mask, other=0).to(tl.int32)
-        u = (((byte >> (offs % 8).to(tl.int32)) & 1) * 2 - 1).to(tl.float32)
+    first = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = first + tl.arange(0, BLOCK)
+    if first + BLOCK <= numel:
+        _apply_one(p_ptr, u_ptr, offs, numel, lr, decay_scale, PACKED, HAS_DECAY, P_BF16, True)
     else:
-        u = tl.load(u_ptr + offs, mask=mask, other=0).to(tl.float32)
-    _store_f32(p_ptr, offs, tl.fma(u, -lr, p), mask, P_BF16)
+        _apply_one(p_ptr, u_ptr, offs, numel, lr, decay_scale, PACKED, HAS_DECAY, P_BF16, False)
 
 
 @triton.jit
