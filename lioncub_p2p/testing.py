@@ -198,7 +198,7 @@ class LocalSwarm:
                   behaviors: dict[int, Behavior] | None = None,
                   delays: dict[int, float] | None = None, tags: Sequence[bytes] | None = None,
                   audit: bool = False, prepare: bool = True,
-                  follow: dict[int, float] | None = None) -> list[torch.Tensor | None]:
+                  follow: dict[int, float] | None = None, family: str = "") -> list[torch.Tensor | None]:
         """One round with every live peer voting its upload; one update per peer (None if it failed).
 
         ``uploads[i]`` is peer i's codes: (planes, nbytes) uint8, or packed signs (nbytes,).
@@ -209,13 +209,13 @@ class LocalSwarm:
         has no effect since protocol 2: every round is audited). ``prepare=False``: peers start
         reducing only when they vote (a late reducer), not before the round as a swarm does.
         ``follow[i]``: peer i does not vote; that many seconds after the others started it receives
-        the results (``VoteNode.follow_round``, a peer behind the group)."""
+        the results (``VoteNode.follow_round``, a peer behind the group). ``family``: ``RoundSpec.family``."""
         if len(uploads) != self.n:
             raise ValueError(f"{len(uploads)} uploads for {self.n} peers")
         codes = [u.reshape(1, -1) if u.dim() == 1 else u for u in uploads]
         spec = RoundSpec(round_id=f"local-{id(self)}-{next(self._rounds)}".encode(), step=step, group=self.group,
                          nbytes=codes[0].shape[1], upload=upload_codec(upload), result=result_codec(result), seed=seed,
-                         audit=audit)
+                         audit=audit, family=family)
         tags = list(tags) if tags is not None else [b""] * self.n
         outcomes = self._loop.run(self._round(spec, codes, behaviors or {}, delays or {}, tags, prepare, follow or {}),
                                   timeout=timeout)

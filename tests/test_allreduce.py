@@ -1,5 +1,6 @@
 """The butterfly vote all-reduce on loopback peers (hivemind p2pd daemons), against numpy votes."""
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -238,6 +239,43 @@ def _rogue(kind: str):
                              return_exceptions=True)
 
     return behave
+
+
+def test_a_voter_on_another_group_is_refused_at_once_not_after_the_join_timeout(caplog):
+    """Peer 3 holds another group record, so it runs step 7's vote round under another id: the others'
+    votes for its part, and its votes for theirs, are refused as soon as the reducer knows its own
+    round of that step (or, if they came first, the moment it starts it), not after the join timeout
+    (seen on a loaded machine: 3 rounds at 10 s each, then a repair). Peers 0-2 agree on the numpy vote
+    of their own codes, with peer 3's part missing; peer 3 gets no update (its repair mends it)."""
+    config = AllReduceConfig(chunk_bytes=1024, upload_timeout=3.0, result_timeout=40.0, join_timeout=30.0,
+                             recovery_timeout=2.0)
+    numel = 8 * 4000
+    stray = {}
+
+    async def on_another_group(node, spec, codes):
+        other = dataclasses.replace(spec, round_id=b"another-group")
+        node.prepare_round(other)
+        stray["outcome"] = await node.run_round(other, codes)
+
+    with LocalSwarm(4, config=config) as swarm:
+        codes = _codes("sign", 4, numel, seed=9)
+        start = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="lioncub_p2p"):
+            results = swarm.allreduce(codes, step=7, family="vote", behaviors={3: on_another_group})
+        elapsed = time.monotonic() - start
+        reports = swarm.reports
+    refusals = [r.getMessage() for r in caplog.records if "round of step 7 in another group" in r.getMessage()]
+    assert elapsed < config.join_timeout / 2, (elapsed, refusals)
+    assert len(refusals) >= 6, refusals  # 3 reducers refused peer 3, peer 3 refused 3 voters
+    update, report = stray["outcome"]
+    assert update is None or not any(p.status == "ok" for p in report.parts if p.index != 3), report
+    honest = [as_values(results[i], numel) for i in range(3)]
+    expected = numpy_vote(codes[:3], "sign", "majority", numel, 0, 7)
+    missing = reports[0].parts[3]
+    assert missing.status == "missing" and all(3 not in p.counted for p in reports[0].parts)
+    expected[8 * missing.start:8 * missing.stop] = 0.0
+    for values in honest:
+        np.testing.assert_array_equal(values, expected)
 
 
 REASONS = {"oversized": "exceeds", "garbage": ("undecodable", "protocol version"), "duplicate": "expected 8", "wrong_round": "unknown round",

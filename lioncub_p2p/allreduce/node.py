@@ -73,8 +73,8 @@ from .deadline import AdaptiveDeadline
 from .punctuality import Punctuality
 from .reducer import PartReduction
 from .result_delta import ResultBases, check_declared, decode_from, encode_for
-from .round import (AUDIT_MIN_RATE, MAX_FIRST_FRAME_BYTES, AllReduceConfig, Caught, PartReport, PartResult, RoundReport, RoundSpec,
-                    chunk_spans, result_wire, upload_wire)
+from .round import (AUDIT_MIN_RATE, MAX_FAMILY_CHARS, MAX_FIRST_FRAME_BYTES, AllReduceConfig, Caught, PartReport, PartResult,
+                    RoundReport, RoundSpec, chunk_spans, result_wire, upload_wire)
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,10 @@ class VoteNode:
         # Rounds that left the live table: more than the archive window holds at ten rounds a second, so a
         # late request for one is answered at once (kept, or FORGOTTEN), not held as a round yet to start.
         self._finished: deque[bytes] = deque(maxlen=4096)
+        # (family, step) -> the round this peer ran for them (``RoundSpec.family``): a stream for the same
+        # step and family under another id comes from a peer on another group: never started here
+        self._by_step: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._waiting_key: dict[bytes, tuple[str, int]] = {}  # (family, step) of rounds waited for
         self._waiting: dict[bytes, asyncio.Event] = {}  # rounds asked for before this peer started them
         self._waiters: Counter[bytes] = Counter()
         self._pending_by_peer: Counter[str] = Counter()
@@ -343,6 +347,13 @@ class VoteNode:
         if rid in self._finished:
             raise ValueError(f"round {rid.hex()} was already run by this peer")
         self._rounds[rid] = state
+        if state.spec.family:
+            key = (state.spec.family, state.spec.step)
+            self._by_step[key] = rid
+            while len(self._by_step) > self._finished.maxlen:
+                self._by_step.popitem(last=False)
+            for other in [r for r, k in self._waiting_key.items() if k == key and r != rid and r in self._waiting]:
+                self._waiting.pop(other).set()  # its streams wake to a refusal: another group's round
         while len(self._rounds) > self.config.keep_rounds:
             old, old_state = self._rounds.popitem(last=False)
             self._forget(old_state)
@@ -488,6 +499,7 @@ class VoteNode:
             codes = upload[:, a + offset : a + offset + length].contiguous().numpy().tobytes()
             first = offset == 0
             chunk = pb.VoteChunk(version=PROTOCOL_VERSION, round_id=spec.round_id, step=spec.step, part=j,
+                                 family=spec.family,
                                  offset=offset, length=length, upload=encoding, upload_bits=bits,
                                  result=result_wire(spec.result), codes=codes, last=offset + length == b - a,
                                  tag=state.tag if first else b"",
@@ -623,7 +635,8 @@ class VoteNode:
                                                                           FETCH_PROTOCOL)
             try:
                 sent = await write_frame(writer, pb.FetchResult(version=PROTOCOL_VERSION, round_id=spec.round_id, part=j,
-                                                                token=self.admission.token(self.peer_id)))
+                                                                token=self.admission.token(self.peer_id), step=spec.step,
+                                                                family=spec.family))
                 state.report.bytes_up += sent
                 return i, await self._read_result(reader, state, j, forwarded=True)
             finally:
@@ -793,16 +806,22 @@ class VoteNode:
 
     # -- serving other peers ---------------------------------------------------------------------
 
-    async def _find_round(self, round_id: bytes, peer: str) -> RoundState:
+    async def _find_round(self, round_id: bytes, peer: str, family: str = "", step: int = 0) -> RoundState:
         """The round, waiting up to ``join_timeout`` for this peer to start it; each peer may wait for at
-        most ``max_pending_rounds`` rounds at once (the stream gate bounds the streams doing so)."""
+        most ``max_pending_rounds`` rounds at once (the stream gate bounds the streams doing so).
+        ``family`` and ``step``: which round of its step the asker means, if it says; when this peer ran
+        that round under another id (another group), it will never start here: refused at once rather
+        than after the join timeout (seen: 3 rounds at 10 s each, then a repair)."""
         if round_id in self._rounds:
             return self._rounds[round_id]
         if round_id in self._finished:
             raise WireError("round already finished")
+        self._refuse_other_group(round_id, family, step)
         if self._pending_by_peer[peer] >= self.config.max_pending_rounds:
             raise WireError("too many rounds not started here yet")
         event = self._waiting.setdefault(round_id, asyncio.Event())
+        if family:
+            self._waiting_key[round_id] = (family, step)
         self._waiters[round_id] += 1
         self._pending_by_peer[peer] += 1
         try:
@@ -816,11 +835,18 @@ class VoteNode:
             self._waiters[round_id] -= 1
             if self._waiters[round_id] <= 0:
                 del self._waiters[round_id]
+                self._waiting_key.pop(round_id, None)
                 if not event.is_set():
                     self._waiting.pop(round_id, None)
         if round_id not in self._rounds:
+            self._refuse_other_group(round_id, family, step)
             raise WireError("round already finished")
         return self._rounds[round_id]
+
+    def _refuse_other_group(self, round_id: bytes, family: str, step: int) -> None:
+        if family and self._by_step.get((family, step), round_id) != round_id:
+            raise WireError(f"this peer ran the {family[:MAX_FAMILY_CHARS]} round of step {step} in another group "
+                            f"(the newest epoch here is {self.group_epoch})")
 
     async def _on_vote_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         first = True
@@ -848,7 +874,7 @@ class VoteNode:
             refused = self.admission.reason(peer, chunk.token)
             if refused:
                 raise WireError(f"not admitted: {refused}")
-            state = await self._find_round(chunk.round_id, peer)
+            state = await self._find_round(chunk.round_id, peer, chunk.family, chunk.step)
             state.handlers.add(task)
             spec = state.spec
             voter = spec.index_of(peer)
@@ -974,7 +1000,8 @@ class VoteNode:
                 raise WireError(f"not admitted: {refused}")
             state = self._rounds.get(req.round_id)
             if state is None and req.round_id not in self._finished and self.archive.get(req.round_id) is None:
-                state = await self._find_round(req.round_id, peer)  # not started here yet (a follower caught up)
+                # not started here yet (a follower caught up)
+                state = await self._find_round(req.round_id, peer, req.family, req.step)
             if state is not None:
                 spec = state.spec
                 spec.index_of(peer)

@@ -96,6 +96,9 @@ _RESULT_ENUM = {"majority": pb.RESULT_MAJORITY, "ternary": pb.RESULT_TERNARY, "m
                 "average": pb.RESULT_AVERAGE, "trimmed_mean": pb.RESULT_TRIMMED_MEAN}
 
 
+MAX_FAMILY_CHARS = 16
+
+
 def upload_wire(codec: UploadCodec) -> tuple[int, int]:
     if isinstance(codec, SignUpload):
         return pb.UPLOAD_SIGN, 1
@@ -122,6 +125,9 @@ class RoundSpec:
     result: ResultCodec = field(default_factory=MajorityResult)
     seed: int = 0
     audit: bool = False  # no effect since protocol 2: voters audit every round (see audit.py)
+    # which of a step's rounds this is ("vote", "momentum"): a peer that ran the step's round of this
+    # family under another id (another group) refuses streams for this one at once; "": no such check
+    family: str = ""
 
     def __post_init__(self) -> None:
         ids = [p.peer_id for p in self.group]
@@ -129,6 +135,8 @@ class RoundSpec:
             raise ValueError("a peer appears twice in the group")
         if not self.round_id or len(self.round_id) > 64:
             raise ValueError("round_id must be 1..64 bytes")
+        if len(self.family) > MAX_FAMILY_CHARS:
+            raise ValueError(f"family must be at most {MAX_FAMILY_CHARS} characters")
         object.__setattr__(self, "_bounds", part_bounds(self.nbytes, self.group))
         object.__setattr__(self, "_index", {pid: i for i, pid in enumerate(ids)})
 

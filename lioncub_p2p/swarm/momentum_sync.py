@@ -50,7 +50,8 @@ class MomentumSync:
 
     def spec(self, round_id: bytes, step: int, members: tuple[PeerSpec, ...]) -> RoundSpec:
         numel = sum(hi - lo for _, lo, hi in self.selected(step))
-        return RoundSpec(round_id, step, members, self.codec.nbytes_for(numel), self.codec, self.result, self.seed)
+        return RoundSpec(round_id, step, members, self.codec.nbytes_for(numel), self.codec, self.result, self.seed,
+                         family="momentum")
 
     def average(self, spec: RoundSpec, run_round: RunRound) -> bool:
         """Run ``spec``'s round with this peer's selected momenta and keep what came back; True when

@@ -668,7 +668,7 @@ class Swarm:
                 self._round_steps.popitem(last=False)
         if kind == "vote":
             return RoundSpec(rid, step, group.members, self.optimizer.buffer_bytes, self.upload, self.result,
-                             self.config.seed)
+                             self.config.seed, family="vote")
         return self._momentum_sync().spec(rid, step, group.members)
 
     def before_step(self) -> None:
