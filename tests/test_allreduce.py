@@ -243,8 +243,8 @@ def _rogue(kind: str):
 
 def test_a_voter_on_another_group_is_refused_at_once_not_after_the_join_timeout(caplog):
     """Peer 3 holds another group record, so it runs step 7's vote round under another id: the others'
-    votes for its part, and its votes for theirs, are refused as soon as the reducer knows its own
-    round of that step (or, if they came first, the moment it starts it), not after the join timeout
+    votes for its part, and its votes for theirs, are refused as soon as the reducer runs its own
+    round of that step (or, if they came first, the moment it runs it), not after the join timeout
     (seen on a loaded machine: 3 rounds at 10 s each, then a repair). Peers 0-2 agree on the numpy vote
     of their own codes, with peer 3's part missing; peer 3 gets no update (its repair mends it)."""
     config = AllReduceConfig(chunk_bytes=1024, upload_timeout=3.0, result_timeout=40.0, join_timeout=30.0,

@@ -141,8 +141,8 @@ class VoteNode:
         # Rounds that left the live table: more than the archive window holds at ten rounds a second, so a
         # late request for one is answered at once (kept, or FORGOTTEN), not held as a round yet to start.
         self._finished: deque[bytes] = deque(maxlen=4096)
-        # (family, step) -> the round this peer ran for them (``RoundSpec.family``): a stream for the same
-        # step and family under another id comes from a peer on another group: never started here
+        # (family, step) -> the round this peer ran (voted or followed) for them (``RoundSpec.family``): a
+        # stream for the same step and family under another id comes from a peer on another group
         self._by_step: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._waiting_key: dict[bytes, tuple[str, int]] = {}  # (family, step) of rounds waited for
         self._waiting: dict[bytes, asyncio.Event] = {}  # rounds asked for before this peer started them
@@ -248,6 +248,7 @@ class VoteNode:
         if state.voted:
             raise ValueError(f"round {spec.round_id.hex()} was already run by this peer")
         state.voted, state.tag = True, tag
+        self._ran(state.spec)
         if self.config.result_deltas and spec.result.name == "majority":
             state.declared = self.bases.declared(spec.nbytes)
         me, report, parts = state.me, state.report, state.report.parts
@@ -287,6 +288,7 @@ class VoteNode:
         if state.voted:
             raise ValueError(f"round {spec.round_id.hex()} was already run by this peer")
         state.voted, state.tag = True, tag
+        self._ran(state.spec)
         state.report.started, state.report.followed = started, True
         red = state.reduction
         if red is not None and not red.closed and not red.next_offset:  # nobody sent this peer votes: no result
@@ -347,19 +349,24 @@ class VoteNode:
         if rid in self._finished:
             raise ValueError(f"round {rid.hex()} was already run by this peer")
         self._rounds[rid] = state
-        if state.spec.family:
-            key = (state.spec.family, state.spec.step)
-            self._by_step[key] = rid
-            while len(self._by_step) > self._finished.maxlen:
-                self._by_step.popitem(last=False)
-            for other in [r for r, k in self._waiting_key.items() if k == key and r != rid and r in self._waiting]:
-                self._waiting.pop(other).set()  # its streams wake to a refusal: another group's round
         while len(self._rounds) > self.config.keep_rounds:
             old, old_state = self._rounds.popitem(last=False)
             self._forget(old_state)
             self._finished.append(old)
         if rid in self._waiting:
             self._waiting.pop(rid).set()
+
+    def _ran(self, spec: RoundSpec) -> None:
+        """This peer runs ``spec`` (votes or follows): no other round of its family and step will run here.
+        (A prepared round is no such promise: a group change before the step prepares another.)"""
+        if not spec.family:
+            return
+        key = (spec.family, spec.step)
+        self._by_step[key] = spec.round_id
+        while len(self._by_step) > self._finished.maxlen:
+            self._by_step.popitem(last=False)
+        for other in [r for r, k in self._waiting_key.items() if k == key and r != spec.round_id and r in self._waiting]:
+            self._waiting.pop(other).set()  # its streams wake to a refusal: another group's round
 
     def _forget(self, state: RoundState) -> None:
         """Take a round out of the live table: stop its reduction if no vote ever came, end the streams
