@@ -144,20 +144,29 @@ def _unpack_kernel(packed_ptr, out_ptr, numel, OUT_BF16: tl.constexpr, BLOCK: tl
 
 
 @triton.jit
-def _lion_pack_one(g_ptr, m_ptr, out_ptr, byte, numel, nbytes, key, beta1, one_minus_beta1, beta2, one_minus_beta2,
-                   G_BF16: tl.constexpr, M_BF16: tl.constexpr, FLIP: tl.constexpr, WHOLE: tl.constexpr):
-    lane = tl.arange(0, 8)
-    pos = byte[:, None] * 8 + lane[None, :]
-    inside = pos < numel
-    g = _load_f32(g_ptr, pos, inside, G_BF16, WHOLE)
-    m = _load_f32(m_ptr, pos, inside, M_BF16, WHOLE)
+def _lion_step_pack(g, m, m_ptr, out_ptr, byte, pos, inside, nbytes, random, beta1, one_minus_beta1, beta2,
+                    one_minus_beta2, M_BF16: tl.constexpr, WHOLE: tl.constexpr):
+    """Lion's direction packed into ``out_ptr`` at ``byte`` (zeros take ``random``), the momentum stepped:
+    the one copy of the math both lion-pack kernels share."""
     c = tl.fma(g, one_minus_beta1, m * beta1)  # the rounding of torch's mul then add_(alpha=)
-    bits = ((c > 0) | ((c == 0) & (_random_bit(key, pos) != FLIP))) & inside
+    bits = ((c > 0) | ((c == 0) & random)) & inside
+    lane = tl.arange(0, 8)
     if WHOLE:
         tl.store(out_ptr + byte, _pack_byte(bits, lane))
     else:
         tl.store(out_ptr + byte, _pack_byte(bits, lane), mask=byte < nbytes)
     _store_f32(m_ptr, pos, tl.fma(g, one_minus_beta2, m * beta2), inside, M_BF16, WHOLE)
+
+
+@triton.jit
+def _lion_pack_one(g_ptr, m_ptr, out_ptr, byte, numel, nbytes, key, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                   G_BF16: tl.constexpr, M_BF16: tl.constexpr, FLIP: tl.constexpr, WHOLE: tl.constexpr):
+    pos = byte[:, None] * 8 + tl.arange(0, 8)[None, :]
+    inside = pos < numel
+    g = _load_f32(g_ptr, pos, inside, G_BF16, WHOLE)
+    m = _load_f32(m_ptr, pos, inside, M_BF16, WHOLE)
+    _lion_step_pack(g, m, m_ptr, out_ptr, byte, pos, inside, nbytes, _random_bit(key, pos) != FLIP, beta1,
+                    one_minus_beta1, beta2, one_minus_beta2, M_BF16, WHOLE)
 
 
 @triton.jit
@@ -362,8 +371,7 @@ def _count_words_kernel(words_ptr, out_ptr, n, nwords, row_stride, NPLANES: tl.c
 @triton.jit
 def _lion_pack_chunk(has_grad, g_ptr, m_ptr, out, byte, numel, coef_ptr, key, t, IS_BF16: tl.constexpr,
                      WHOLE: tl.constexpr, BLOCK: tl.constexpr):
-    lane = tl.arange(0, 8)
-    pos = byte[:, None] * 8 + lane[None, :]
+    pos = byte[:, None] * 8 + tl.arange(0, 8)[None, :]
     inside = pos < numel
     if has_grad:
         g = _load_f32(g_ptr, pos, inside, IS_BF16, WHOLE)
@@ -372,11 +380,9 @@ def _lion_pack_chunk(has_grad, g_ptr, m_ptr, out, byte, numel, coef_ptr, key, t,
     m = _load_f32(m_ptr, pos, inside, IS_BF16, WHOLE)
     beta1, one_minus_beta1 = tl.load(coef_ptr + 4 * t), tl.load(coef_ptr + 4 * t + 1)
     beta2, one_minus_beta2 = tl.load(coef_ptr + 4 * t + 2), tl.load(coef_ptr + 4 * t + 3)
-    c = tl.fma(g, one_minus_beta1, m * beta1)
     random = _random_bit(key & 0xFFFFFFFF, pos) != (((key >> 32) & 1) != 0)
-    bits = ((c > 0) | ((c == 0) & random)) & inside
-    tl.store(out + byte, _pack_byte(bits, lane), mask=byte < (numel + 7) // 8)
-    _store_f32(m_ptr, pos, tl.fma(g, one_minus_beta2, m * beta2), inside, IS_BF16, WHOLE)
+    _lion_step_pack(g, m, m_ptr, out, byte, pos, inside, (numel + 7) // 8, random, beta1, one_minus_beta1, beta2,
+                    one_minus_beta2, IS_BF16, WHOLE)
 
 
 @triton.jit
