@@ -246,7 +246,7 @@ class Upkeep:
             self.failing_since.pop(m.peer_id, None)
             if m.peer_id in healthy.probation:
                 logger.info("%s rejoins without a part, on probation: it was dropped for missed votes and is not "
-                            "dropped for them again until one of its votes counts", m.peer_id)
+                            "dropped for them again until its votes count in %d rounds in a row", m.peer_id, STEADY_ROUNDS)
         desired = plan.members
         if set(desired) == set(latest.members) or not any(m.reduces for m in desired):
             if time.monotonic() - self.published > GROUP_REPUBLISH_S:  # keep the record alive (our own subkey)
