@@ -278,6 +278,32 @@ def test_a_voter_on_another_group_is_refused_at_once_not_after_the_join_timeout(
         np.testing.assert_array_equal(values, expected)
 
 
+def test_a_reducer_still_on_the_step_before_holds_votes_for_its_next_round_past_the_join_timeout():
+    """Peer 0 starts step 8's round 3 s after the others (its round of step 7 ran long), past the 2 s
+    join timeout: the others' votes for its part are held, not refused (a voter one step ahead of a
+    reducer otherwise stays ahead, its votes refused round after round: seen behind a NAT). Part 0
+    counts all four voters and every peer gets their numpy vote there (the other parts closed before
+    peer 0's late votes: the vote of peers 1-3)."""
+    config = AllReduceConfig(chunk_bytes=1024, upload_timeout=6.0, result_timeout=12.0, join_timeout=2.0,
+                             recovery_timeout=2.0)
+    numel = 8 * 4000
+    with LocalSwarm(4, config=config) as swarm:
+        swarm.allreduce(_codes("sign", 4, numel, seed=10), step=7, family="vote")
+        codes = _codes("sign", 4, numel, seed=11)
+        results = swarm.allreduce(codes, step=8, family="vote", prepare=False, delays={0: 3.0})
+        reports = swarm.reports
+    everyone, the_others = numpy_vote(codes, "sign", "majority", numel, 0, 8), \
+        numpy_vote(codes[1:], "sign", "majority", numel, 0, 8)
+    first = reports[1].parts[0]
+    assert sorted(first.counted) == [0, 1, 2, 3] and first.status == "ok", first
+    late = 8 * first.stop
+    for report, result in zip(reports[1:], results[1:]):
+        values = as_values(result, numel)
+        np.testing.assert_array_equal(values[:late], everyone[:late])
+        np.testing.assert_array_equal(values[late:], the_others[late:])
+    assert all(sorted(p.counted) == [1, 2, 3] for p in reports[1].parts[1:])
+
+
 REASONS = {"oversized": "exceeds", "garbage": ("undecodable", "protocol version"), "duplicate": "expected 8", "wrong_round": "unknown round",
            "wrong_part": "not reduced by this peer", "wrong_size": "expected 1 planes", "unknown_encoding": "encoding",
            "old_version": "protocol version"}

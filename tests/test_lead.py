@@ -82,6 +82,21 @@ def test_weights_follow_the_floor_the_sync_and_the_lone_reducer_exception():
     assert weights == {"a": 1.0, "b": 0.0, "c": 0.0, "d": 0.0}  # the only reducer keeps its part
 
 
+def test_a_client_mode_member_finishing_its_sync_changes_nothing_in_the_group():
+    """A member behind NAT reduces nothing, so its group weight is 0 syncing or not: the group made while it
+    syncs is the one made after (a weight 0 -> 1 made a new group from step 0 that split the first step)."""
+    members = (PeerSpec("a"), PeerSpec("b", 0.0, client_mode=True))
+    latest = GroupRecord(1, 0, members)
+    for synced in (False, True):
+        records = _records(b=dict(client_mode=True, synced=synced))
+        healthy = Health({p: r for p, r in records.items() if p in "ab"}, me="a", now=NOW, failures={},
+                         failing_since={}, suspects=set())
+        plan = plan_group(latest, healthy, evicted={}, may_join=lambda r: True)
+        assert plan.members == members, (synced, plan.members)
+    joined = plan_group(GroupRecord(1, 0, members[:1]), healthy, evicted={}, may_join=lambda r: True)
+    assert joined.members == members  # a newcomer in client mode joins with the weight it keeps
+
+
 def test_a_new_group_starts_far_enough_ahead_for_every_member_to_read_it():
     """``lead_steps`` at an internet pace; at dozens of steps per second, the steps the group makes while
     its members read the record (else the leader steps into the new group alone and fails its round)."""

@@ -144,6 +144,7 @@ class VoteNode:
         # (family, step) -> the round this peer ran (voted or followed) for them (``RoundSpec.family``): a
         # stream for the same step and family under another id comes from a peer on another group
         self._by_step: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._newest_ran: dict[str, int] = {}  # family -> the newest step this peer ran a round of
         self._waiting_key: dict[bytes, tuple[str, int]] = {}  # (family, step) of rounds waited for
         self._waiting: dict[bytes, asyncio.Event] = {}  # rounds asked for before this peer started them
         self._waiters: Counter[bytes] = Counter()
@@ -363,6 +364,7 @@ class VoteNode:
             return
         key = (spec.family, spec.step)
         self._by_step[key] = spec.round_id
+        self._newest_ran[spec.family] = max(spec.step, self._newest_ran.get(spec.family, spec.step))
         while len(self._by_step) > self._finished.maxlen:
             self._by_step.popitem(last=False)
         for other in [r for r, k in self._waiting_key.items() if k == key and r != spec.round_id and r in self._waiting]:
@@ -818,7 +820,10 @@ class VoteNode:
         most ``max_pending_rounds`` rounds at once (the stream gate bounds the streams doing so).
         ``family`` and ``step``: which round of its step the asker means, if it says; when this peer ran
         that round under another id (another group), it will never start here: refused at once rather
-        than after the join timeout (seen: 3 rounds at 10 s each, then a repair)."""
+        than after the join timeout (seen: 3 rounds at 10 s each, then a repair). When this peer still
+        runs the step before, the wait goes on up to ``upload_timeout`` longer: its own round starts when
+        that one ends (a voter one step ahead otherwise stays ahead, its votes refused every round: seen
+        behind a NAT, 5 rounds lost and then a drop)."""
         if round_id in self._rounds:
             return self._rounds[round_id]
         if round_id in self._finished:
@@ -831,10 +836,19 @@ class VoteNode:
             self._waiting_key[round_id] = (family, step)
         self._waiters[round_id] += 1
         self._pending_by_peer[peer] += 1
+        loop = asyncio.get_running_loop()
+        hold_until = loop.time() + self.config.join_timeout
+        longest = hold_until + self.config.upload_timeout
         try:
-            await asyncio.wait_for(event.wait(), self.config.join_timeout)
-        except asyncio.TimeoutError:
-            raise WireError(f"unknown round {round_id.hex()[:16]} (not started here within the join timeout)") from None
+            while True:
+                try:
+                    await asyncio.wait_for(event.wait(), max(hold_until - loop.time(), 0.0))
+                    break
+                except asyncio.TimeoutError:
+                    if hold_until >= longest or not self._running_step_before(family, step):
+                        raise WireError(f"unknown round {round_id.hex()[:16]} (not started here within the join "
+                                        f"timeout)") from None
+                    hold_until = longest
         finally:
             self._pending_by_peer[peer] -= 1
             if self._pending_by_peer[peer] <= 0:
@@ -849,6 +863,11 @@ class VoteNode:
             self._refuse_other_group(round_id, family, step)
             raise WireError("round already finished")
         return self._rounds[round_id]
+
+    def _running_step_before(self, family: str, step: int) -> bool:
+        """Whether this peer's newest round (any family: a momentum round follows its step's vote) is of
+        ``step`` - 1 or of ``step`` itself, so that its round of ``family`` and ``step`` comes next."""
+        return bool(family) and max(self._newest_ran.values(), default=-2) in (step - 1, step)
 
     def _refuse_other_group(self, round_id: bytes, family: str, step: int) -> None:
         if family and self._by_step.get((family, step), round_id) != round_id:

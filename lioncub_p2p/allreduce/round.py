@@ -17,7 +17,8 @@ class AllReduceConfig:
       still gets the result). Set it above the slowest peer's compute skew plus its upload time.
     * ``result_timeout``: how long a voter waits, from the start of its round, for each part's
       result; must exceed ``upload_timeout`` plus the result's transfer time.
-    * ``join_timeout``: how long a reducer holds a stream that arrived before its own round started.
+    * ``join_timeout``: how long a reducer holds a stream that arrived before its own round started
+      (up to ``upload_timeout`` longer while the reducer still runs the step before).
     * ``recovery_timeout``: how long a peer asks the others for a part whose reducer failed.
     * ``chunk_bytes``: payload per message (≤ 1 MiB); 256 KiB was fastest on loopback.
     * ``keep_streams_s``: a voter keeps its stream to each reducer for the next round if that comes
@@ -69,7 +70,7 @@ class AllReduceConfig:
     def serve_deadline(self) -> float:
         """The longest a reducer serves one round on one stream, from its first message: the votes,
         a wait for the round to start here, and the result. Whatever the stream does, it ends then."""
-        return self.join_timeout + self.upload_timeout + self.result_timeout
+        return self.join_timeout + 2 * self.upload_timeout + self.result_timeout
 
 
 AUDIT_MIN_RATE = 125_000  # bytes/s (1 Mbit/s): the slowest link an audit answer is given time for

@@ -109,6 +109,8 @@ def plan_group(latest: GroupRecord, healthy: Health, *, evicted: Mapping[str, fl
     lone_reducers = bool(reducible) and max(reducible) < floor
 
     def spec(pid: str, weight: float, client_mode: bool) -> PeerSpec:
+        if client_mode:  # it reduces nothing whatever its weight: a weight that changes as it syncs would make a
+            return PeerSpec(pid, 0.0, True)  # new group that means nothing (and splits a group's first step)
         return PeerSpec(pid, assigned_weight(weight, syncing=pid in syncing, following=pid in following,
                                              resting=pid in healthy.resting, floor=floor,
                                              lone_reducers=lone_reducers), client_mode)
