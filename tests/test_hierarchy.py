@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from lioncub_p2p import ops
+from lioncub_p2p import codecs, ops
 from lioncub_p2p.allreduce import hierarchy
 from lioncub_p2p.allreduce.hierarchy import (assign_groups, combine_counts, group_counts, majority_of_majorities,
                                              upward_bits)
@@ -56,6 +56,33 @@ def test_a_parts_offset_picks_the_tie_bits_of_its_place_in_the_whole_buffer():
     part = combine_counts([group_counts(stack[:4, 16:]), group_counts(stack[4:, 16:])], [4, 4], seed=2, step=3,
                           offset=16)
     assert torch.equal(part, whole[16:])
+
+
+@pytest.mark.parametrize("sizes, left_out", [((4, 4, 4), None), ((5, 4, 3), None), ((32, 31, 7, 1), None),
+                                             ((6, 5, 5), 1)])
+def test_margins_summed_by_an_ordinary_l1_reducer_are_the_flat_majority_bit_for_bit(sizes, left_out):
+    """The second level as an ordinary round: each group's margin as L1 codes, tallied and thresholded by
+    the reducer's own code (``codecs.tally_of`` + ``MajorityResult``), gives the flat majority of every
+    counted voter, ties included; a group left out gives that of the others' voters."""
+    n, nbytes = sum(sizes), 48
+    stack = _votes(n, nbytes, seed=n)
+    stack[:, :4] = 0b01010101  # many exact ties wherever the counted voters are even
+    starts = np.cumsum((0,) + sizes)
+    groups = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
+    bits = hierarchy.margin_bits(max(sizes))
+    codec = codecs.L1Upload(bits)
+    counted = [g for q, g in enumerate(groups) if q != left_out]
+    margins = [hierarchy.margin_codes(group_counts(stack[g]), len(g), bits) for g in counted]
+    combined = codecs.MajorityResult().encode(codecs.tally_of(codec, margins), len(margins) * codec.max_code,
+                                              8 * nbytes, seed=5, step=9)
+    voters = [v for g in counted for v in g]
+    assert torch.equal(combined, ops.majority_vote(stack[voters], seed=5, step=9))
+    ref = _np_majority(stack[voters].numpy())  # independent of ops where no tie
+    got = np.unpackbits(combined.numpy(), bitorder="little")
+    decided = ref >= 0
+    assert np.array_equal(got[decided], ref[decided]) and (len(voters) % 2 == 1) == decided.all()
+    with pytest.raises(ValueError):
+        hierarchy.margin_codes(group_counts(stack[:8]), 8, 4)  # 8 voters need 5 bits
 
 
 def test_majority_of_majorities_is_numpys_and_can_differ_from_the_flat_majority():

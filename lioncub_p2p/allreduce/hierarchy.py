@@ -25,9 +25,19 @@ slice of part k and sends that slice's majority back to the other G - 1), and ea
 result to its group. Per peer and round that is 2(g - 1) + 2(G - 1) messages instead of 2(n - 1).
 ``sim/scale.py`` times this pattern against the flat butterfly for hundreds of peers.
 
-Not built yet: the second-level exchange on the wire (its messages and failure rules: a group whose
-counts miss a combiner's deadline would be left out of that slice, as a late voter is today); these
-are the pieces it will use, tested against numpy.
+The second level can be an ordinary round: a group's counts travel as the L1 codes of its *margin*
+(``margin_codes``: 2c - v + s per position, c of its v voters for, s = 2^(bits-1) - 1), and a reducer
+that sums L1 codes and thresholds the sum at half of G·2s with the (seed, step) tie stream, which is
+what ``codecs.L1Upload`` with ``MajorityResult`` already does, gives the flat majority bit for bit:
+sum(2c - v) > 0 exactly when 2·sum(c) > sum(v), and the ties fall on the same positions. A group left
+out (late at the combiner, as a late voter is today) leaves the flat majority of the other groups'
+voters. So the combiner's deadline, its signed result and the audits among combiners would come
+with the round machinery; a tie offset for a part of the whole buffer would not (``RoundSpec`` has none).
+
+Not built yet: the second-level exchange on the wire (level-1 reducers holding their voters' streams
+while they combine, the result forwarded to the voters with the combiners' signatures, audits that
+follow a margin from a group's votes to the combiner, the group record's layout); these are the
+pieces it will use, tested against numpy.
 """
 from __future__ import annotations
 
@@ -37,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ops
+from .. import codecs, ops
 from .partition import PeerSpec, part_bounds
 
 
@@ -108,6 +118,24 @@ def combine_counts(planes: Sequence[torch.Tensor], voters: Sequence[int], *, see
                                 nbytes * 8) > 0
         bits |= (counts * 2 == total) & ties
     return ops.pack_signs(bits.to(torch.float32) * 2 - 1)
+
+
+def margin_bits(max_group: int) -> int:
+    """Code planes for margins of groups of up to ``max_group`` voters (|2c - v| <= v <= s)."""
+    bits = ops.planes_needed(max_group) + 1
+    if not 2 <= bits <= 8:
+        raise ValueError(f"margins of groups of {max_group} voters need {bits} bits; L1 codes hold 2..8")
+    return bits
+
+
+def margin_codes(planes: torch.Tensor, voters: int, bits: int) -> torch.Tensor:
+    """A group's count planes (``group_counts``, ``voters`` counted) as (bits, nbytes) L1 codes of its
+    margin, 2c - v + s: what its reducer would send to the second level as an ordinary L1 vote."""
+    s = (1 << (bits - 1)) - 1
+    if not 0 <= voters <= s:
+        raise ValueError(f"{voters} voters do not fit in {bits}-bit margins")
+    margin = 2 * ops.planes_to_counts(planes).to(torch.int32) - voters + s
+    return codecs.pack_planes(margin, bits)
 
 
 def majority_of_majorities(group_results: torch.Tensor, *, seed: int = 0, step: int = 0) -> torch.Tensor:
