@@ -222,6 +222,34 @@ class LocalSwarm:
         self.reports = [o[1] if o is not None else None for o in outcomes]
         return [o[0] if o is not None else None for o in outcomes]
 
+    def two_level(self, uploads: Sequence[torch.Tensor], *, max_size: int, step: int = 0, seed: int = 0,
+                  epoch: int = 0, absent: Sequence[int] = (), timeout: float = 120.0) -> list[torch.Tensor | None]:
+        """One two-level vote of packed signs (``hierarchy.two_level_specs``): groups of at most
+        ``max_size`` from ``epoch``, every live peer voting in its group's round; ``absent`` peers stay
+        silent. One update per peer (None for the absent); ``reports`` as in ``allreduce``."""
+        from .allreduce.hierarchy import two_level_layout, two_level_specs
+
+        codes = [u.reshape(1, -1) if u.dim() == 1 else u for u in uploads]
+        ids = [p.peer_id for p in self.group]
+        layout = two_level_layout(ids, epoch, codes[0].shape[1], max_size)
+        specs = two_level_specs(f"local-{id(self)}-{next(self._rounds)}".encode(), step, layout, codes[0].shape[1],
+                                seed=seed)
+
+        async def run() -> list:
+            for i in range(self.n):  # as a swarm does at the end of the previous round
+                self.nodes[i].prepare_round(specs[ids[i]])
+            voting = [i for i in range(self.n) if self.alive[i] and i not in absent]
+            done = await asyncio.gather(*(self.nodes[i].run_round(specs[ids[i]], codes[i]) for i in voting),
+                                        return_exceptions=True)
+            outcomes: list = [None] * self.n
+            for i, value in zip(voting, done):
+                outcomes[i] = None if isinstance(value, BaseException) else value
+            return outcomes
+
+        outcomes = self._loop.run(run(), timeout=timeout)
+        self.reports = [o[1] if o is not None else None for o in outcomes]
+        return [o[0] if o is not None else None for o in outcomes]
+
     async def _round(self, spec: RoundSpec, codes: list[torch.Tensor], behaviors: dict[int, Behavior],
                      delays: dict[int, float], tags: list[bytes], prepare: bool = True,
                      follow: dict[int, float] | None = None):

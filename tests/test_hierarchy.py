@@ -126,3 +126,58 @@ def test_two_level_layout_covers_the_buffer_once_per_level_and_names_a_reducer_i
         assert all(a[1] == b[0] for a, b in zip(slices, slices[1:]))  # contiguous
         assert {layout.reducer(g, k) for g in range(len(layout.groups))} <= set(ids)
     assert (coverage == 1).all()
+
+
+def _two_level_expected(stack: torch.Tensor, layout, ids: list[str], reports, *, seed: int, step: int) -> torch.Tensor:
+    """What a two-level vote must give, from who was counted: each slice of each part is the flat majority
+    (``ops.majority_vote``, its tie stream at the slice's place) of the voters its group counted, over
+    the groups that its combiner counted (a group late at the combiner is left out of that slice)."""
+    out = torch.zeros(stack.shape[1], dtype=torch.uint8)
+    for k, _ in enumerate(layout.parts):
+        combiner_view = reports[ids.index(layout.groups[0][k])].combine
+        for q, (a, b) in enumerate(layout.slices[k]):
+            voters = []
+            for g in combiner_view.parts[q].counted:
+                members = layout.groups[g]
+                first_level = next(reports[ids.index(m)] for m in members if reports[ids.index(m)] is not None)
+                voters += [ids.index(members[v]) for v in first_level.parts[k].counted]
+            out[a:b] = ops.majority_vote(stack[sorted(voters)], seed=seed, step=step)[a:b]
+    return out
+
+
+@pytest.mark.slow
+def test_a_two_level_vote_on_the_wire_gives_every_peer_the_flat_majority_bit_for_bit():
+    """13 VoteNodes over libp2p in groups of at most 4 (4, 3, 3, 3: one member of the group of 4 reduces
+    nothing): each group votes, each part's reducers combine their groups' margins in a second-level
+    round, and every peer gets the same update: the flat majority of all 13 votes wherever every group
+    and voter was counted (numpy where no tie; the tie stream at each slice's place in the buffer); a
+    group late at a combiner is left out of that slice, for every peer alike. Then that member stays
+    silent: its group comes late (it waits for it) and the 12 others' votes decide, ties included."""
+    from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
+
+    n, nbytes = 13, 4096
+    stack = _votes(n, nbytes, seed=21)
+    with LocalSwarm(n, config=FAST_CONFIG) as swarm:
+        ids = [p.peer_id for p in swarm.group]
+        layout = hierarchy.two_level_layout(ids, 0, nbytes, max_size=4)
+        assert sorted(len(g) for g in layout.groups) == [3, 3, 3, 4]
+        partless = ids.index(next(g[3] for g in layout.groups if len(g) == 4))
+        runs = []
+        for step, absent in ((3, []), (4, [partless])):
+            results = swarm.two_level(list(stack), max_size=4, step=step, seed=5, absent=absent)
+            runs.append((step, absent, results, list(swarm.reports)))
+        swarm.settle_audits()  # the combiners audit each other's slices: tie offset included, nobody lied
+        audited = sum(r.combine.audit is not None for _, _, _, reports in runs for r in reports
+                      if r is not None and r.combine is not None)
+        assert audited >= 12 and not any(node.caught for node in swarm.nodes), [n.caught for n in swarm.nodes]
+    for step, absent, results, reports in runs:
+        expected = _two_level_expected(stack, layout, ids, reports, seed=5, step=step)
+        for i, result in enumerate(results):
+            assert (result is None) == (i in absent) and (result is None or torch.equal(result, expected)), (step, i)
+        combined = [r.combine for r in reports if r is not None and r.combine is not None]
+        assert len(combined) == 12 and all(p.status == "ok" for r in combined for p in r.parts)  # 3 parts x 4 groups
+    ref = _np_majority(stack.numpy())
+    assert (ref >= 0).all() and np.array_equal(np.unpackbits(ops.majority_vote(stack, seed=5, step=3).numpy(),
+                                                             bitorder="little"), ref)
+    voted = [i for i in range(n) if i != partless]
+    assert (_np_majority(stack[voted].numpy()) < 0).sum() > 100  # ties: a wrong tie offset flips about half

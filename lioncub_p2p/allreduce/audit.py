@@ -94,7 +94,8 @@ def recount(header: pb.ResultHeader, upload: UploadCodec, result: ResultCodec, k
     tally = upload.tally(length, header.group_size)
     for voter, c in zip(header.counted, codes):
         tally.add(voter, c, 0)
-    wire = tally.encode(result, list(header.counted), seed=header.seed, step=header.step, offset=header.start + a)
+    wire = tally.encode(result, list(header.counted), seed=header.seed, step=header.step,
+                        offset=header.tie_offset + header.start + a)
     leaf_header = pb.ResultHeader()
     leaf_header.CopyFrom(header)
     leaf_header.start, leaf_header.stop = header.start + a, header.start + b

@@ -130,7 +130,8 @@ def build_header(spec: RoundSpec, part: int, counted: Sequence[int], roots: Sequ
         result=result_wire(spec.result), trim=getattr(spec.result, "trim", 0.0) if spec.result.name == "trimmed_mean"
         else 0.0, seed=spec.seed, group_size=len(spec.group), counted=list(counted), roots=list(roots), tag=tag,
         tag_votes=tag_votes, wire_digest=hashlib.sha256(wire).digest(),
-        leaf_bytes=leaf_bytes(stop - start, spec.upload.planes), statements=list(statements))
+        leaf_bytes=leaf_bytes(stop - start, spec.upload.planes), statements=list(statements),
+        tie_offset=spec.tie_offset)
     return header.SerializeToString(deterministic=True)
 
 
@@ -164,9 +165,9 @@ def check_header(spec: RoundSpec, part: int, raw: bytes) -> pb.ResultHeader:
     start, stop = spec.bounds[part]
     upload, bits = upload_wire(spec.upload)
     expected = (spec.round_id, spec.step, part, start, stop, upload, bits, result_wire(spec.result), spec.seed,
-                len(spec.group), leaf_bytes(stop - start, spec.upload.planes))
+                len(spec.group), leaf_bytes(stop - start, spec.upload.planes), spec.tie_offset)
     got = (header.round_id, header.step, header.part, header.start, header.stop, header.upload, header.upload_bits,
-           header.result, header.seed, header.group_size, header.leaf_bytes)
+           header.result, header.seed, header.group_size, header.leaf_bytes, header.tie_offset)
     if got != expected:
         raise WireError("result header describes another round, part or encoding")
     if spec.result.name == "trimmed_mean" and header.trim != np.float32(spec.result.trim):

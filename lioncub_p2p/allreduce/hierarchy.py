@@ -25,19 +25,25 @@ slice of part k and sends that slice's majority back to the other G - 1), and ea
 result to its group. Per peer and round that is 2(g - 1) + 2(G - 1) messages instead of 2(n - 1).
 ``sim/scale.py`` times this pattern against the flat butterfly for hundreds of peers.
 
-The second level can be an ordinary round: a group's counts travel as the L1 codes of its *margin*
-(``margin_codes``: 2c - v + s per position, c of its v voters for, s = 2^(bits-1) - 1), and a reducer
-that sums L1 codes and thresholds the sum at half of G·2s with the (seed, step) tie stream, which is
-what ``codecs.L1Upload`` with ``MajorityResult`` already does, gives the flat majority bit for bit:
-sum(2c - v) > 0 exactly when 2·sum(c) > sum(v), and the ties fall on the same positions. A group left
-out (late at the combiner, as a late voter is today) leaves the flat majority of the other groups'
-voters. So the combiner's deadline, its signed result and the audits among combiners would come
-with the round machinery; a tie offset for a part of the whole buffer would not (``RoundSpec`` has none).
+**On the wire, the second level is an ordinary round.** A group's counts travel as the L1 codes of
+its *margin* (``margin_codes``: 2c - v + s per position, c of its v counted voters for, s =
+2^(bits-1) - 1), and a reducer that sums L1 codes and thresholds the sum at half of G·2s with the
+(seed, step) tie stream, which is what ``codecs.L1Upload`` with ``MajorityResult`` does, gives the flat
+majority bit for bit: sum(2c - v) > 0 exactly when 2·sum(c) > sum(v), and the ties fall on the same
+positions (``RoundSpec.tie_offset`` places a part's round in the whole buffer's tie stream).
+``two_level_specs`` builds each peer's first-level round with ``RoundSpec.combine``: the reducer of
+part k closes its group's count (``PartReduction.counts``), votes the margins in part k's round among
+the G groups' reducers of part k (``VoteNode._combine``, prepared with the first level so that early
+groups' margins are counted as they come) and returns that round's majority as part k's result,
+signed by itself, to its group's voters. So the combiner's deadline, quorum (over groups), signed
+results, recovery and audits among the combiners are the round machinery's: a group late at a
+combiner is left out of that slice for every peer alike, and a slice nobody received leaves part k
+without a result in every group (``LocalSwarm.two_level``, tested with 13 nodes).
 
-Not built yet: the second-level exchange on the wire (level-1 reducers holding their voters' streams
-while they combine, the result forwarded to the voters with the combiners' signatures, audits that
-follow a margin from a group's votes to the combiner, the group record's layout); these are the
-pieces it will use, tested against numpy.
+Not built yet: audits of a first-level result (a voter would have to follow its part from its group's
+votes to the combiners' signed slices; first-level results of a two-level round are not audited),
+the group record naming the layout and the swarm running two-level rounds (``Swarm`` votes flat), and
+measurements of round time on the wire (``sim/scale.py`` models it).
 """
 from __future__ import annotations
 
@@ -49,6 +55,7 @@ import torch
 
 from .. import codecs, ops
 from .partition import PeerSpec, part_bounds
+from .round import RoundSpec
 
 
 def assign_groups(peer_ids: Sequence[str], epoch: int, max_size: int = 32) -> list[list[str]]:
@@ -89,6 +96,31 @@ def two_level_layout(peer_ids: Sequence[str], epoch: int, nbytes: int, max_size:
     slices = tuple(tuple((start + a, start + b) for a, b in part_bounds(stop - start, combiners))
                    for start, stop in parts)
     return TwoLevelLayout(groups, parts, slices)
+
+
+def two_level_specs(round_id: bytes, step: int, layout: TwoLevelLayout, nbytes: int, *, seed: int = 0,
+                    family: str = "") -> dict[str, RoundSpec]:
+    """Each peer's first-level round of a two-level vote at ``layout``: its group's round, in which member k
+    reduces ``layout.parts[k]`` (members past the smallest group's size reduce nothing) and then runs the
+    part's second-level round among the groups' reducers of part k (``RoundSpec.combine``): margins as L1
+    votes, combiner q counting ``layout.slices[k][q]``, ties from the part's place in the whole buffer.
+    Every peer builds the same specs from the same layout; round ids are derived from ``round_id``."""
+    def derived(*what: object) -> bytes:
+        return hashlib.blake2b(repr((round_id, *what)).encode(), digest_size=16).digest()
+
+    size = len(layout.parts)
+    bits = margin_bits(max(len(g) for g in layout.groups))
+    combine = tuple(RoundSpec(derived("part", k), step, tuple(PeerSpec(g[k]) for g in layout.groups), b - a,
+                              codecs.L1Upload(bits), codecs.MajorityResult(), seed, family=family and "combine",
+                              tie_offset=a) for k, (a, b) in enumerate(layout.parts))
+    specs = {}
+    for q, members in enumerate(layout.groups):
+        group = tuple(PeerSpec(pid, 1.0 if k < size else 0.0) for k, pid in enumerate(members))
+        spec = RoundSpec(derived("group", q), step, group, nbytes, seed=seed, family=family,
+                         combine=combine + (None,) * (len(members) - size))
+        assert spec.bounds[:size] == list(layout.parts), "a group's parts are the layout's"
+        specs.update(dict.fromkeys(members, spec))
+    return specs
 
 
 def group_counts(stack: torch.Tensor) -> torch.Tensor:

@@ -67,8 +67,9 @@ from ..wire.gate import StreamGate, guard
 from .admission import OPEN, Admission
 from .archive import FORGOTTEN, RoundArchive
 from .audit import MAX_AUDIT_LEAVES, check_statements, decoded, judge, make_evidence, value_bound
-from .commit import (DIGEST_BYTES, MAX_HEADER_BYTES, MAX_TAG_BYTES, check_header, leaf_bytes, leaf_count, leaf_of, parse_header,
-                     result_signed_bytes, root_of, statement_signed_bytes)
+from .commit import (DIGEST_BYTES, MAX_HEADER_BYTES, MAX_TAG_BYTES, build_header, check_header, leaf_bytes, leaf_count,
+                     leaf_of, parse_header, result_signed_bytes, root_of, statement_signed_bytes)
+from . import hierarchy
 from .deadline import AdaptiveDeadline
 from .punctuality import Punctuality
 from .reducer import PartReduction
@@ -223,6 +224,8 @@ class VoteNode:
             late = self.punctuality.late()
             state.reduction.excuse(frozenset(i for i, p in enumerate(spec.group) if p.peer_id in late and i != me))
             state.reducing = asyncio.create_task(self._reduce_part(state, state.reduction, state.direct[me]))
+            if spec.combine and spec.combine[me] is not None:  # count other groups' margins as they come
+                self.prepare_round(spec.combine[me])
         self._register(state)
         return state
 
@@ -416,6 +419,8 @@ class VoteNode:
             self.deadline.observe(None)
         self._emit("finalize")
         outcome = red.close()
+        if outcome is not None and state.spec.combine:
+            outcome = await self._combine(state, red, outcome)
         group = state.spec.group
         self.punctuality.observe({group[v].peer_id for v in red.complete},
                                  {p.peer_id for i, p in enumerate(group) if i != state.me})
@@ -432,6 +437,30 @@ class VoteNode:
         state.report.timings["reduce"] = time.perf_counter() - started  # from the first vote
         red.result.set_result(outcome)
         result.set_result(outcome)
+
+    async def _combine(self, state: RoundState, red: PartReduction, outcome: PartResult) -> PartResult | None:
+        """A two-level vote's second level: this group's counts of the part go to the part's round among
+        the groups (``spec.combine``, margins as L1 votes, ``hierarchy.margin_codes``); its majority, the
+        flat majority of every group counted there, is this part's result. None when a slice of it is
+        missing (every group misses it alike) or the round could not run."""
+        combine = state.spec.combine[state.me]
+        try:
+            margins = hierarchy.margin_codes(red.counts, len(outcome.counted), combine.upload.bits)
+            update, report = await self.run_round(combine, margins)
+        except Exception as e:  # never let the second level take the first one down
+            logger.warning("round %s part %d: second level failed: %s: %s", state.spec.round_id.hex()[:12],
+                           red.part, type(e).__name__, e)
+            return None
+        finally:
+            red.counts = None
+        state.report.combine = report
+        if update.dtype != torch.uint8:  # a slice nobody received: no result for the part
+            return None
+        wire = update.numpy().tobytes()
+        header = build_header(state.spec, red.part, outcome.counted, outcome.roots, outcome.tag, outcome.tag_votes,
+                              wire)
+        red.outcome = dataclasses.replace(outcome, wire=wire, header=header)
+        return red.outcome
 
     async def _vote_remote(self, state: RoundState, j: int, upload: torch.Tensor,
                            statement: pb.VoterStatement | None, turn: asyncio.Lock, started: float) -> None:
@@ -694,7 +723,7 @@ class VoteNode:
     def _start_audits(self, state: RoundState, outcomes: dict[int, PartResult]) -> None:
         """Audit ``audits_per_round`` other reducers' parts, chosen now that their results are in."""
         candidates = sorted(j for j, outcome in outcomes.items() if j != state.me and outcome.header)
-        if not candidates:
+        if not candidates or state.spec.combine:  # two-level: a part is not its group's majority (not built)
             return
         if len(self._audits) >= MAX_AUDITS_IN_FLIGHT:
             self.audits_expired += 1

@@ -48,6 +48,7 @@ class PartReduction:
         self.statements: dict[int, pb.VoterStatement] = {}  # momentum rounds: each voter's signed bound
         self.closed = False
         self.outcome: PartResult | None = None
+        self.counts: torch.Tensor | None = None  # a two-level vote's counted votes, as count planes
         # what audits open: each counted voter's codes and their Merkle tree, until the round is forgotten
         self.votes: dict[int, np.ndarray] = {}
         self.trees: dict[int, MerkleTree] = {}
@@ -149,8 +150,10 @@ class PartReduction:
                         self.spec.round_id.hex()[:12], self.part, len(counted), len(self.spec.group), self.quorum)
             self.votes.clear(), self.trees.clear()
             return None
+        if self.spec.combine:  # a two-level vote: the counts go on to the second level (``VoteNode._combine``)
+            self.counts = self.tally.tally.planes().clone()
         wire = self.tally.encode(self.spec.result, counted, seed=self.spec.seed, step=self.spec.step,
-                                 offset=self.start).numpy().tobytes()
+                                 offset=self.spec.tie_offset + self.start).numpy().tobytes()
         tags = Counter(self.tags.get(v, b"") for v in counted)
         tag, votes = min(tags.items(), key=lambda kv: (-kv[1], kv[0]))
         roots = tuple(self.trees[v].root for v in counted)

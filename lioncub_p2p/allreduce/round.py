@@ -129,6 +129,10 @@ class RoundSpec:
     # which of a step's rounds this is ("vote", "momentum"): a peer that ran the step's round of this
     # family under another id (another group) refuses streams for this one at once; "": no such check
     family: str = ""
+    # A two-level vote (``hierarchy.py``): ``combine[k]`` is the second-level round the reducer of part
+    # k runs with its group's counts, whose result it returns as part k's; () for a one-level round.
+    combine: tuple["RoundSpec | None", ...] = ()
+    tie_offset: int = 0  # where this buffer starts in the (seed, step) tie stream: a part of a larger one
 
     def __post_init__(self) -> None:
         ids = [p.peer_id for p in self.group]
@@ -138,6 +142,10 @@ class RoundSpec:
             raise ValueError("round_id must be 1..64 bytes")
         if len(self.family) > MAX_FAMILY_CHARS:
             raise ValueError(f"family must be at most {MAX_FAMILY_CHARS} characters")
+        if self.tie_offset < 0 or self.tie_offset % 4:
+            raise ValueError(f"tie_offset must be a non-negative multiple of 4, got {self.tie_offset}")
+        if self.combine and (len(self.combine) != len(self.group) or self.result.name != "majority"):
+            raise ValueError("a two-level vote names one second-level round per member and votes a majority")
         object.__setattr__(self, "_bounds", part_bounds(self.nbytes, self.group))
         object.__setattr__(self, "_index", {pid: i for i, pid in enumerate(ids)})
 
@@ -240,6 +248,7 @@ class RoundReport:
     # Reducers this peer caught since its previous round returned: in this round (a wrong root for its
     # own codes) or by audits of earlier rounds that ended meanwhile. The swarm drops and refuses them.
     caught: list[Caught] = field(default_factory=list)
+    combine: "RoundReport | None" = None  # a two-level vote: this peer's second-level round, if it ran one
 
     @property
     def missing_parts(self) -> list[int]:
