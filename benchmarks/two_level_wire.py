@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from lioncub_p2p import ops
-from lioncub_p2p.allreduce import hierarchy
+from lioncub_p2p.allreduce import AllReduceConfig, hierarchy
 from lioncub_p2p.testing import LocalSwarm
 
 try:
@@ -34,16 +34,25 @@ def _sent(report) -> int:
     return report.bytes_up + (report.combine.bytes_up if report.combine is not None else 0)
 
 
+def _uploads(n: int, numel: int, step: int) -> list[torch.Tensor]:
+    """Fresh signs every step, the same for both kinds."""
+    return [ops.pack_signs(torch.randn(numel, generator=torch.Generator().manual_seed(step * 100_003 + i)))
+            for i in range(n)]
+
+
 def measure(n: int, numel: int, max_size: int, rounds: int) -> dict:
-    uploads = [ops.pack_signs(torch.randn(numel, generator=torch.Generator().manual_seed(i))) for i in range(n)]
-    stack = torch.stack(uploads)
+    uploads = _uploads(n, numel, 0)
     rows: dict[str, dict[str, list]] = {kind: {"s": [], "bytes": [], "exact": []} for kind in ("flat", "two-level")}
-    with LocalSwarm(n) as swarm:
+    # results as deltas off: a two-level round's result equals the flat round's of the same step, a delta
+    # against it would be free (both kinds vote the same signs at each step)
+    with LocalSwarm(n, config=AllReduceConfig(result_deltas=False)) as swarm:
         ids = [p.peer_id for p in swarm.group]
-        layout = hierarchy.two_level_layout(ids, 0, stack.shape[1], max_size)
+        layout = hierarchy.two_level_layout(ids, 0, uploads[0].numel(), max_size)
         swarm.allreduce(uploads)  # warm-up: connections
         swarm.two_level(uploads, max_size=max_size)
         for step in range(1, rounds + 1):
+            uploads = _uploads(n, numel, step)
+            stack = torch.stack(uploads)
             for kind in ("flat", "two-level"):
                 if kind == "flat":
                     results = swarm.allreduce(uploads, step=step)
