@@ -36,6 +36,24 @@ def test_groups_partition_the_members_evenly_the_same_whatever_the_order_and_cha
         assign_groups(["a", "a"], epoch=0)
 
 
+def test_members_that_cannot_reduce_are_spread_after_the_reducers_and_never_get_a_part():
+    peers = [f"peer{i}" for i in range(20)]
+    reducers = set(peers[:14])  # six behind NAT, syncing or following: no part
+    groups = assign_groups(peers, epoch=1, max_size=8, reducers=reducers)
+    assert assign_groups(peers[::-1], epoch=1, max_size=8, reducers=reducers) == groups
+    assert len(groups) == 3 and sorted(len(g) for g in groups) == [6, 7, 7]
+    assert sorted(p for g in groups for p in g) == sorted(peers)
+    layout = hierarchy.two_level_layout(peers, 1, 4096, max_size=8, reducers=reducers)
+    assert len(layout.parts) == min(sum(p in reducers for p in g) for g in groups) == 4
+    assert all(layout.reducer(q, k) in reducers for q in range(3) for k in range(4))
+    specs = hierarchy.two_level_specs(b"r", 0, layout, 4096)
+    reducing = {p.peer_id for spec in specs.values() for p in spec.group if p.reduces}
+    assert reducing <= reducers
+    assert len(assign_groups(peers, epoch=1, max_size=2, reducers={"peer3", "peer7"})) == 2  # one per reducer
+    with pytest.raises(ValueError):
+        assign_groups(peers, epoch=1, reducers=set())
+
+
 @pytest.mark.parametrize("n, sizes", [(12, 4), (13, 4), (64, 16), (65, 32), (40, 40)])
 def test_exact_counts_combined_are_the_flat_majority_bit_for_bit(n, sizes):
     stack = _votes(n, 64, seed=n)

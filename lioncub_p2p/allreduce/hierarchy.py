@@ -48,7 +48,7 @@ the group record naming the layout and the swarm running two-level rounds (``Swa
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,16 +58,29 @@ from .partition import PeerSpec, part_bounds
 from .round import RoundSpec
 
 
-def assign_groups(peer_ids: Sequence[str], epoch: int, max_size: int = 32) -> list[list[str]]:
+def assign_groups(peer_ids: Sequence[str], epoch: int, max_size: int = 32,
+                  reducers: Collection[str] | None = None) -> list[list[str]]:
     """Split the members into ceil(n / max_size) groups whose sizes differ by at most one, in an order
-    drawn from (epoch, peer id): the same on every peer, whatever order it lists the members in."""
+    drawn from (epoch, peer id): the same on every peer, whatever order it lists the members in.
+
+    ``reducers`` (default: everyone): the members that may reduce a part (not in client mode, weight
+    above 0). They are spread evenly and listed first in each group; the others fill the smallest
+    groups after them; never more groups than reducers (a group needs one)."""
     if max_size < 1:
         raise ValueError(f"max_size must be at least 1, got {max_size}")
     if len(set(peer_ids)) != len(peer_ids):
         raise ValueError("peer ids must be distinct")
     order = sorted(peer_ids, key=lambda pid: hashlib.blake2b(f"{epoch}|{pid}".encode(), digest_size=16).digest())
-    count = max(1, -(-len(order) // max_size))
-    return [order[i::count] for i in range(count)] if order else []
+    if not order:
+        return []
+    able = [pid for pid in order if reducers is None or pid in reducers]
+    if not able:
+        raise ValueError("no member may reduce: a group needs a reducer")
+    count = min(max(1, -(-len(order) // max_size)), len(able))
+    groups = [able[i::count] for i in range(count)]
+    for pid in (pid for pid in order if reducers is not None and pid not in reducers):
+        min(groups, key=len).append(pid)  # the first of the smallest: the same on every peer
+    return groups
 
 
 @dataclass(frozen=True)
@@ -86,12 +99,15 @@ class TwoLevelLayout:
         return self.groups[group][part]
 
 
-def two_level_layout(peer_ids: Sequence[str], epoch: int, nbytes: int, max_size: int = 32) -> TwoLevelLayout:
-    """The layout for these members at this group epoch (``assign_groups``, then equal parts)."""
-    groups = tuple(tuple(g) for g in assign_groups(peer_ids, epoch, max_size))
+def two_level_layout(peer_ids: Sequence[str], epoch: int, nbytes: int, max_size: int = 32,
+                     reducers: Collection[str] | None = None) -> TwoLevelLayout:
+    """The layout for these members at this group epoch (``assign_groups``, then equal parts, as many as
+    the group with the fewest reducers has: they are listed first, so member k of every group may reduce)."""
+    groups = tuple(tuple(g) for g in assign_groups(peer_ids, epoch, max_size, reducers))
     if not groups:
         raise ValueError("a two-level round needs at least one peer")
-    parts = tuple(part_bounds(nbytes, [PeerSpec(str(k)) for k in range(min(len(g) for g in groups))]))
+    size = min(sum(reducers is None or pid in reducers for pid in g) for g in groups)
+    parts = tuple(part_bounds(nbytes, [PeerSpec(str(k)) for k in range(size)]))
     combiners = [PeerSpec(str(q)) for q in range(len(groups))]
     slices = tuple(tuple((start + a, start + b) for a, b in part_bounds(stop - start, combiners))
                    for start, stop in parts)
