@@ -454,6 +454,7 @@ class VoteNode:
         finally:
             red.counts = None
         state.report.combine = report
+        self._new_caught.extend(report.caught)  # reported with the first level's round, which the swarm reads
         if update.dtype != torch.uint8:  # a slice nobody received: no result for the part
             return None
         wire = update.numpy().tobytes()
