@@ -64,12 +64,12 @@ from ..identity import Identity, Verifier
 from ..ops import unpack_signs
 from ..wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, WireError, close_after_reply, pb, read_frame, write_frame
 from ..wire.gate import StreamGate, guard
+from . import hierarchy
 from .admission import OPEN, Admission
 from .archive import FORGOTTEN, RoundArchive
 from .audit import MAX_AUDIT_LEAVES, check_statements, decoded, judge, make_evidence, value_bound
 from .commit import (DIGEST_BYTES, MAX_HEADER_BYTES, MAX_TAG_BYTES, build_header, check_header, leaf_bytes, leaf_count,
                      leaf_of, parse_header, result_signed_bytes, root_of, statement_signed_bytes)
-from . import hierarchy
 from .deadline import AdaptiveDeadline
 from .punctuality import Punctuality
 from .reducer import PartReduction
