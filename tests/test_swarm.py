@@ -441,9 +441,10 @@ def test_a_peer_dropped_near_the_end_still_ends_with_the_final_state(monkeypatch
         assert "rejoining" in caplog.text or "downloading the state" in caplog.text
 
 
-def _stalled_run(name: str, steps: int, seconds: float, caplog) -> tuple[dict, str, list[GroupRecord]]:
+def _stalled_run(name: str, steps: int, seconds: float, caplog) -> tuple[dict, str, list[GroupRecord], set[str]]:
     """4 members train ``steps`` steps, the last one stalling ``seconds`` at step 15; all must end at
-    ``steps`` with equal parameters. The run's output, the stalled peer and the groups another saw."""
+    ``steps`` with equal parameters. The run's output, the stalled peer, the groups another saw, and
+    the members whose part the leader (the first in group order) saw fail alone."""
     seen = {}
     with caplog.at_level(logging.INFO, logger="lioncub_p2p.swarm"):
         out = _train_swarm([_config(name) for _ in range(4)], steps, stall=("last", 15, seconds),
@@ -451,24 +452,29 @@ def _stalled_run(name: str, steps: int, seconds: float, caplog) -> tuple[dict, s
     assert {out[i][0] for i in range(4)} == {steps}
     assert len({out[i][1] for i in range(4)}) == 1
     groups = sorted(seen[(out["stalled"] + 1) % 4].history.by_epoch.values(), key=lambda g: g.epoch)
-    return out, seen[out["stalled"]].peer_id, groups
+    leader = min(seen.values(), key=lambda s: s.peer_id)
+    return out, seen[out["stalled"]].peer_id, groups, set(leader.upkeep.part_failed_at)
 
 
 @pytest.mark.slow
 def test_a_stalled_reducer_rests_without_a_part_instead_of_costing_every_round_a_timeout(caplog):
-    """A member stalls 3 s (under the 5 s after which it would be dropped): every round in between loses
-    its part after the join timeout. The leader sees that part missing while the others came through
-    and gives it no part for ``REST_S`` (it still votes), so the group's next rounds do not wait on it;
-    everyone ends equal."""
-    out, stalled, groups = _stalled_run("rest", 50, 3.0, caplog)
+    """A member stalls 3 s (under the 5 s after which it would be dropped). A round whose votes reach it
+    before it runs the step before loses its part after the join timeout (those that reach it while it
+    runs the step before are held until its round starts); when the leader sees that part missing while
+    the others came through, it gives it no part for ``REST_S`` (it still votes), so the group's next
+    rounds do not wait on it. It is never dropped, at most 2 rounds are slow, everyone ends equal.
+    (Which rounds lose its part depends on timing since the hold; the rest itself: ``test_lead.py``.)"""
+    out, stalled, groups, failed_alone = _stalled_run("rest", 50, 3.0, caplog)
     weights = [(g.from_step, {m.peer_id: m.weight for m in g.members}.get(stalled)) for g in groups]
-    assert any(step > 15 and weight == 0.0 for step, weight in weights), weights  # (weight 0 at the start: syncing)
     # without the rest it came back a reducer still behind, its part kept failing, and it was dropped
     assert all(weight is not None for step, weight in weights if 15 < step < 50), weights
     slow = {i: [step for step, seconds in out["round_s"][i] if step > 15 and seconds > 1.5] for i in range(4)
             if i != out["stalled"]}
     assert all(len(steps) <= 2 for steps in slow.values()), slow  # the stall's round (and one more under load)
-    assert f"{stalled} reduces nothing for the next" in caplog.text
+    if stalled in failed_alone:  # a later group gives it no part: it rests (or follows: its votes came late)
+        assert any(step > 15 and weight == 0.0 for step, weight in weights), weights  # (0 at the start: syncing)
+    if f"{stalled} reduces nothing for the next" in caplog.text:
+        assert stalled in failed_alone
 
 
 @pytest.mark.slow
@@ -476,7 +482,7 @@ def test_a_member_dropped_for_a_stall_rejoins_on_probation_without_a_part_until_
     """A member stalls 8 s: past the 5 s and 2 rounds after which the leader drops it. When it comes back
     the leader re-adds it without a part and does not drop it again for missed votes (it follows: its
     votes would come too late). Everyone ends equal."""
-    _, stalled, groups = _stalled_run("probation", 100, 8.0, caplog)
+    _, stalled, groups, _ = _stalled_run("probation", 100, 8.0, caplog)
     assert f"{stalled} rejoins without a part, on probation" in caplog.text, caplog.text[-3000:]
     weights = [{m.peer_id: m.weight for m in g.members}.get(stalled) for g in groups]
     back = [i for i, w in enumerate(weights) if i > 0 and w is not None and weights[i - 1] is None]
