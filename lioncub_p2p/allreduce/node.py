@@ -145,7 +145,6 @@ class VoteNode:
         # (family, step) -> the round this peer ran (voted or followed) for them (``RoundSpec.family``): a
         # stream for the same step and family under another id comes from a peer on another group
         self._by_step: OrderedDict[tuple[str, int], bytes] = OrderedDict()
-        self._newest_ran: dict[str, int] = {}  # family -> the newest step this peer ran a round of
         self._waiting_key: dict[bytes, tuple[str, int]] = {}  # (family, step) of rounds waited for
         self._waiting: dict[bytes, asyncio.Event] = {}  # rounds asked for before this peer started them
         self._waiters: Counter[bytes] = Counter()
@@ -367,7 +366,6 @@ class VoteNode:
             return
         key = (spec.family, spec.step)
         self._by_step[key] = spec.round_id
-        self._newest_ran[spec.family] = max(spec.step, self._newest_ran.get(spec.family, spec.step))
         while len(self._by_step) > self._finished.maxlen:
             self._by_step.popitem(last=False)
         for other in [r for r, k in self._waiting_key.items() if k == key and r != spec.round_id and r in self._waiting]:
@@ -866,19 +864,12 @@ class VoteNode:
             self._waiting_key[round_id] = (family, step)
         self._waiters[round_id] += 1
         self._pending_by_peer[peer] += 1
-        loop = asyncio.get_running_loop()
-        hold_until = loop.time() + self.config.join_timeout
-        longest = hold_until + self.config.upload_timeout
         try:
-            while True:
-                try:
-                    await asyncio.wait_for(event.wait(), max(hold_until - loop.time(), 0.0))
-                    break
-                except asyncio.TimeoutError:
-                    if hold_until >= longest or not self._running_step_before(family, step):
-                        raise WireError(f"unknown round {round_id.hex()[:16]} (not started here within the join "
-                                        f"timeout)") from None
-                    hold_until = longest
+            started = await _set_within(event, self.config.join_timeout)
+            if not started and self._running_step_before(family, step):
+                started = await _set_within(event, self.config.upload_timeout)
+            if not started:
+                raise WireError(f"unknown round {round_id.hex()[:16]} (not started here within the join timeout)")
         finally:
             self._pending_by_peer[peer] -= 1
             if self._pending_by_peer[peer] <= 0:
@@ -897,7 +888,7 @@ class VoteNode:
     def _running_step_before(self, family: str, step: int) -> bool:
         """Whether this peer's newest round (any family: a momentum round follows its step's vote) is of
         ``step`` - 1 or of ``step`` itself, so that its round of ``family`` and ``step`` comes next."""
-        return bool(family) and max(self._newest_ran.values(), default=-2) in (step - 1, step)
+        return bool(family) and max((s for _, s in self._by_step), default=-2) in (step - 1, step)
 
     def _refuse_other_group(self, round_id: bytes, family: str, step: int) -> None:
         if family and self._by_step.get((family, step), round_id) != round_id:
@@ -1144,6 +1135,15 @@ class VoteNode:
             logger.warning("audit stream from %s failed: %s: %s", info.peer_id, type(e).__name__, e)
         if replied:  # the auditor closes once it has every answer; closing first can lose the last (QUIC)
             await close_after_reply(reader, writer)
+
+
+async def _set_within(event: asyncio.Event, seconds: float) -> bool:
+    """Whether ``event`` is set within ``seconds``."""
+    try:
+        await asyncio.wait_for(event.wait(), seconds)
+        return True
+    except asyncio.TimeoutError:
+        return False
 
 
 def assemble(spec: RoundSpec, outcomes: dict[int, PartResult | None]) -> tuple[torch.Tensor, dict[int, str]]:
