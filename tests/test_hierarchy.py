@@ -1,6 +1,8 @@
 """Two-level votes (allreduce/hierarchy.py) against numpy and the flat vote."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -52,6 +54,9 @@ def test_members_that_cannot_reduce_are_spread_after_the_reducers_and_never_get_
     assert len(assign_groups(peers, epoch=1, max_size=2, reducers={"peer3", "peer7"})) == 2  # one per reducer
     with pytest.raises(ValueError):
         assign_groups(peers, epoch=1, reducers=set())
+    spec = next(iter(specs.values()))
+    with pytest.raises(ValueError, match="majority of signs"):  # the margins are counts of 1-bit votes
+        dataclasses.replace(spec, upload=codecs.L1Upload(4))
 
 
 @pytest.mark.parametrize("n, sizes", [(12, 4), (13, 4), (64, 16), (65, 32), (40, 40)])

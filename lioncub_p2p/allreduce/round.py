@@ -144,8 +144,9 @@ class RoundSpec:
             raise ValueError(f"family must be at most {MAX_FAMILY_CHARS} characters")
         if self.tie_offset < 0 or self.tie_offset % 4:
             raise ValueError(f"tie_offset must be a non-negative multiple of 4, got {self.tie_offset}")
-        if self.combine and (len(self.combine) != len(self.group) or self.result.name != "majority"):
-            raise ValueError("a two-level vote names one second-level round per member and votes a majority")
+        if self.combine and (len(self.combine) != len(self.group) or self.result.name != "majority"
+                             or not isinstance(self.upload, SignUpload)):  # its counts are of 1-bit votes
+            raise ValueError("a two-level vote names one second-level round per member and votes a majority of signs")
         object.__setattr__(self, "_bounds", part_bounds(self.nbytes, self.group))
         object.__setattr__(self, "_index", {pid: i for i, pid in enumerate(ids)})
 
