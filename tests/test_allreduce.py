@@ -186,6 +186,44 @@ def test_reducer_killed_mid_answer_survivors_agree():
         assert {swarm.reports[i].parts[reducer].status for i in (1, 3)} == {"recovered"}
 
 
+HEDGED = dataclasses.replace(SMALL_CHUNKS, recovery_timeout=6.0, recovery_hedge_s=0.5)
+
+
+def test_a_missing_part_is_downloaded_about_once_and_a_silent_member_is_passed_over():
+    """Reducer 2's result never reaches voter 0 and reducer 2 answers no request for it (it stalls):
+    voter 0 asks the reducer first, the next member after the hedge, and downloads the part about
+    once (asking every member at once made a slow link fetch it once per member, time out on all
+    and apply zeros where the others applied the part), well before the recovery timeout; its
+    update is everyone's, the numpy vote."""
+    n, numel, bad = 6, 8 * 240_000, 2
+    with LocalSwarm(n, config=HEDGED) as swarm:
+        codes = _codes("sign", n, numel, seed=11)
+        node = swarm.nodes[bad]
+        send = node._send_result
+        node._outcome_for = lambda state, voter, outcome: (outcome, voter == 0)
+
+        async def answer(writer, spec, part, marked, report=None, delta=None):
+            if not isinstance(marked, tuple):  # a request for the part from another peer: never answered
+                await asyncio.sleep(60)
+            outcome, to_voter_0 = marked
+            if to_voter_0:
+                raise ConnectionResetError("the result is lost on the way")
+            return await send(writer, spec, part, outcome, report, delta=delta)
+
+        node._send_result = answer
+        results = swarm.allreduce(codes)
+        want = numpy_vote(codes, "sign", "majority", numel, 0, 0)
+        for update in results:
+            np.testing.assert_array_equal(as_values(update, numel), want)
+        report, spec_parts = swarm.reports[0], swarm.reports[0].parts
+        assert spec_parts[bad].status == "recovered"
+        size = [p.stop - p.start for p in spec_parts]
+        votes_in, results_direct = (n - 1) * size[0], sum(size) - size[0] - size[bad]  # voter 0 reduces part 0
+        recovered = report.payload_down - votes_in - results_direct
+        assert size[bad] <= recovered <= 1.5 * size[bad], recovered / size[bad]
+        assert report.timings["recovery"] < HEDGED.recovery_timeout / 2
+
+
 @pytest.mark.slow
 def test_stalled_peer_does_not_block_the_others():
     numel = 8 * 20_000

@@ -49,6 +49,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import math
 import random
 import time
 from collections import Counter, OrderedDict, deque
@@ -317,7 +318,10 @@ class VoteNode:
                 self._check_own_root(state, j, outcome, roots[j])
         missing = [j for j, outcome in outcomes.items() if outcome is None and j != me]
         if missing:
-            recovered = await asyncio.gather(*(self._recover(state, j, one_at_a_time=one_at_a_time) for j in missing))
+            # all missing parts come over this peer's link at once: give each answer the time of all at 1 Mbit/s
+            transfer_s = sum(spec.result_size(j, len(spec.group)) for j in missing) / AUDIT_MIN_RATE
+            recovered = await asyncio.gather(*(self._recover(state, j, one_at_a_time=one_at_a_time, transfer_s=transfer_s)
+                                               for j in missing))
             for j, outcome in zip(missing, recovered):
                 outcomes[j] = outcome
                 parts[j].status = "recovered" if outcome is not None else "missing"
@@ -549,8 +553,9 @@ class VoteNode:
             self._emit("vote_chunk")
 
     async def _read_result(self, reader: asyncio.StreamReader, state: RoundState, j: int, *,
-                           forwarded: bool = False) -> PartResult:
-        """Read and check a part's result chunks, from its reducer or (``forwarded``) another peer."""
+                           forwarded: bool = False, answering: asyncio.Event | None = None) -> PartResult:
+        """Read and check a part's result chunks, from its reducer or (``forwarded``) another peer.
+        ``answering`` is set once a checked header came: the sender has the result and is sending it."""
         spec, report = state.spec, state.report
         data, header, first, expected, delta = bytearray(), None, None, 0, None
         while True:
@@ -571,6 +576,8 @@ class VoteNode:
                 if not msg.header:
                     raise WireError("the first result chunk has no header")
                 header, first = check_header(spec, j, msg.header), msg
+                if answering is not None:
+                    answering.set()
                 expected = spec.result_size(j, len(header.counted))
                 if msg.delta_base:
                     if forwarded:
@@ -639,12 +646,13 @@ class VoteNode:
                            report: RoundReport | None = None, *,
                            delta: tuple[bytes, bytes, bytes] | None = None) -> None:
         """``delta``: (blob, base id, before id) from ``_delta_for``, sent in place of the plain result."""
-        wire, step = (outcome.wire if delta is None else delta[0]), self.config.chunk_bytes
+        wire = outcome.wire if delta is None else delta[0]
         base, before = (b"", b"") if delta is None else delta[1:]
-        for offset in range(0, max(len(wire), 1), step):
+        # a small first chunk: its header tells a peer recovering the part that this sender answers
+        for offset, length in chunk_spans(len(wire), self.config.chunk_bytes) or [(0, 0)]:
             first = offset == 0
             chunk = pb.ResultChunk(version=PROTOCOL_VERSION, round_id=spec.round_id, part=part, offset=offset,
-                                   data=wire[offset : offset + step], last=offset + step >= len(wire),
+                                   data=wire[offset : offset + length], last=offset + length >= len(wire),
                                    result=result_wire(spec.result), group_epoch=self.group_epoch,
                                    header=outcome.header if first else b"",
                                    signature=outcome.signature if first else b"",
@@ -653,21 +661,28 @@ class VoteNode:
             sent = await write_frame(writer, chunk)
             if report is not None:
                 report.bytes_up += sent
-                report.payload_up += min(step, len(wire) - offset)
+                report.payload_up += length
             self._emit("result_chunk")
 
-    async def _recover(self, state: RoundState, j: int, *, one_at_a_time: bool = False) -> PartResult | None:
-        """Ask every other reachable member (the reducer too: its vote stream may have failed while it
-        lives) for part j's result; accept the first one its reducer signed. ``one_at_a_time``: the
-        reducer first, then each other member only once the previous one failed (a slow link's way),
-        all within twice the recovery timeout (a member that has not started the round waits up to the
-        join timeout before it refuses)."""
-        spec = state.spec
-        askers = [i for i, p in enumerate(spec.group) if i != state.me and not p.client_mode]
-        if one_at_a_time:
-            askers.sort(key=lambda i: i != j)
+    async def _recover(self, state: RoundState, j: int, *, one_at_a_time: bool = False,
+                       transfer_s: float = 0.0) -> PartResult | None:
+        """Ask the other reachable members (the reducer first: its vote stream may have failed while it
+        lives) for part j's result; accept the first one its reducer signed.
 
-        async def ask(i: int) -> tuple[int, PartResult]:
+        Hedged, never all at once: the next member is asked when the last one asked failed or has not
+        begun to answer (a checked header) within ``recovery_hedge_s``, so a slow link downloads a
+        part about once instead of once per member (asking all at once made a 1 Mbit/s peer time
+        out on every copy and apply zeros where the others applied the part). Headers must come
+        within ``recovery_timeout``; an answer under way may take ``transfer_s`` longer.
+        ``one_at_a_time`` (a follower): no hedging, each member in turn within twice the recovery
+        timeout (a member that has not started the round waits up to the join timeout before it
+        refuses)."""
+        spec = state.spec
+        n = len(spec.group)
+        askers = sorted((i for i, p in enumerate(spec.group) if i != state.me and not p.client_mode),
+                        key=lambda i: (i != j, (i - state.me) % n))  # rotated: members spread their asks
+
+        async def ask(i: int, answering: asyncio.Event | None = None) -> tuple[int, PartResult]:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[i].peer_id),
                                                                           FETCH_PROTOCOL)
             try:
@@ -675,9 +690,13 @@ class VoteNode:
                                                                 token=self.admission.token(self.peer_id), step=spec.step,
                                                                 family=spec.family))
                 state.report.bytes_up += sent
-                return i, await self._read_result(reader, state, j, forwarded=True)
+                return i, await self._read_result(reader, state, j, forwarded=True, answering=answering)
             finally:
                 writer.close()  # after the last chunk: the member waits for this close before its own
+
+        def refused(e: BaseException) -> None:
+            logger.info("round %s: refused a result for part %d: %s", spec.round_id.hex()[:12], j, e)
+            state.report.parts[j].forgotten |= FORGOTTEN in str(e)
 
         if one_at_a_time:
             until = time.monotonic() + 2 * self.config.recovery_timeout
@@ -688,36 +707,49 @@ class VoteNode:
                 try:
                     sender, outcome = await asyncio.wait_for(ask(i), left)
                 except WireError as e:
-                    logger.info("round %s: refused a result for part %d: %s", spec.round_id.hex()[:12], j, e)
-                    state.report.parts[j].forgotten |= FORGOTTEN in str(e)
+                    refused(e)
                     continue
-                except Exception as e:  # unreachable, timed out, gone (as the parallel path ignores them)
+                except Exception as e:  # unreachable, timed out, gone
                     logger.debug("round %s: part %d not from member %d: %s", spec.round_id.hex()[:12], j, i, e)
                     continue
                 state.received[j] = (time.monotonic(), sender == j)
                 return outcome
             return None
-        pending = {asyncio.create_task(asyncio.wait_for(ask(i), self.config.recovery_timeout)) for i in askers}
-        for task in pending:  # answers that come after the first good one are not needed, nor their errors
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        started = time.monotonic()
+        headers_by, answers_by = started + self.config.recovery_timeout, started + self.config.recovery_timeout + transfer_s
+        asking: dict[asyncio.Task, asyncio.Event] = {}
+        queue, last_ask = deque(askers), -math.inf
         try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            while queue or asking:
+                now = time.monotonic()
+                answering = any(event.is_set() for event in asking.values())
+                if queue and now < headers_by and not answering and (not asking or now - last_ask >= self.config.recovery_hedge_s):
+                    event = asyncio.Event()
+                    asking[asyncio.create_task(ask(queue.popleft(), event))] = event
+                    last_ask = now
+                    continue
+                if not asking:
+                    break
+                until = answers_by if answering else headers_by
+                if queue and not answering:
+                    until = min(until, last_ask + self.config.recovery_hedge_s)
+                if until <= now:
+                    break
+                done, _ = await asyncio.wait(asking, timeout=until - now, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
+                    asking.pop(task)
                     if task.exception() is None:
                         sender, outcome = task.result()
                         state.received[j] = (time.monotonic(), sender == j)
                         return outcome
                     if isinstance(task.exception(), WireError):
-                        logger.info("round %s: refused a result for part %d: %s", spec.round_id.hex()[:12], j,
-                                    task.exception())
-                        state.report.parts[j].forgotten |= FORGOTTEN in str(task.exception())
+                        refused(task.exception())
+                    last_ask = -math.inf  # a member that failed: ask the next one now
+            return None
         finally:
-            for task in pending:
+            for task in asking:
                 task.cancel()
-        return None
-
-    # -- audits ------------------------------------------------------------------------------------
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     def _start_audits(self, state: RoundState, outcomes: dict[int, PartResult]) -> None:
         """Audit ``audits_per_round`` other reducers' parts, chosen now that their results are in."""

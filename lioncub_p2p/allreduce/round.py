@@ -19,7 +19,10 @@ class AllReduceConfig:
       result; must exceed ``upload_timeout`` plus the result's transfer time.
     * ``join_timeout``: how long a reducer holds a stream that arrived before its own round started
       (up to ``upload_timeout`` longer while the reducer still runs the step before).
-    * ``recovery_timeout``: how long a peer asks the others for a part whose reducer failed.
+    * ``recovery_timeout``: how long a peer asks the others for a part whose reducer failed (for
+      the first answer's header; an answer under way gets the missing bytes' time at 1 Mbit/s more).
+    * ``recovery_hedge_s``: members are asked for such a part one after another, the next one when
+      the last one failed or has not begun to answer within this; above the slowest round trip.
     * ``chunk_bytes``: payload per message (≤ 1 MiB); 256 KiB was fastest on loopback.
     * ``keep_streams_s``: a voter keeps its stream to each reducer for the next round if that comes
       within this many seconds (opening a libp2p stream costs milliseconds per reducer per round);
@@ -42,6 +45,7 @@ class AllReduceConfig:
     result_timeout: float = 20.0
     join_timeout: float = 5.0
     recovery_timeout: float = 5.0
+    recovery_hedge_s: float = 1.0
     max_streams: int = 256  # concurrent incoming streams per handler, all peers together
     max_streams_per_peer: int = 8  # ... from one group member
     max_stranger_streams: int = 16  # ... from all peers in no recent group together (2 each at most)
