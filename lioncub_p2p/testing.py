@@ -49,7 +49,7 @@ LISTEN = {"tcp": ["/ip4/127.0.0.1/tcp/0"], "quic": ["/ip4/127.0.0.1/udp/0/quic-v
 
 class LocalSwarm:
     def __init__(self, n_peers: int, *, client_mode: Sequence[int] = (), weights: Sequence[float] | None = None,
-                 config: AllReduceConfig = FAST_CONFIG, transport: str = "tcp"):
+                 config: AllReduceConfig = FAST_CONFIG, transport: str = "tcp", not_voters: Sequence[int] = ()):
         if n_peers < 1:
             raise ValueError("need at least one peer")
         if transport not in LISTEN:
@@ -57,6 +57,7 @@ class LocalSwarm:
         self.transport = transport
         self.n = n_peers
         self.client_mode = set(client_mode)
+        self.not_voters = set(not_voters)  # members the group does not expect to vote (``PeerSpec.voter``)
         self.weights = list(weights) if weights is not None else [1.0] * n_peers
         if len(self.weights) != n_peers:
             raise ValueError(f"{len(self.weights)} weights for {n_peers} peers")
@@ -132,7 +133,7 @@ class LocalSwarm:
 
     @property
     def group(self) -> tuple[PeerSpec, ...]:
-        return tuple(PeerSpec(node.peer_id, w, i in self.client_mode)
+        return tuple(PeerSpec(node.peer_id, w, i in self.client_mode, i not in self.not_voters)
                      for i, (node, w) in enumerate(zip(self.nodes, self.weights)))
 
     # -- faults ------------------------------------------------------------------------------------

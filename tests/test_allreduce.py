@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from lioncub_p2p import ops
-from lioncub_p2p.allreduce import AllReduceConfig, VOTE_PROTOCOL
+from lioncub_p2p.allreduce import AllReduceConfig, PeerSpec, VOTE_PROTOCOL
+from lioncub_p2p.allreduce.commit import build_header, check_header
 from lioncub_p2p.allreduce.deadline import AdaptiveDeadline
 from lioncub_p2p.allreduce.result_delta import encode_for
 from lioncub_p2p.allreduce.round import RoundSpec
 from lioncub_p2p.codecs import result_codec, upload_codec
 from lioncub_p2p.swarm.follow import FollowRule
 from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
-from lioncub_p2p.wire import PROTOCOL_VERSION, pb, write_frame
+from lioncub_p2p.wire import PROTOCOL_VERSION, WireError, pb, write_frame
 from hivemind.p2p import PeerID
 
 from reference import from_fp8_blocks, fp8_blocks, stream_bits, unpack
@@ -579,6 +580,41 @@ def test_a_bad_delta_from_a_reducer_is_refused_and_the_part_recovered(tamper):
             np.testing.assert_array_equal(as_values(update, numel), want)
         statuses = {swarm.reports[i].parts[bad].status for i in range(n) if i != bad}
         assert statuses == {"recovered"}, [swarm.reports[i].parts[bad].note for i in range(n)]
+
+
+@pytest.mark.parametrize("expected_to_vote", [False, True])
+def test_a_group_of_two_with_a_follower_has_results_only_when_the_follower_is_no_voter(expected_to_vote):
+    """Peer 1 follows (no part, no votes). Marked no voter (``PeerSpec.voter``, as the leader marks
+    a follower), peer 0's vote alone is the quorum: both apply its signs. Counted as a voter, the
+    quorum of 2 is never met and the round has no result for anyone (what a group of two with a slow
+    member had, but on the follower's probe rounds)."""
+    numel = 8 * 4000
+    not_voters = () if expected_to_vote else (1,)
+    with LocalSwarm(2, weights=[1, 0], not_voters=not_voters) as swarm:
+        codes = _codes("sign", 2, numel, seed=23)
+        results = swarm.allreduce(codes, follow={1: 0.3})
+        if expected_to_vote:
+            assert all(p.status == "missing" for p in swarm.reports[1].parts if p.status != "empty")
+            assert all(not np.any(as_values(u, numel)) for u in results)
+            return
+        alone = numpy_vote(codes[:1], "sign", "majority", numel, seed=0, step=0)
+        for update in results:
+            np.testing.assert_array_equal(as_values(update, numel), alone)
+        assert swarm.reports[0].parts[0].counted == [0]
+
+
+def test_a_result_header_claiming_a_smaller_quorum_than_the_rounds_is_refused():
+    """The quorum is the spec's (a majority of the expected voters); a reducer that signs a header
+    with a smaller one, to pass off a result counting too few votes, is refused before any byte is
+    used."""
+    spec = RoundSpec(b"q", 0, (PeerSpec("a"), PeerSpec("b"), PeerSpec("c")), 64)
+    header = pb.ResultHeader()
+    header.ParseFromString(build_header(spec, 0, [0, 1], [b"r" * 16] * 2, b"", 0, b"w"))
+    assert check_header(spec, 0, header.SerializeToString()).quorum == 2
+    header.quorum = 1
+    del header.counted[1:], header.roots[1:]  # one vote: enough for a quorum of 1, not for the round's 2
+    with pytest.raises(WireError, match="another round"):
+        check_header(spec, 0, header.SerializeToString())
 
 
 def test_a_follower_gets_each_part_once_without_voting_and_late_voters_stop_being_waited_for():

@@ -3,7 +3,7 @@ import asyncio
 import logging
 import time
 
-from lioncub_p2p.allreduce import PartReport, PeerSpec
+from lioncub_p2p.allreduce import PartReport, PeerSpec, RoundSpec
 from lioncub_p2p.swarm import lead
 from lioncub_p2p.swarm.lead import Health, failed_reducers, leader_of, plan_group
 from lioncub_p2p.swarm.membership import GroupRecord, PeerRecord
@@ -54,6 +54,23 @@ def test_a_member_is_dropped_after_two_missed_rounds_and_drop_after_seconds_only
     assert not plan.dropped
     plan, weights, _, _ = _plan(_records(c=dict(following=True)), **failing)  # a follower misses on purpose
     assert not plan.dropped and weights["c"] == 0.0
+
+
+def test_followers_and_members_on_probation_are_no_voters_and_leave_the_quorum():
+    """A follower and a member on probation stay in the group but are not expected to vote: the
+    quorum is a majority of the others (a follower counted in it left a group of two without
+    results but on its probe rounds)."""
+    plan, _, _, _ = _plan(_records(c=dict(following=True)))
+    assert {m.peer_id: m.voter for m in plan.members} == {"a": True, "b": True, "c": False, "d": True}
+    spec = RoundSpec(b"r", 0, plan.members, 64)
+    assert spec.quorum == 2  # of a, b, d; with c counted it would be 3
+    assert RoundSpec(b"r", 0, _plan(_records())[0].members, 64).quorum == 3
+    healthy = Health(_records(), me="a", now=NOW, failures={}, failing_since={}, suspects=set(), probation={"d"})
+    on_probation = plan_group(GroupRecord(3, 10, tuple(PeerSpec(pid) for pid in "abcd")), healthy, evicted={},
+                              may_join=lambda r: True)
+    assert [m.peer_id for m in on_probation.members if not m.voter] == ["d"]
+    pair = (PeerSpec("a"), PeerSpec("b", 0.0, voter=False))
+    assert RoundSpec(b"r", 0, pair, 64).quorum == 1  # a group of two with a follower: the other's vote suffices
 
 
 def test_suspects_the_leaving_and_peers_without_records_are_dropped():

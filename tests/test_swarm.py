@@ -52,16 +52,19 @@ def test_peer_record_round_trip_and_garbage():
 
 
 def test_group_record_parse_rejects_malformed():
-    g = GroupRecord(3, 40, (PeerSpec("a"), PeerSpec("b", 2.0), PeerSpec("c", 1.0, True)),
+    g = GroupRecord(3, 40, (PeerSpec("a"), PeerSpec("b", 2.0), PeerSpec("c", 1.0, True), PeerSpec("d", 0.0, voter=False)),
                     previous=GroupRecord(2, 10, (PeerSpec("a"),)))
     parsed = GroupRecord.from_payload(g.payload(), "a")
     assert parsed == g and parsed.previous == g.previous and parsed.author == "a"
+    assert [m.voter for m in parsed.members] == [True, True, True, False]
     value = g.payload()
+    assert GroupRecord.from_payload({**value, "members": [["a", 1.0, False]]}, "a").members[0].voter  # 3 fields: a voter
     for broken in ({**value, "members": []}, {**value, "members": [["a", 1.0, False], ["a", 1.0, False]]},
                    {**value, "members": [["a", 1.0, True]]}, {**value, "epoch": "x"}, "garbage",
                    {**value, "members": [["a", float("inf"), False]]}, {**value, "members": [["a", 1e9, False]]},
                    {**value, "from_step": 1 << 62}, {**value, "previous": {**value["previous"], "epoch": 7}},
-                   {**value, "members": [["a", 1.0]]}, {**value, "members": [["a" * 500, 1.0, False]]}):
+                   {**value, "members": [["a", 1.0]]}, {**value, "members": [["a" * 500, 1.0, False]]},
+                   {**value, "members": [["a", 1.0, False, "yes"]]}, {**value, "members": [["a", 1.0, False, True, 1]]}):
         with pytest.raises(RecordError):
             GroupRecord.from_payload(broken, "a")
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from .reducer import PartReduction
@@ -59,6 +59,7 @@ class RoundArchive:
         self.window, self.max_bytes = window, max_bytes
         self._rounds: OrderedDict[bytes, KeptRound] = OrderedDict()  # oldest first (by archiving or serving)
         self.nbytes = 0
+        self._members: Counter[str] = Counter()  # kept rounds whose group lists each peer
         self.evicted_early = 0  # rounds dropped before their window ended, for lack of memory
         self._warned = -WARN_EVERY_S
 
@@ -80,7 +81,14 @@ class RoundArchive:
         self._drop(spec.round_id)
         self._rounds[spec.round_id] = kept
         self.nbytes += kept.nbytes
+        self._members.update(p.peer_id for p in spec.group)
         self._prune()
+
+    def has_member(self, peer_id: str) -> bool:
+        """Whether a kept round's group lists this peer: one behind the group recovers results of rounds
+        that left the live table (``wire/gate.py`` must not cap it as a stranger)."""
+        self._prune()
+        return peer_id in self._members
 
     def get(self, round_id: bytes) -> KeptRound | None:
         self._prune()
@@ -97,6 +105,10 @@ class RoundArchive:
         kept = self._rounds.pop(round_id, None)
         if kept is not None:
             self.nbytes -= kept.nbytes
+            self._members.subtract(p.peer_id for p in kept.spec.group)
+            for p in kept.spec.group:
+                if self._members[p.peer_id] <= 0:
+                    del self._members[p.peer_id]
 
     def _prune(self) -> None:
         now = time.monotonic()

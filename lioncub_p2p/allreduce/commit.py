@@ -131,8 +131,13 @@ def build_header(spec: RoundSpec, part: int, counted: Sequence[int], roots: Sequ
         else 0.0, seed=spec.seed, group_size=len(spec.group), counted=list(counted), roots=list(roots), tag=tag,
         tag_votes=tag_votes, wire_digest=hashlib.sha256(wire).digest(),
         leaf_bytes=leaf_bytes(stop - start, spec.upload.planes), statements=list(statements),
-        tie_offset=spec.tie_offset)
+        tie_offset=spec.tie_offset, quorum=spec.quorum)
     return header.SerializeToString(deterministic=True)
+
+
+def header_quorum(header: pb.ResultHeader) -> int:
+    """The votes a header's result must count (0 on the wire: a majority of the whole group)."""
+    return header.quorum or quorum(header.group_size)
 
 
 def parse_header(raw: bytes) -> pb.ResultHeader:
@@ -148,8 +153,9 @@ def parse_header(raw: bytes) -> pb.ResultHeader:
     if not 0 < header.group_size or any(c >= header.group_size for c in counted) \
             or any(a >= b for a, b in zip(counted, counted[1:])):
         raise WireError(f"result header counts voters {counted[:8]} of a group of {header.group_size}")
-    if len(counted) < quorum(header.group_size):
-        raise WireError(f"result counts {len(counted)} voters, below the quorum of {quorum(header.group_size)}")
+    need = header_quorum(header)
+    if not 0 < need <= header.group_size or len(counted) < need:
+        raise WireError(f"result counts {len(counted)} voters, below the quorum of {need}")
     if len(header.roots) != len(counted) or any(len(r) != DIGEST_BYTES for r in header.roots):
         raise WireError("result header has no root for each counted voter")
     if len(header.tag) > MAX_TAG_BYTES or header.tag_votes > len(counted):
@@ -165,9 +171,9 @@ def check_header(spec: RoundSpec, part: int, raw: bytes) -> pb.ResultHeader:
     start, stop = spec.bounds[part]
     upload, bits = upload_wire(spec.upload)
     expected = (spec.round_id, spec.step, part, start, stop, upload, bits, result_wire(spec.result), spec.seed,
-                len(spec.group), leaf_bytes(stop - start, spec.upload.planes), spec.tie_offset)
+                len(spec.group), leaf_bytes(stop - start, spec.upload.planes), spec.tie_offset, spec.quorum)
     got = (header.round_id, header.step, header.part, header.start, header.stop, header.upload, header.upload_bits,
-           header.result, header.seed, header.group_size, header.leaf_bytes, header.tie_offset)
+           header.result, header.seed, header.group_size, header.leaf_bytes, header.tie_offset, header_quorum(header))
     if got != expected:
         raise WireError("result header describes another round, part or encoding")
     if spec.result.name == "trimmed_mean" and header.trim != np.float32(spec.result.trim):

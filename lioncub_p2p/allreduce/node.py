@@ -183,7 +183,9 @@ class VoteNode:
             await self.p2p.add_binary_stream_handler(name, guard(self.gates[name], handler))
 
     def _is_member(self, peer_id: str) -> bool:
-        return any(peer_id in state.spec._index for state in self._rounds.values())  # type: ignore[attr-defined]
+        """In the group of a live round or of a finished one still kept (a peer behind asks for those)."""
+        return (any(peer_id in state.spec._index for state in self._rounds.values())  # type: ignore[attr-defined]
+                or self.archive.has_member(peer_id))
 
     def stop_waiting_for(self, peer_ids: set[str], reason: str) -> None:
         """Leave these peers' unfinished votes out of every part this peer still reduces (they said
@@ -669,11 +671,11 @@ class VoteNode:
         """Ask the other reachable members (the reducer first: its vote stream may have failed while it
         lives) for part j's result; accept the first one its reducer signed.
 
-        Hedged, never all at once: the next member is asked when the last one asked failed or has not
-        begun to answer (a checked header) within ``recovery_hedge_s``, so a slow link downloads a
-        part about once instead of once per member (asking all at once made a 1 Mbit/s peer time
-        out on every copy and apply zeros where the others applied the part). Headers must come
-        within ``recovery_timeout``; an answer under way may take ``transfer_s`` longer.
+        Hedged, never all at once: the next member is asked when the last one asked failed, or has not
+        begun to answer (a checked header) within ``recovery_hedge_s`` while no byte of this round
+        came in meanwhile, so a slow link downloads a part about once instead of once per member
+        (asking all at once made a 1 Mbit/s peer time out on every copy and apply zeros where the
+        others applied the part). All within ``recovery_timeout`` plus ``transfer_s``.
         ``one_at_a_time`` (a follower): no hedging, each member in turn within twice the recovery
         timeout (a member that has not started the round waits up to the join timeout before it
         refuses)."""
@@ -715,24 +717,22 @@ class VoteNode:
                 state.received[j] = (time.monotonic(), sender == j)
                 return outcome
             return None
-        started = time.monotonic()
-        headers_by, answers_by = started + self.config.recovery_timeout, started + self.config.recovery_timeout + transfer_s
+        limit = time.monotonic() + self.config.recovery_timeout + transfer_s
         asking: dict[asyncio.Task, asyncio.Event] = {}
-        queue, last_ask = deque(askers), -math.inf
+        queue, last_ask, flowed = deque(askers), -math.inf, state.report.bytes_down
         try:
             while queue or asking:
                 now = time.monotonic()
                 answering = any(event.is_set() for event in asking.values())
-                if queue and now < headers_by and not answering and (not asking or now - last_ask >= self.config.recovery_hedge_s):
-                    event = asyncio.Event()
-                    asking[asyncio.create_task(ask(queue.popleft(), event))] = event
-                    last_ask = now
-                    continue
-                if not asking:
-                    break
-                until = answers_by if answering else headers_by
-                if queue and not answering:
-                    until = min(until, last_ask + self.config.recovery_hedge_s)
+                if queue and not answering and (not asking or now - last_ask >= self.config.recovery_hedge_s):
+                    if asking and state.report.bytes_down > flowed:  # the link is busy with other parts: their
+                        last_ask, flowed = now, state.report.bytes_down  # bytes would delay a new answer as much
+                    else:
+                        event = asyncio.Event()
+                        asking[asyncio.create_task(ask(queue.popleft(), event))] = event
+                        last_ask, flowed = now, state.report.bytes_down
+                        continue
+                until = limit if answering or not queue else min(limit, last_ask + self.config.recovery_hedge_s)
                 if until <= now:
                     break
                 done, _ = await asyncio.wait(asking, timeout=until - now, return_when=asyncio.FIRST_COMPLETED)

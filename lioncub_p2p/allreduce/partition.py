@@ -7,9 +7,9 @@ from typing import Sequence
 ALIGN = 8  # parts start on 64-bit words so reducers count on whole words
 
 
-def quorum(group_size: int) -> int:
-    """Votes a part's result must count to be applied: more than half of the group."""
-    return group_size // 2 + 1
+def quorum(voters: int) -> int:
+    """Votes a part's result must count to be applied: more than half of the group's expected voters."""
+    return voters // 2 + 1
 
 
 @dataclass(frozen=True)
@@ -17,11 +17,16 @@ class PeerSpec:
     """One member of a round's group.
 
     ``weight`` is the peer's share of the reduction work (its bandwidth, in any unit); a peer in
-    ``client_mode`` (behind NAT, dials out only) or with weight 0 reduces nothing but still votes."""
+    ``client_mode`` (behind NAT, dials out only) or with weight 0 reduces nothing but still votes.
+    ``voter``: the group expects its vote in time; False for a member whose link cannot keep the
+    group's pace (it follows, or is on probation after a drop): its votes count when they come in
+    time, but reducers do not wait for them and the quorum is a majority of the expected voters
+    alone (else a group of two with a follower would have no result but on its probe rounds)."""
 
     peer_id: str
     weight: float = 1.0
     client_mode: bool = False
+    voter: bool = True
 
     def __post_init__(self) -> None:
         if not self.weight >= 0.0:

@@ -12,7 +12,6 @@ import torch
 from ..codecs import FloatTally, is_values
 from ..wire import WireError, pb
 from .commit import MAX_TAG_BYTES, MerkleTree, build_header, leaf_bytes
-from .partition import quorum
 from .round import PartResult, RoundSpec
 
 logger = logging.getLogger(__name__)
@@ -25,7 +24,7 @@ class PartReduction:
 
     Invariants: a voter's chunks arrive in order without gaps or repeats; the tally holds the sum
     of every chunk received from voters not dropped; a voter is counted only if its whole slice
-    arrived before ``close``; a result counts at least a quorum of the group, else there is none.
+    arrived before ``close``; a result counts at least the round's quorum (``RoundSpec.quorum``), else there is none.
     Memory is bounded by the part: the tally plus each voter's received codes (kept so an
     incomplete voter can be taken out again, then for audits until the round is forgotten)."""
 
@@ -40,7 +39,7 @@ class PartReduction:
         self.first_in = asyncio.Event()  # a first chunk arrived: the upload timeout runs from here
         self.all_in = asyncio.Event()
         self.quorum_in = asyncio.Event()
-        self.quorum = quorum(len(spec.group))
+        self.quorum = spec.quorum
         # voters not waited for (late round after round, ``punctuality.py``): counted if complete in time
         self.excused: frozenset[int] = frozenset()
         self.last_arrival = self.quorum_time = 0.0

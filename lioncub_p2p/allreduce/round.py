@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from ..codecs import Bf16Upload, Fp8Upload, MajorityResult, ResultCodec, SignUpload, UploadCodec
 from ..wire import MAX_CHUNK_BYTES, WireError, pb
-from .partition import PeerSpec, part_bounds
+from .partition import PeerSpec, part_bounds, quorum
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,11 @@ class RoundSpec:
     @property
     def bounds(self) -> list[tuple[int, int]]:
         return self._bounds  # type: ignore[attr-defined]
+
+    @property
+    def quorum(self) -> int:
+        """Votes a part's result must count: a majority of the members expected to vote (``PeerSpec.voter``)."""
+        return quorum(sum(p.voter for p in self.group))
 
     def index_of(self, peer_id: str) -> int:
         if peer_id not in self._index:  # type: ignore[attr-defined]

@@ -16,6 +16,8 @@ The rules:
   ``may_join`` admits it (protocol version, manifest, allow-list, run secret);
 * weights: ``membership.assigned_weight``, with the floor computed over the members' and newcomers'
   announced weights, and the lone-reducer exception when no member that could reduce reaches it;
+* members that follow or are on probation are no **voters** (``PeerSpec.voter``): the quorum is a
+  majority of the others (with a follower counted, a group of two had results on probe rounds only);
 * a member dropped for missed votes while alive (its record fresh, not suspected) that comes back is on
   **probation** until its votes count in ``STEADY_ROUNDS`` rounds in a row: it rejoins without a part
   and is not dropped for missed votes, as if it followed. A link too slow for the group's pace
@@ -109,11 +111,12 @@ def plan_group(latest: GroupRecord, healthy: Health, *, evicted: Mapping[str, fl
     lone_reducers = bool(reducible) and max(reducible) < floor
 
     def spec(pid: str, weight: float, client_mode: bool) -> PeerSpec:
+        voter = pid not in following  # a follower's late votes must not hold back the quorum
         if client_mode:  # it reduces nothing whatever its weight: a weight that changes as it syncs would make a
-            return PeerSpec(pid, 0.0, True)  # new group that means nothing (and splits a group's first step)
+            return PeerSpec(pid, 0.0, True, voter)  # new group that means nothing (and splits a group's first step)
         return PeerSpec(pid, assigned_weight(weight, syncing=pid in syncing, following=pid in following,
                                              resting=pid in healthy.resting, floor=floor,
-                                             lone_reducers=lone_reducers), client_mode)
+                                             lone_reducers=lone_reducers), client_mode, voter)
 
     dropped = tuple(m for m in latest.members if not healthy(m.peer_id))
     kept = [spec(m.peer_id, announced(m), m.client_mode) for m in latest.members if m not in dropped]

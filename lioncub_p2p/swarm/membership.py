@@ -134,7 +134,7 @@ class GroupRecord:
 
     def payload(self, *, nested: bool = False) -> dict[str, Any]:
         value = {"epoch": self.epoch, "from_step": self.from_step,
-                 "members": [[m.peer_id, float(m.weight), m.client_mode] for m in self.members]}
+                 "members": [[m.peer_id, float(m.weight), m.client_mode, m.voter] for m in self.members]}
         if not nested:
             value["previous"] = self.previous.payload(nested=True) if self.previous is not None else None
         return value
@@ -149,10 +149,10 @@ class GroupRecord:
             raise RecordError("group members missing or too many")
         specs = []
         for item in members:
-            if not isinstance(item, list) or len(item) != 3:
-                raise RecordError("a member is not [peer id, weight, client mode]")
+            if not isinstance(item, list) or len(item) not in (3, 4):
+                raise RecordError("a member is not [peer id, weight, client mode, voter]")
             specs.append(PeerSpec(_text(item[0], MAX_PEER_ID_CHARS), float(_number(item[1], 0.0, MAX_WEIGHT)),
-                                  _flag(item[2])))
+                                  _flag(item[2]), _flag(item[3]) if len(item) == 4 else True))
         if len({s.peer_id for s in specs}) != len(specs) or not any(s.reduces for s in specs):
             raise RecordError("group lists a peer twice or has no reducer")
         previous = None
