@@ -86,6 +86,7 @@ AUDIT_PROTOCOL = "lioncub/audit/1"
 NETWORK_ERRORS = (ConnectionError, asyncio.IncompleteReadError, OSError, EOFError)
 RESULT_FRAME_BYTES = MAX_FRAME_BYTES + MAX_HEADER_BYTES + 1024  # a first result chunk carries the header
 MAX_AUDITS_IN_FLIGHT = 8
+OTHER_GROUP = "in another group"  # how a reducer refuses votes for a step it ran under another round id
 
 
 class StreamClosed(WireError):
@@ -510,7 +511,7 @@ class VoteNode:
             self._emit(f"result:{j}")
         except Exception as e:  # any failure of this reducer leaves the part to recovery
             note = f"no result from reducer {j}: {type(e).__name__}: {e}"
-            report.parts[j].note = note
+            report.parts[j].note, report.parts[j].other_group = note, OTHER_GROUP in str(e)
             logger.info("round %s: part %d %s", spec.round_id.hex()[:12], j, note)
         finally:
             if writer is not None:
@@ -699,6 +700,7 @@ class VoteNode:
         def refused(e: BaseException) -> None:
             logger.info("round %s: refused a result for part %d: %s", spec.round_id.hex()[:12], j, e)
             state.report.parts[j].forgotten |= FORGOTTEN in str(e)
+            state.report.parts[j].other_group |= OTHER_GROUP in str(e)
 
         if one_at_a_time:
             until = time.monotonic() + 2 * self.config.recovery_timeout
@@ -712,24 +714,26 @@ class VoteNode:
                     refused(e)
                     continue
                 except Exception as e:  # unreachable, timed out, gone
-                    logger.debug("round %s: part %d not from member %d: %s", spec.round_id.hex()[:12], j, i, e)
+                    logger.info("round %s: part %d not from member %d: %s", spec.round_id.hex()[:12], j, i,
+                                type(e).__name__)
                     continue
                 state.received[j] = (time.monotonic(), sender == j)
                 return outcome
             return None
-        limit = time.monotonic() + self.config.recovery_timeout + transfer_s
-        asking: dict[asyncio.Task, asyncio.Event] = {}
+        begun = time.monotonic()
+        limit = begun + self.config.recovery_timeout + transfer_s
+        asking: dict[asyncio.Task, tuple[int, asyncio.Event]] = {}
         queue, last_ask, flowed = deque(askers), -math.inf, state.report.bytes_down
         try:
             while queue or asking:
                 now = time.monotonic()
-                answering = any(event.is_set() for event in asking.values())
+                answering = any(event.is_set() for _, event in asking.values())
                 if queue and not answering and (not asking or now - last_ask >= self.config.recovery_hedge_s):
                     if asking and state.report.bytes_down > flowed:  # the link is busy with other parts: their
                         last_ask, flowed = now, state.report.bytes_down  # bytes would delay a new answer as much
                     else:
-                        event = asyncio.Event()
-                        asking[asyncio.create_task(ask(queue.popleft(), event))] = event
+                        i, event = queue.popleft(), asyncio.Event()
+                        asking[asyncio.create_task(ask(i, event))] = (i, event)
                         last_ask, flowed = now, state.report.bytes_down
                         continue
                 until = limit if answering or not queue else min(limit, last_ask + self.config.recovery_hedge_s)
@@ -737,14 +741,20 @@ class VoteNode:
                     break
                 done, _ = await asyncio.wait(asking, timeout=until - now, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    asking.pop(task)
+                    i, _ = asking.pop(task)
                     if task.exception() is None:
                         sender, outcome = task.result()
                         state.received[j] = (time.monotonic(), sender == j)
                         return outcome
                     if isinstance(task.exception(), WireError):
                         refused(task.exception())
+                    else:
+                        logger.info("round %s: part %d not from member %d: %s", spec.round_id.hex()[:12], j, i,
+                                    type(task.exception()).__name__)
                     last_ask = -math.inf  # a member that failed: ask the next one now
+            logger.info("round %s: part %d not recovered in %.1f s (%s)", spec.round_id.hex()[:12], j,
+                        time.monotonic() - begun, ", ".join(f"member {i} {'answering' if event.is_set() else 'silent'}"
+                                                           for i, event in asking.values()) or "every member failed")
             return None
         finally:
             for task in asking:
@@ -924,7 +934,7 @@ class VoteNode:
 
     def _refuse_other_group(self, round_id: bytes, family: str, step: int) -> None:
         if family and self._by_step.get((family, step), round_id) != round_id:
-            raise WireError(f"this peer ran the {family[:MAX_FAMILY_CHARS]} round of step {step} in another group "
+            raise WireError(f"this peer ran the {family[:MAX_FAMILY_CHARS]} round of step {step} {OTHER_GROUP} "
                             f"(the newest epoch here is {self.group_epoch})")
 
     async def _on_vote_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

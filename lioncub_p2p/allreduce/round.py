@@ -226,6 +226,7 @@ class PartReport:
     tag: bytes = b""  # the counted voters' most common state tag, and how many sent it
     tag_votes: int = 0
     forgotten: bool = False  # a member refused it as a round it no longer keeps (``archive.FORGOTTEN``)
+    other_group: bool = False  # its reducer refused this peer's votes: it ran this step in another group
 
     def record(self, result: PartResult) -> None:
         self.counted, self.tag, self.tag_votes = list(result.counted), result.tag, result.tag_votes
@@ -263,6 +264,11 @@ class RoundReport:
     @property
     def missing_parts(self) -> list[int]:
         return [p.index for p in self.parts if p.status == "missing"]
+
+    def split_off(self) -> bool:
+        """Most other reducers refused this peer's votes because they ran this step in another group."""
+        others = [p for p in self.parts if p.status != "empty" and p.reducer != self.peer]
+        return bool(others) and 2 * sum(p.other_group for p in others) > len(others)
 
     def consensus_tag(self) -> tuple[bytes, int]:
         """The state tag most voters sent, summed over the parts this peer received, and its votes."""

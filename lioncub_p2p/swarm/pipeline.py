@@ -188,18 +188,24 @@ class VotePipeline:
             r.future.cancel()
             logger.warning("step %d: the vote round failed (%s: %s); applying no update", step, type(e).__name__, e)
             return self._missed(step)
-        self._observe(r.spec, report, r.started)
-        if self.gather is None:
-            self._follow_or_vote(report)
-        if self.follow.fell_out(report):  # nobody keeps this round any more: skip ahead to a peer's state
-            return self.skip_ahead(step, group)
-        if self.settings.delay:  # what the step waited for: the part of the round that compute did not hide
-            self.stats.wait_s = time.perf_counter() - blocked
         if report.group_epoch > self.upkeep.history.latest.epoch:  # a group change we have not seen: fetch it now
             try:
                 self.loop.run(self.upkeep.refresh_group(), timeout=10)
             except Exception as e:
                 logger.info("group refresh failed: %s", e)
+        holder = self.upkeep.history.for_step(step)
+        if (not r.again and self.gather is None and report.split_off() and holder is not None
+                and holder.epoch > group.epoch and self.peer_id in holder.member_ids()):
+            if report.caught:
+                self.in_background(self.verdicts.act_on(list(report.caught)))
+            return self._again(r, holder)
+        self._observe(r.spec, report, r.started)
+        if self.gather is None and not r.again:  # a step received again says nothing of this link's pace
+            self._follow_or_vote(report)
+        if self.follow.fell_out(report):  # nobody keeps this round any more: skip ahead to a peer's state
+            return self.skip_ahead(step, group)
+        if self.settings.delay:  # what the step waited for: the part of the round that compute did not hide
+            self.stats.wait_s = time.perf_counter() - blocked
         consensus, votes = report.consensus_tag()
         all_votes = sum(p.tag_votes for p in report.parts if p.status in ("ok", "recovered"))
         if votes * 2 > all_votes and consensus != tag:
@@ -216,6 +222,19 @@ class VotePipeline:
             return None
         self.prepare(step + 1)
         return update
+
+    def _again(self, r: "RoundInFlight", holder: GroupRecord) -> torch.Tensor | None:
+        """This peer ran ``step`` in an older group than the record that holds it (the record reached it
+        late: a slow DHT store), and most reducers refused these votes: they ran it in the newer group.
+        Receive the newer round's results without voting, as they applied them, instead of applying a
+        split round and repairing (seen: a split step, then rounds at the join timeout and a cascade of
+        drops). Its own part of that round had no votes here: it is missing for everyone alike."""
+        step = r.spec.step
+        logger.warning("step %d: ran in group epoch %d, but epoch %d holds that step (its record came late): "
+                       "receiving that round's results instead", step, r.group.epoch, holder.epoch)
+        spec = self.spec(holder, step)
+        future = asyncio.run_coroutine_threadsafe(self.node.follow_round(spec, r.tag), self.loop.loop)
+        return self.finish(RoundInFlight(self, spec, holder, r.tag, time.perf_counter(), future, again=True))
 
     def _follow_or_vote(self, report: RoundReport) -> None:
         """Follow while this peer's votes come too late to count (``follow.py``); tell the group at once."""
@@ -282,6 +301,7 @@ class RoundInFlight:
     tag: bytes
     started: float
     future: concurrent.futures.Future
+    again: bool = False  # the same step received again in the group that holds it (``VotePipeline._again``)
 
     def wait(self) -> torch.Tensor | None:
         """On the training thread: the update to apply (zeros for a missed round; None after a repair)."""

@@ -1,0 +1,75 @@
+"""The training thread's side of a round (``swarm/pipeline.py``) on real vote nodes, without a Swarm."""
+import concurrent.futures
+import dataclasses
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from lioncub_p2p.allreduce import PartReport, RoundReport
+from lioncub_p2p.codecs import upload_codec
+from lioncub_p2p.swarm.membership import GroupHistory, GroupRecord
+from lioncub_p2p.swarm.pipeline import PipelineSettings, RoundInFlight, VotePipeline
+from lioncub_p2p.testing import LocalSwarm
+
+from reference import unpack
+
+
+def _values(update: torch.Tensor, numel: int) -> np.ndarray:
+    if update.dtype == torch.uint8:
+        return np.where(unpack(update.numpy(), numel), 1.0, -1.0)
+    return update.double().numpy()[:numel]
+
+
+def test_split_off_means_most_other_reducers_ran_the_step_in_another_group():
+    def report(*flags: bool, me: int = 0) -> RoundReport:
+        parts = [PartReport(j, j, 8 * j, 8 * j + 8, "missing", other_group=f) for j, f in enumerate(flags)]
+        return RoundReport("r", 7, me, parts)
+
+    assert report(False, True, True, False).split_off()  # 2 of the 3 others
+    assert not report(False, True, False, False).split_off()  # one reducer on a newer record: not this peer's fault
+    assert not report(True, False, False, me=0).split_off()  # its own part does not count
+    assert not report(True).split_off()  # alone: nobody else
+
+
+def test_a_step_run_in_an_older_group_is_received_again_from_the_group_that_holds_it():
+    """Peer 3 read the record of epoch 5 (from step 7) late and ran step 7 in epoch 4's round; peers
+    0-2 ran it in epoch 5's and refused its votes. Its pipeline, seeing most reducers refuse it as
+    another group's and the newer record holding step 7, receives epoch 5's results without voting:
+    it applies exactly what the others applied (its own part of that round missing for all alike),
+    no split, no repair."""
+    numel = 8 * 4000
+    codec = upload_codec("sign")
+    g = torch.Generator().manual_seed(3)
+    codes = [codec.encode(torch.randn(numel, generator=g), seed=i) for i in range(4)]
+    ran = {}
+
+    async def in_the_older_group(node, spec, upload):
+        older = dataclasses.replace(spec, round_id=b"epoch-4-step-7")
+        ran["newer"], ran["older"] = spec, older
+        node.prepare_round(older)
+        ran["outcome"] = await node.run_round(older, upload)
+
+    with LocalSwarm(4) as swarm:
+        results = swarm.allreduce(codes, step=7, family="vote", behaviors={3: in_the_older_group})
+        older_group = GroupRecord(4, 0, swarm.group)
+        history = GroupHistory()
+        history.add(GroupRecord(5, 7, swarm.group, previous=older_group))
+        upkeep = SimpleNamespace(history=history, part_failed_at={}, count_vote=lambda *args: None)
+        pipeline = VotePipeline(peer_id=swarm.nodes[3].peer_id, settings=PipelineSettings("run", False, 1 << 30, 0, 60.0),
+                                loop=swarm._loop, node=swarm.nodes[3], gather=None, upkeep=upkeep, state=None,
+                                verdicts=None, spec=lambda group, step: ran["newer" if group.epoch == 5 else "older"],
+                                rejoin=None, in_background=None, log=None)
+        pipeline.optimizer = SimpleNamespace(param_count=numel, buffer_bytes=numel // 8, step_count=7)
+        done = concurrent.futures.Future()
+        done.set_result(ran["outcome"])
+        first_report = ran["outcome"][1]
+        assert first_report.split_off(), first_report.parts
+        update = pipeline.finish(RoundInFlight(pipeline, ran["older"], older_group, b"", time.perf_counter(), done))
+        assert pipeline.last_report.followed and pipeline.repairs == 0
+        applied = _values(results[0], numel)
+        assert not np.all(applied == 0)
+        for i in (1, 2):
+            np.testing.assert_array_equal(_values(results[i], numel), applied)
+        np.testing.assert_array_equal(_values(update, numel), applied)
