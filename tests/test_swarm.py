@@ -25,7 +25,7 @@ from lioncub_p2p.identity import Identity
 from lioncub_p2p.swarm import AdmissionRefused, SwarmError
 from lioncub_p2p.swarm.membership import GroupHistory, GroupRecord, PeerRecord
 from lioncub_p2p.swarm.records import RecordError, seal
-from lioncub_p2p.wire import PROTOCOL_VERSION
+from lioncub_p2p.wire import PROTOCOL_VERSION, pb, write_frame
 
 from reference import from_fp8_blocks, fp8_blocks
 
@@ -206,6 +206,53 @@ def test_download_resumes_from_another_donor(monkeypatch):
             recording.wait_timeout = dying.wait_timeout = 0.5
             loop.run(state_transfer.download_state(peers[2], donors, "run", min_step=50, max_bytes=len(blob) + 10,
                                                    attempts=1), timeout=60)
+    finally:
+        _close_peers(loop, peers)
+
+
+class _StallingServer(state_transfer.StateServer):
+    """Sends the first two chunks of each download, then nothing more for a minute (a donor stalled
+    mid-transfer, its stream open)."""
+
+    async def _send(self, writer, req, step, blob, digest):
+        size = state_transfer.CHUNK_BYTES
+        for offset in (0, size):
+            await write_frame(writer, pb.StateChunk(version=PROTOCOL_VERSION, step=step, total_bytes=len(blob),
+                                                    offset=offset, data=blob[offset:offset + size], params_digest=digest))
+        await asyncio.sleep(60)
+
+
+def test_a_download_leaves_a_stalled_donor_for_the_next_and_its_bound_grows_with_the_state(monkeypatch):
+    """A donor that stops sending mid-transfer is left after ``STALL_S`` without a chunk and the download
+    resumes at the next donor (not after the whole bound: a slow link's bound is minutes). The bound is
+    the wait plus the snapshot at 1 Mbit/s: a 22 MB state at 1 Mbit/s needs 176 s, which a fixed 120 s
+    bound never gave it."""
+    monkeypatch.setattr(state_transfer, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(state_transfer, "STALL_S", 1.0)
+    assert state_transfer.download_bound(22_000_000, 120.0) == pytest.approx(120.0 + 176.0)
+    _, donor_opt = _opt(0, hidden=512)
+    blob, digest = snapshot.encode(donor_opt)
+    loop = BackgroundLoop()
+
+    async def setup():
+        peers = await _p2p_peers(3)
+        stalled = _StallingServer(peers[0], "run")
+        recording = _RecordingServer(peers[1], "run")
+        recording.offsets = []
+        for server in (stalled, recording):
+            await server.start()
+            await server.offer(3, blob, digest)
+        return peers, recording
+
+    peers, recording = loop.run(setup(), timeout=60)
+    try:
+        donors = [peers[0].peer_id.to_base58(), peers[1].peer_id.to_base58()]
+        started = time.monotonic()
+        got = loop.run(state_transfer.download_state(peers[2], donors, "run", min_step=3, max_bytes=len(blob) + 10,
+                                                     timeout=60), timeout=70)
+        assert got == (3, blob, digest)
+        assert recording.offsets and recording.offsets[0] > 0  # resumed where the stalled donor stopped
+        assert time.monotonic() - started < 15  # left after ~1 s of silence, not at the 60 s bound
     finally:
         _close_peers(loop, peers)
 

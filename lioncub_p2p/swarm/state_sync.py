@@ -26,7 +26,7 @@ from ..allreduce.admission import Admission
 from ..optim import LionCub
 from . import snapshot
 from .membership import GroupRecord
-from .state_transfer import StateServer, download_state
+from .state_transfer import StateServer, download_bound, download_state
 from .upkeep import Upkeep
 
 logger = logging.getLogger(__name__)
@@ -111,10 +111,11 @@ class StateSync:
     def download(self, min_step: int, group: GroupRecord) -> None:
         """Load a member's state of step ``min_step`` or later (nothing if this peer already holds it)."""
         have = (self.optimizer.step_count, snapshot.params_digest(self.optimizer))
+        max_bytes = snapshot.max_size(self.optimizer)
+        bound = download_bound(max_bytes, self.join_timeout)
         step, blob, digest = self.loop.run(download_state(
-            self.p2p, self.donors(group), self.run_id, min_step=min_step,
-            max_bytes=snapshot.max_size(self.optimizer), have=have, token=self.admission.token(self.peer_id)),
-            timeout=self.join_timeout)
+            self.p2p, self.donors(group), self.run_id, min_step=min_step, max_bytes=max_bytes, timeout=bound,
+            have=have, token=self.admission.token(self.peer_id)), timeout=bound + 5)
         if not blob:
             logger.info("this peer already holds the swarm's state (step 0, same initialization)")
             return

@@ -29,6 +29,16 @@ logger = logging.getLogger(__name__)
 STATE_PROTOCOL = "lioncub/state/1"
 CHUNK_BYTES = 256 << 10
 FIRST_FRAME_S = 5.0
+STALL_S = 30.0  # a donor that sends no chunk for this long is left for the next one (the download resumes)
+FIRST_CHUNK_S = 90.0  # ...and its first chunk: it may wait up to its wait_timeout (60 s) for the step asked for
+MIN_RATE = 125_000  # bytes/s (1 Mbit/s): the slowest link a whole state download is given time for
+
+
+def download_bound(max_bytes: int, wait_s: float) -> float:
+    """Seconds a state download may take: ``wait_s`` (donors reaching the step, busy ones, retries)
+    plus the snapshot's transfer at ``MIN_RATE``. A fixed bound failed every download of a state
+    larger than that bound's worth of the link (22 MB at 1 Mbit/s needs 176 s; the bound was 120 s)."""
+    return wait_s + max_bytes / MIN_RATE
 
 
 class StateTransferError(RuntimeError):
@@ -211,8 +221,12 @@ async def _fetch_from(p2p: P2P, donor: str, run_id: str, min_step: int, max_byte
         await write_frame(writer, pb.StateRequest(version=PROTOCOL_VERSION, run_id=run_id.encode(), min_step=min_step,
                                                   offset=len(progress.blob), params_digest=progress.digest,
                                                   have_step=have_step, have_digest=have_digest, token=token))
+        wait = FIRST_CHUNK_S
         while not progress.done:
-            chunk, _ = await read_frame(reader, pb.StateChunk)
+            try:
+                chunk, _ = await asyncio.wait_for(read_frame(reader, pb.StateChunk), wait)
+            except asyncio.TimeoutError:
+                raise StateTransferError(f"donor sent nothing for {wait:.0f} s") from None
             if chunk is None:
                 raise StateTransferError("donor closed the stream")
             if chunk.error:
@@ -231,6 +245,7 @@ async def _fetch_from(p2p: P2P, donor: str, run_id: str, min_step: int, max_byte
             if chunk.offset != len(progress.blob) or len(progress.blob) + len(chunk.data) > progress.total:
                 raise StateTransferError(f"chunk at {chunk.offset} after {len(progress.blob)} bytes")
             progress.blob += chunk.data
+            wait = STALL_S
             failpoints.reached("download")
     finally:
         writer.close()
