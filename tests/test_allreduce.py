@@ -303,6 +303,7 @@ def test_a_voter_on_another_group_is_refused_at_once_not_after_the_join_timeout(
             results = swarm.allreduce(codes, step=7, family="vote", behaviors={3: on_another_group})
         elapsed = time.monotonic() - start
         reports = swarm.reports
+        assert [node.asked_step for node in swarm.nodes] == [{"vote": 7}] * 4  # how far members are (a leader's hint)
     refusals = [r.getMessage() for r in caplog.records if "round of step 7 in another group" in r.getMessage()]
     assert elapsed < config.join_timeout / 2, (elapsed, refusals)
     assert len(refusals) >= 6, refusals  # 3 reducers refused peer 3, peer 3 refused 3 voters

@@ -298,3 +298,22 @@ def test_a_slow_dht_moves_a_new_group_further_ahead():
     upkeep.local = lambda: Local(joined=True, step=106, synced=True, idle=False, steps_per_s=10.0)
     asyncio.run(upkeep.lead())
     assert directory.published[-1].epoch == 5 and directory.published[-1].from_step >= 106 + 11
+
+
+def test_a_leader_behind_its_group_starts_the_next_group_past_the_step_its_members_ask_it_for():
+    """The leader lags (a slow round) at step 22 while the members already vote for step 26, and their
+    records (announced every few seconds) still say 22: a group from step 22 + 2 took effect at a step
+    they had passed (seen: a split step 26, 20 s rounds and a repair). The steps its members ask it for
+    (votes it is asked to count) say where they are now; one beyond the step window is a lie, ignored."""
+    def planned(asked: int) -> int:
+        directory = _Directory(True)
+        upkeep = _upkeep("a", directory)
+        upkeep.local = lambda: Local(joined=True, step=22, synced=True, idle=False, steps_per_s=1.0, asked_step=asked)
+        upkeep.trust(GroupRecord(3, 5, tuple(PeerSpec(pid) for pid in "abcd")))
+        upkeep.records = {pid: r for pid, r in _records().items() if pid != "d"}  # d gone: a new group
+        asyncio.run(upkeep.lead())
+        return directory.published[-1].from_step
+
+    assert planned(asked=0) == 22 + 2  # nothing asked: its own step and the records' (lead_steps 2)
+    assert planned(asked=26) == 26 + 2
+    assert planned(asked=10_000) == 22 + 2  # far beyond the step window: not progress

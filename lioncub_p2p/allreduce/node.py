@@ -149,6 +149,9 @@ class VoteNode:
         self._by_step: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._waiting_key: dict[bytes, tuple[str, int]] = {}  # (family, step) of rounds waited for
         self._waiting: dict[bytes, asyncio.Event] = {}  # rounds asked for before this peer started them
+        # family -> the newest step an admitted member asked this peer for (votes or results): how far the
+        # group's fastest member is, seen within a round trip (its record says so seconds later)
+        self.asked_step: dict[str, int] = {}
         self._waiters: Counter[bytes] = Counter()
         self._pending_by_peer: Counter[str] = Counter()
         self._kept: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
@@ -894,6 +897,8 @@ class VoteNode:
         runs the step before, the wait goes on up to ``upload_timeout`` longer: its own round starts when
         that one ends (a voter one step ahead otherwise stays ahead, its votes refused every round: seen
         behind a NAT, 5 rounds lost and then a drop)."""
+        if family:
+            self.asked_step[family] = max(self.asked_step.get(family, 0), step)
         if round_id in self._rounds:
             return self._rounds[round_id]
         if round_id in self._finished:

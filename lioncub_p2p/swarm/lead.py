@@ -28,9 +28,11 @@ The rules:
   (``failed_reducers``: it is behind, stalled or gone, and every voter waited out a timeout on its
   part) **rests**: no part for ``REST_S`` seconds, still a voter. Dropping it takes 2 rounds and
   ``drop_after`` seconds; a reducer a few steps behind costs every member a timeout per step until then;
-* a new group takes effect ``lead_steps`` past the fastest member's step, and further on a group
-  that steps fast: every member must read the record before it reaches that step (``steps_ahead``),
-  or the members split between the two groups for a round (a failed round and a repair).
+* a new group takes effect ``lead_steps`` past the fastest member's step (its record's, or the newest
+  step a member asked the leader to count votes for: a leader behind its group sees it there long
+  before records say it), and further on a group that steps fast: every member must read the record
+  before it reaches that step (``steps_ahead``), or the members split between the two groups for a
+  round (a member that ran the step in the older group receives it again: ``pipeline.py``).
 """
 from __future__ import annotations
 

@@ -866,7 +866,8 @@ class Swarm:
                      following=self.rounds.follow.following, idle=self._idle, final_step=self.final_step,
                      bytes_up_per_s=stats.bytes_up / seconds, bytes_down_per_s=stats.bytes_down / seconds,
                      samples_per_step=self.samples_per_step, loss=self.last_loss, run_manifest=self.run_manifest,
-                     steps_per_s=1.0 / self.rounds.step_s if self.rounds.step_s > 0 else 0.0)
+                     steps_per_s=1.0 / self.rounds.step_s if self.rounds.step_s > 0 else 0.0,
+                     asked_step=node.asked_step.get("vote", 0) if (node := getattr(self, "node", None)) else 0)
 
     async def _store_manifest(self, manifest: Manifest) -> None:
         await manifests.store(self.dht, self.config.run_id, manifest, self.identity)

@@ -50,6 +50,7 @@ class Local:
     idle: bool = True  # not stepping yet: a group change may take effect at once
     final_step: int | None = None  # no group may start past it
     steps_per_s: float = 0.0  # this peer's recent pace (the group's, as it steps with it)
+    asked_step: int = 0  # the newest step of a vote round another member asked this peer for
     bytes_up_per_s: float = 0.0
     bytes_down_per_s: float = 0.0
     samples_per_step: int = 0
@@ -258,6 +259,9 @@ class Upkeep:
             return
         known = {m.peer_id for m in latest.members}
         steps = [r.step for pid, r in self.records.items() if pid in known and step <= r.step <= step + STEP_WINDOW]
+        # a leader behind its group sees the fastest member's step in the votes it is asked to count long
+        # before records say it (announced every few seconds): a group from a step already passed splits it
+        steps += [me.asked_step] if step <= me.asked_step <= step + STEP_WINDOW else []
         ahead = max([step] + steps)  # the fastest member (a step beyond the window is a lie, not progress)
         # idle: at once; alone, nobody else must read the record first (a founder alone steps at any pace)
         pace = me.steps_per_s if len(latest.members) > 1 else 0.0
