@@ -179,23 +179,28 @@ def _close_peers(loop: BackgroundLoop, peers: list[P2P]) -> None:
     loop.stop()
 
 
+def _failing_then_recording_donor(loop, failing: type, blob: bytes, digest: bytes, **recording_kwargs):
+    """Three daemons: peer 0 serves step 3 through ``failing``, peer 1 through a ``_RecordingServer``
+    (the offsets it was asked to resume at); peer 2 downloads. Returns (peers, failing, recording)."""
+    async def setup():
+        peers = await _p2p_peers(3)
+        first = failing(peers[0], "run")
+        recording = _RecordingServer(peers[1], "run", **recording_kwargs)
+        recording.offsets = []
+        for server in (first, recording):
+            await server.start()
+            await server.offer(3, blob, digest)
+        return peers, first, recording
+
+    return loop.run(setup(), timeout=60)
+
+
 def test_download_resumes_from_another_donor(monkeypatch):
     monkeypatch.setattr(state_transfer, "CHUNK_BYTES", 4096)
     _, donor_opt = _opt(0, hidden=512)
     blob, digest = snapshot.encode(donor_opt)
     loop = BackgroundLoop()
-
-    async def setup():
-        peers = await _p2p_peers(3)
-        dying = _DyingServer(peers[0], "run")
-        recording = _RecordingServer(peers[1], "run", max_uploads=1)
-        recording.offsets = []
-        for server in (dying, recording):
-            await server.start()
-            await server.offer(3, blob, digest)
-        return peers, dying, recording
-
-    peers, dying, recording = loop.run(setup(), timeout=60)
+    peers, dying, recording = _failing_then_recording_donor(loop, _DyingServer, blob, digest, max_uploads=1)
     try:
         donors = [peers[0].peer_id.to_base58(), peers[1].peer_id.to_base58()]
         step, got, got_digest = loop.run(state_transfer.download_state(
@@ -233,18 +238,7 @@ def test_a_download_leaves_a_stalled_donor_for_the_next_and_its_bound_grows_with
     _, donor_opt = _opt(0, hidden=512)
     blob, digest = snapshot.encode(donor_opt)
     loop = BackgroundLoop()
-
-    async def setup():
-        peers = await _p2p_peers(3)
-        stalled = _StallingServer(peers[0], "run")
-        recording = _RecordingServer(peers[1], "run")
-        recording.offsets = []
-        for server in (stalled, recording):
-            await server.start()
-            await server.offer(3, blob, digest)
-        return peers, recording
-
-    peers, recording = loop.run(setup(), timeout=60)
+    peers, _, recording = _failing_then_recording_donor(loop, _StallingServer, blob, digest)
     try:
         donors = [peers[0].peer_id.to_base58(), peers[1].peer_id.to_base58()]
         started = time.monotonic()

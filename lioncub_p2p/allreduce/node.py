@@ -700,10 +700,14 @@ class VoteNode:
             finally:
                 writer.close()  # after the last chunk: the member waits for this close before its own
 
-        def refused(e: BaseException) -> None:
-            logger.info("round %s: refused a result for part %d: %s", spec.round_id.hex()[:12], j, e)
-            state.report.parts[j].forgotten |= FORGOTTEN in str(e)
-            state.report.parts[j].other_group |= OTHER_GROUP in str(e)
+        def failed(i: int, e: BaseException) -> None:  # a refusal says why (kept in the report); else: gone
+            if isinstance(e, WireError):
+                logger.info("round %s: refused a result for part %d: %s", spec.round_id.hex()[:12], j, e)
+                state.report.parts[j].forgotten |= FORGOTTEN in str(e)
+                state.report.parts[j].other_group |= OTHER_GROUP in str(e)
+            else:  # unreachable, timed out, gone
+                logger.info("round %s: part %d not from member %d: %s", spec.round_id.hex()[:12], j, i,
+                            type(e).__name__)
 
         if one_at_a_time:
             until = time.monotonic() + 2 * self.config.recovery_timeout
@@ -713,12 +717,8 @@ class VoteNode:
                     break
                 try:
                     sender, outcome = await asyncio.wait_for(ask(i), left)
-                except WireError as e:
-                    refused(e)
-                    continue
-                except Exception as e:  # unreachable, timed out, gone
-                    logger.info("round %s: part %d not from member %d: %s", spec.round_id.hex()[:12], j, i,
-                                type(e).__name__)
+                except Exception as e:
+                    failed(i, e)
                     continue
                 state.received[j] = (time.monotonic(), sender == j)
                 return outcome
@@ -749,11 +749,7 @@ class VoteNode:
                         sender, outcome = task.result()
                         state.received[j] = (time.monotonic(), sender == j)
                         return outcome
-                    if isinstance(task.exception(), WireError):
-                        refused(task.exception())
-                    else:
-                        logger.info("round %s: part %d not from member %d: %s", spec.round_id.hex()[:12], j, i,
-                                    type(task.exception()).__name__)
+                    failed(i, task.exception())
                     last_ask = -math.inf  # a member that failed: ask the next one now
             logger.info("round %s: part %d not recovered in %.1f s (%s)", spec.round_id.hex()[:12], j,
                         time.monotonic() - begun, ", ".join(f"member {i} {'answering' if event.is_set() else 'silent'}"

@@ -20,8 +20,9 @@ class PeerSpec:
     ``client_mode`` (behind NAT, dials out only) or with weight 0 reduces nothing but still votes.
     ``voter``: the group expects its vote in time; False for a member whose link cannot keep the
     group's pace (it follows, or is on probation after a drop): its votes count when they come in
-    time, but reducers do not wait for them and the quorum is a majority of the expected voters
-    alone (else a group of two with a follower would have no result but on its probe rounds)."""
+    time (reducers give it the usual grace after the quorum), but the quorum is a majority of the
+    expected voters alone (else a group of two with a follower would have no result but on its
+    probe rounds)."""
 
     peer_id: str
     weight: float = 1.0
