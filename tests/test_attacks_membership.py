@@ -34,7 +34,7 @@ from lioncub_p2p.tasks.digits import digits_task
 from lioncub_p2p.swarm import Swarm, SwarmConfig, snapshot
 from lioncub_p2p.swarm.membership import GroupRecord, PeerRecord
 from lioncub_p2p.swarm.upkeep import STEP_WINDOW
-from lioncub_p2p.swarm.peer import _descendants
+from lioncub_p2p.swarm.dht_process import descendants as _descendants
 from lioncub_p2p.swarm.records import canonical, seal, signed_bytes
 
 pytestmark = pytest.mark.slow  # each trains a swarm of 4 threads with their own daemons for ~a minute

@@ -317,3 +317,41 @@ def test_a_leader_behind_its_group_starts_the_next_group_past_the_step_its_membe
     assert planned(asked=0) == 22 + 2  # nothing asked: its own step and the records' (lead_steps 2)
     assert planned(asked=26) == 26 + 2
     assert planned(asked=10_000) == 22 + 2  # far beyond the step window: not progress
+
+
+def test_a_new_group_starts_past_the_step_the_group_reached_while_the_leader_stored_the_manifest():
+    """The leader keeps the run's manifest alive before it plans; on a loaded machine that store takes
+    seconds of steps, and a group planned from the step read before it took effect at a step already
+    passed (seen: from step 50 read by a member at step 61, a split)."""
+    directory, progress = _Directory(True), {"step": 22}
+
+    async def store_manifest(manifest) -> None:  # a slow DHT: the group steps on meanwhile
+        progress["step"] = 30
+
+    upkeep = _upkeep("a", directory)
+    upkeep.store_manifest = store_manifest
+    upkeep.local = lambda: Local(joined=True, step=progress["step"], synced=True, idle=False, steps_per_s=1.0,
+                                 run_manifest=object())
+    upkeep.trust(GroupRecord(3, 5, tuple(PeerSpec(pid) for pid in "abcd")))
+    upkeep.records = {pid: r for pid, r in _records().items() if pid != "d"}  # d gone: a new group
+    asyncio.run(upkeep.lead())
+    assert progress["step"] == 30, "the manifest was stored"
+    assert directory.published[-1].from_step == 30 + 2
+
+
+def test_the_leader_moves_to_its_new_group_before_the_store_is_confirmed():
+    """Members read a record from the DHT while its store is still being confirmed; the leader holds it
+    from the moment it makes it, or it runs the new group's first steps in the old one apart from them."""
+    held = []
+
+    class Slow(_Directory):
+        async def publish_group(self, record: GroupRecord, ttl: float) -> bool:
+            held.append(upkeep.history.latest)  # what the leader holds while its store is in flight
+            return await super().publish_group(record, ttl)
+
+    directory = Slow(True)
+    upkeep = _upkeep("a", directory)
+    upkeep.trust(GroupRecord(3, 5, tuple(PeerSpec(pid) for pid in "abcd")))
+    upkeep.records = {pid: r for pid, r in _records().items() if pid != "d"}
+    asyncio.run(upkeep.lead())
+    assert held == [directory.published[-1]] and held[0].epoch == 4

@@ -5,12 +5,13 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from lioncub_p2p.allreduce import PartReport, RoundReport
 from lioncub_p2p.codecs import upload_codec
 from lioncub_p2p.swarm.membership import GroupHistory, GroupRecord
-from lioncub_p2p.swarm.pipeline import PipelineSettings, RoundInFlight, VotePipeline
+from lioncub_p2p.swarm.pipeline import Pace, PipelineSettings, RoundInFlight, VotePipeline
 from lioncub_p2p.testing import LocalSwarm
 
 from reference import unpack
@@ -73,3 +74,17 @@ def test_a_step_run_in_an_older_group_is_received_again_from_the_group_that_hold
         for i in (1, 2):
             np.testing.assert_array_equal(_values(results[i], numel), applied)
         np.testing.assert_array_equal(_values(update, numel), applied)
+
+
+def test_the_pace_is_the_median_step_and_ignores_a_stall_and_a_jump():
+    pace = Pace()
+    assert pace.step_s == 0.0
+    t = 100.0
+    for step, gap in zip(range(1, 9), [0.3, 0.3, 7.0, 0.3, 0.3, 0.3, 0.4, 0.3]):  # a 7 s group change at step 3
+        pace.started(step, t)
+        t += gap
+    assert pace.step_s == pytest.approx(0.3)  # the stall is in the window: the mean is 1.27
+    pace.started(50, t + 60)  # a state download's jump is no step
+    assert pace.step_s == pytest.approx(0.3)
+    pace.started(51, t + 62)
+    assert pace.step_s == pytest.approx(0.3)

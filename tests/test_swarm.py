@@ -754,7 +754,7 @@ def test_shutdown_tells_the_group_at_once_and_leaves_no_process(caplog):
     not after its record expires (30 s here) or rounds go missing, and the part the stayer reduces
     stops waiting for its vote then, not at the upload deadline (20 s here); its DHT process and
     libp2p daemon are gone when shutdown() returns; nothing is logged at ERROR level on the way out."""
-    from lioncub_p2p.swarm.peer import _alive, _descendants
+    from lioncub_p2p.swarm.dht_process import alive as _alive, descendants as _descendants
 
     task = digits_task(0, hidden=16)
     slow_deadline = replace(FAST, upload_timeout=20.0, result_timeout=40.0)

@@ -117,8 +117,9 @@ class MethodResult:
 
 class Simulation:
     def __init__(self, profiles: list[LinkProfile], *, shaping: str, workdir: Path, hidden: int, batch: int,
-                 steps: int, seconds: float, lr: float, eval_every: int, timeouts: tuple[float, float]):
-        self.profiles, self.workdir = profiles, workdir
+                 steps: int, seconds: float, lr: float, eval_every: int, timeouts: tuple[float, float],
+                 linger: float = 60.0):
+        self.profiles, self.workdir, self.linger = profiles, workdir, linger
         self.hidden, self.batch, self.steps, self.seconds, self.lr = hidden, batch, steps, seconds, lr
         self.eval_every, self.timeouts = eval_every, timeouts
         self.net: NamespaceNetwork | None = None
@@ -248,7 +249,7 @@ class Simulation:
                 "--max-seconds", str(self.seconds), "--hidden", str(self.hidden), "--batch", str(self.batch),
                 "--lr", str(self.lr), "--seed", "0", "--group-size", str(len(self.profiles)), "--quiet",
                 "--eval-every", str(self.eval_every), "--upload-timeout", str(self.timeouts[0]),
-                "--result-timeout", str(self.timeouts[1]), "--metrics-jsonl", str(out / f"peer{i}.jsonl"),
+                "--result-timeout", str(self.timeouts[1]), "--linger", str(self.linger), "--metrics-jsonl", str(out / f"peer{i}.jsonl"),
                 "--wait-peers", str(sum(p.join_at is None for p in self.profiles))
                 if not method.trainer_args[1].startswith("hivemind") else "0",
                 "--final-eval", str(out / f"peer{i}.eval.json"), "--final-state", str(out / f"peer{i}.state"),
@@ -261,7 +262,7 @@ class Simulation:
 
         Returns each peer's interface byte counters over the training phase (from the moment every
         peer logged its first step to the first peer's exit), or None without namespaces."""
-        done_by = time.monotonic() + self.seconds + 180
+        done_by = time.monotonic() + self.seconds + self.linger + 180
         stalled, left, back, cut = set(), set(), set(), {}
         window = TrainingWindow(lambda: self._counters(len(peers)))
         ended_at, kill_at = None, float("inf")
@@ -626,6 +627,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=10, help="steps in the smoothed training loss of the report")
     p.add_argument("--upload-timeout", type=float, default=10.0, help="trainers' --upload-timeout (seconds)")
     p.add_argument("--result-timeout", type=float, default=30.0, help="trainers' --result-timeout (seconds)")
+    p.add_argument("--linger", type=float, default=60.0,
+                   help="trainers' --linger: after --steps, how long peers stay up for one behind (a slow link "
+                        "downloading the final state)")
     p.add_argument("--shaping", choices=["auto", "netns", "proxy", "none"], default="auto",
                    help="auto: namespaces as root, else the user-space proxy; proxy also applies latency")
     p.add_argument("--out", type=Path, default=Path("runs/sim"), help="folder for the report, plot and peer logs")
@@ -685,7 +689,7 @@ def run(argv: list[str] | None = None) -> list[MethodResult]:
         raise SystemExit(f"error: --out {args.out} cannot be created ({e.strerror or e}); choose another folder")
     sim = Simulation(profiles, shaping=args.shaping, workdir=args.out, hidden=args.hidden, batch=args.batch,
                      steps=args.steps, seconds=args.seconds, lr=args.lr, eval_every=args.eval_every,
-                     timeouts=(args.upload_timeout, args.result_timeout))
+                     timeouts=(args.upload_timeout, args.result_timeout), linger=args.linger)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def interrupted(signum, frame):

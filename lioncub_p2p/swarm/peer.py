@@ -44,13 +44,11 @@ import contextlib
 import hashlib
 import logging
 import os
-import signal
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 import torch
-from hivemind import DHT
 
 from .. import failpoints
 from ..aio import BackgroundLoop
@@ -65,6 +63,7 @@ from ..momentum import MomentumSchedule
 from ..optim import LionCub, Resolved
 from ..wire import PROTOCOL_VERSION
 from . import checkpoint, manifest as manifests, reachability, snapshot
+from .dht_process import start_dht, stop_dht
 from .accuse import Accusation, AccuseServer, Refused, Suspicions, send_accusation
 from .admit import AdmitServer, ask_admission
 from .manifest import DEFAULTS, Manifest, ManifestError, ManifestMismatch
@@ -177,33 +176,6 @@ def _anchor_ids(maddrs: list[str]) -> list[str]:
     return ids
 
 
-def _descendants(pid: int) -> list[int]:
-    """Process ids below ``pid`` (Linux /proc), deepest last: the DHT process's p2pd and helpers."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _from_rounds(name: str) -> property:
     return property(lambda swarm: getattr(swarm.rounds, name), doc=f"``VotePipeline.{name}``")
 
@@ -249,11 +221,12 @@ class Swarm:
             config = self._plan_listening(asked)
             try:
                 # a key made just now is not anyone else's: skip hivemind's check (it starts a second daemon, ~0.45 s)
-                self.dht = DHT(start=True, initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
-                               announce_maddrs=config.announce_maddrs or None, identity_path=self.identity.path,
-                               check_if_identity_free=not fresh, record_validators=[RunRecordValidator([config.run_id])],
-                               client_mode=config.client_mode, no_listen=config.client_mode,
-                               nat_port_map=config.nat_probing, auto_nat=config.nat_probing)
+                self.dht = start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
+                                     announce_maddrs=config.announce_maddrs or None, identity_path=self.identity.path,
+                                     check_if_identity_free=not fresh,
+                                     record_validators=[RunRecordValidator([config.run_id])],
+                                     client_mode=config.client_mode, no_listen=config.client_mode,
+                                     nat_port_map=config.nat_probing, auto_nat=config.nat_probing)
                 break
             except Exception as e:
                 # the check picked a free port (any was asked for); something else took it before the daemon bound it
@@ -866,7 +839,7 @@ class Swarm:
                      following=self.rounds.follow.following, idle=self._idle, final_step=self.final_step,
                      bytes_up_per_s=stats.bytes_up / seconds, bytes_down_per_s=stats.bytes_down / seconds,
                      samples_per_step=self.samples_per_step, loss=self.last_loss, run_manifest=self.run_manifest,
-                     steps_per_s=1.0 / self.rounds.step_s if self.rounds.step_s > 0 else 0.0,
+                     steps_per_s=1.0 / pace if (pace := self.rounds.pace.step_s) > 0 else 0.0,
                      asked_step=node.asked_step.get("vote", 0) if (node := getattr(self, "node", None)) else 0)
 
     async def _store_manifest(self, manifest: Manifest) -> None:
@@ -912,21 +885,7 @@ class Swarm:
                 self.loop = None
         dht = getattr(self, "dht", None)
         if dht is not None:
-            self._stop_dht(dht)
-
-    @staticmethod
-    def _stop_dht(dht: DHT) -> None:
-        """Stop the DHT process; make sure its p2pd and helpers are gone with it."""
-        below = _descendants(dht.pid) if dht.pid is not None else []
-        dht.shutdown()
-        dht.join(10)
-        for pid in [dht.pid] + below if dht.is_alive() else below:
-            if pid is not None and _alive(pid):
-                logger.info("process %d of the DHT outlived it: killing it", pid)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            stop_dht(dht)
 
     def __enter__(self) -> "Swarm":
         return self

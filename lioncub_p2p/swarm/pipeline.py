@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,6 +41,7 @@ from .verdicts import Verdicts
 logger = logging.getLogger(__name__)
 
 STRANDED_AFTER_S = 30.0  # with no live peer that can count votes for this long, a peer that cannot lead stops
+PACE_STEPS = 16  # step gaps whose median is this peer's pace
 SKIP_TRIES = 3  # failed state downloads in a row after which a follower that fell out stops
 
 
@@ -70,6 +73,23 @@ class PipelineSettings:
     round_bound: float  # the longest a vote round may take before its voters give up on it
 
 
+class Pace:
+    """Recent seconds per step: the median gap between starts of consecutive steps (a download's jump
+    is no step). The median, because a stall of seconds (a group change) is not the pace, and a leader
+    that took it for one gave its next group too few steps' notice (the record came after its start)."""
+
+    def __init__(self, steps: int = PACE_STEPS):
+        self._gaps: deque[float] = deque(maxlen=steps)
+        self._last: tuple[float, int] | None = None
+        self.step_s = 0.0  # 0: not known yet
+
+    def started(self, step: int, now: float) -> None:
+        if self._last is not None and step == self._last[1] + 1:
+            self._gaps.append(now - self._last[0])
+            self.step_s = statistics.median(self._gaps)
+        self._last = (now, step)
+
+
 class VotePipeline:
     def __init__(self, *, peer_id: str, settings: PipelineSettings, loop: BackgroundLoop, node: VoteNode,
                  gather: GatherNode | None, upkeep: Upkeep, state: StateSync, verdicts: Verdicts,
@@ -90,8 +110,7 @@ class VotePipeline:
         self._alone_since: float | None = None
         self.part_failed_at = upkeep.part_failed_at  # written here, read there
         self.current = ("vote", 0)  # the kind and step of the round in progress, for failpoints
-        self.step_s = 0.0  # recent seconds per step (consecutive steps only: a download's jump is no pace)
-        self._last_start: tuple[float, int] | None = None
+        self.pace = Pace()
 
     def prepare(self, step: int) -> None:
         """Let this peer's reducer count others' votes for ``step`` while it still computes."""
@@ -111,11 +130,7 @@ class VotePipeline:
     def submit(self, upload: torch.Tensor, step: int) -> "RoundInFlight | Resolved":
         """Start the vote of ``step``; the returned handle's ``wait()`` gives its update."""
         self.stats = StepStats(step=step)
-        now = time.monotonic()
-        if self._last_start is not None and step == self._last_start[1] + 1:
-            gap = now - self._last_start[0]
-            self.step_s = gap if self.step_s == 0 else 0.8 * self.step_s + 0.2 * gap
-        self._last_start = (now, step)
+        self.pace.started(step, time.monotonic())
         try:
             return self._start(upload, step)
         except Exception as e:  # never into the training loop: a missed round (the digest repairs a split)

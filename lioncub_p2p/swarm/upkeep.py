@@ -257,6 +257,8 @@ class Upkeep:
                 if not await self._publish(latest):
                     self.published = 0.0  # again at the next upkeep
             return
+        me = self.local()  # again: the manifest's store above may have taken seconds of steps
+        step = max(step, me.step)
         known = {m.peer_id for m in latest.members}
         steps = [r.step for pid, r in self.records.items() if pid in known and step <= r.step <= step + STEP_WINDOW]
         # a leader behind its group sees the fastest member's step in the votes it is asked to count long
@@ -274,13 +276,14 @@ class Upkeep:
         if me.final_step is not None:  # a group from past this peer's last step would never take effect
             from_step = max(latest.from_step, min(from_step, me.final_step))
         record = GroupRecord(latest.epoch + 1, from_step, desired, previous=latest, author=self.peer_id)
-        stored = await self._publish(record)
-        # A store reported failed may still land (it reached a node, or the DHT finishes it after the
-        # timeout), and members that read it move to this epoch: planning another group for the same
-        # epoch would split them from the rest (seen on a loaded machine: 3 rounds at the join timeout,
-        # then a repair). One epoch, one record: this peer keeps it and stores it again next upkeep.
-        self.published = time.monotonic() if stored else 0.0
+        # One epoch, one record, in force here from now: members read it from the DHT while its store
+        # is still being confirmed (seconds on a loaded machine), and a leader that moved to it only
+        # after the confirmation ran its first steps in the old group apart from them (seen: a split).
+        # A store reported failed may still land too: planning another group for the same epoch would
+        # split those that read it from the rest; this peer stores the same record again next upkeep.
         self.trust(record)
+        stored = await self._publish(record)
+        self.published = time.monotonic() if stored else 0.0
         logger.info("group epoch %d from step %d: %d members (+%d, -%d), %d reducing%s", record.epoch,
                     record.from_step, len(desired), len(plan.joined), len(plan.dropped),
                     sum(m.reduces for m in desired), "" if stored else " (its store was not confirmed: again next)")
