@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
+import struct
 import threading
 import time
 from dataclasses import replace
@@ -115,6 +117,33 @@ def test_snapshot_round_trip_and_rejections():
         snapshot.load(dst, b"\x80\x04pickle")
 
 
+def test_a_snapshot_without_momenta_loads_the_parameters_and_keeps_the_peers_own_momenta():
+    """A repair or a skip ahead keeps the peer's own momenta (each peer's own; only the parameters must
+    be the group's): half the bytes, the same step and digest."""
+    _, src = _opt(0)
+    _, dst = _opt(1)
+    full, digest = snapshot.encode(src)
+    lean = snapshot.without_momenta(full)
+    momentum_bytes = sum(m.numel() * m.element_size() for _, m in src.momentum_buffers())
+    header_growth = snapshot.read_header(lean)[1] - snapshot.read_header(full)[1]  # its "momenta": false
+    assert len(lean) == len(full) - momentum_bytes + header_growth and 0 < header_growth < 32
+    assert snapshot.step_and_params_digest(lean) == (3, digest)
+    own = [m.clone() for _, m in dst.momentum_buffers()]
+    assert snapshot.load(dst, lean, expect_digest=digest) == 3
+    assert snapshot.params_digest(dst) == digest
+    assert all(torch.equal(a, s.param) for a, s in zip((s.param for s in src.slots), dst.slots))
+    assert all(torch.equal(a, m) for a, (_, m) in zip(own, dst.momentum_buffers()))  # its own, untouched
+    assert not all(torch.equal(a, m) for (_, a), (_, m) in zip(src.momentum_buffers(), dst.momentum_buffers()))
+    assert snapshot.without_momenta(lean) == lean
+    with pytest.raises(snapshot.SnapshotError, match="snapshot body"):  # momenta cut off, header not saying so
+        snapshot.load(dst, full[: len(full) - momentum_bytes])
+    header, offset = snapshot.read_header(lean)
+    forged = snapshot.MAGIC + struct.pack("<I", len(h := json.dumps(dict(header, momenta="no")).encode())) + h + \
+        lean[offset:]
+    with pytest.raises(snapshot.SnapshotError, match="momenta must be true or false"):
+        snapshot.load(dst, forged)
+
+
 def test_checkpoint_is_atomic_and_restores(tmp_path):
     _, src = _opt(0)
     path = checkpoint.save(tmp_path, src)
@@ -211,6 +240,25 @@ def test_download_resumes_from_another_donor(monkeypatch):
             recording.wait_timeout = dying.wait_timeout = 0.5
             loop.run(state_transfer.download_state(peers[2], donors, "run", min_step=50, max_bytes=len(blob) + 10,
                                                    attempts=1), timeout=60)
+    finally:
+        _close_peers(loop, peers)
+
+
+def test_a_download_without_momenta_resumes_from_another_donor(monkeypatch):
+    """``params_only``: both donors cut the same lean snapshot from their full one, so a download cut
+    at the first resumes at the second; it is the full snapshot without the momentum section."""
+    monkeypatch.setattr(state_transfer, "CHUNK_BYTES", 4096)
+    _, donor_opt = _opt(0, hidden=512)
+    blob, digest = snapshot.encode(donor_opt)
+    lean = snapshot.without_momenta(blob)
+    loop = BackgroundLoop()
+    peers, dying, recording = _failing_then_recording_donor(loop, _DyingServer, blob, digest, max_uploads=1)
+    try:
+        donors = [peers[0].peer_id.to_base58(), peers[1].peer_id.to_base58()]
+        step, got, got_digest = loop.run(state_transfer.download_state(
+            peers[2], donors, "run", min_step=3, max_bytes=len(blob) + 10, params_only=True), timeout=60)
+        assert (step, got_digest) == (3, digest) and got == lean and len(lean) < 0.55 * len(blob)
+        assert recording.offsets and recording.offsets[0] > 0  # resumed where the dying donor stopped
     finally:
         _close_peers(loop, peers)
 

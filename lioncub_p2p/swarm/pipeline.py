@@ -227,7 +227,7 @@ class VotePipeline:
             logger.warning("step %d: parameters differ from %d of %d votes: repairing from a peer", step, votes,
                            all_votes)
             try:  # from a peer past the step in progress (overlapped: the next one, whose vote is out)
-                self.state.download(min_step=self.optimizer.step_count + 1, group=group)
+                self.state.download(min_step=self.optimizer.step_count + 1, group=group, params_only=True)
             except Exception as e:  # apply nothing: still diverged, so the next round tries again
                 logger.warning("step %d: repair failed (%s); retrying next step", step, e)
                 return self._missed(step)
@@ -266,7 +266,7 @@ class VotePipeline:
         go on applying zeros: a follower nobody serves any more must not finish as if it had trained."""
         logger.warning("step %d: this peer fell so far behind that nobody keeps its round: downloading the state", step)
         try:
-            self.state.download(min_step=self.optimizer.step_count + 1, group=group)
+            self.state.download(min_step=self.optimizer.step_count + 1, group=group, params_only=True)
         except Exception as e:
             self._skip_failures += 1
             logger.warning("step %d: skipping ahead failed (%s); retrying next step", step, e)

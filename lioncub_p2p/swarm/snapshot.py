@@ -1,7 +1,8 @@
 """A peer's training state as bytes: parameters, momenta and step. No pickle, ever.
 
 Layout: ``MAGIC | u32 header length | JSON header | parameter bytes | momentum bytes | in-flight
-update bytes``. The header lists each tensor's name, dtype and shape; the receiver accepts a
+update bytes``; without the momentum bytes when the header says ``"momenta": false``
+(``without_momenta``: for a peer that keeps its own, as a repair or a skip ahead does, half the bytes). The header lists each tensor's name, dtype and shape; the receiver accepts a
 snapshot only if that list equals its own model's exactly, so a peer cannot make it allocate or
 reshape anything unexpected. With overlapped rounds the update of the vote in flight is part of
 the state (header ``pending``: its dtype, ``uint8`` packed or ``float32`` values, sized by the vote
@@ -121,7 +122,43 @@ def encode(optimizer: LionCub) -> tuple[bytes, bytes]:
 
 def body_bytes(header: dict, layout: Layout) -> int:
     """Bytes after the header of a snapshot whose header is ``header`` (raises SnapshotError)."""
-    return layout.nbytes() + _pending_bytes(header, layout)[1]
+    return _tensor_bytes(header, layout) + _pending_bytes(header, layout)[1]
+
+
+def _has_momenta(header: dict) -> bool:
+    momenta = header.get("momenta", True)
+    if not isinstance(momenta, bool):
+        raise SnapshotError(f"snapshot header: momenta must be true or false, got {momenta!r}")
+    return momenta
+
+
+def _tensor_bytes(header: dict, layout: Layout) -> int:
+    """Bytes of the tensor section: parameters, and momenta unless the snapshot left them out."""
+    return layout.nbytes() if _has_momenta(header) else layout.nbytes("param")
+
+
+def without_momenta(blob: bytes | bytearray) -> bytes:
+    """The same snapshot without its momenta (same step, same digest): what a peer that keeps its own
+    momenta downloads. Momenta are each peer's own; the parameters and the in-flight update are the
+    group's, and only they must be equal after a repair."""
+    header, offset = read_header(blob)
+    layout = _layout_of(header)
+    if not _has_momenta(header):
+        return bytes(blob)
+    params, total = layout.nbytes("param"), layout.nbytes()
+    _, pending = _pending_bytes(header, layout)
+    if len(blob) != offset + total + pending:
+        raise SnapshotError(f"snapshot body has {len(blob) - offset} bytes, expected {total + pending}")
+    meta = json.dumps(dict(header, momenta=False), separators=(",", ":")).encode()
+    return b"".join((MAGIC, struct.pack("<I", len(meta)), meta, blob[offset : offset + params],
+                     blob[offset + total :]))
+
+
+def _layout_of(header: dict) -> Layout:
+    try:
+        return Layout([tuple(e) for e in header["tensors"]])
+    except (KeyError, TypeError, ValueError) as e:
+        raise SnapshotError(f"unreadable tensor list: {e}") from e
 
 
 def _pending_bytes(header: dict, layout: Layout) -> tuple[torch.dtype | None, int]:
@@ -155,9 +192,9 @@ def step_and_params_digest(blob: bytes | bytearray) -> tuple[int, bytes]:
     """(step, digest of the parameter section) of a snapshot, without a model: at the same step every
     peer of a healthy swarm has the same digest (the one ``encode`` returns)."""
     header, offset = read_header(blob)
+    layout = _layout_of(header)
     try:
-        layout = Layout([tuple(e) for e in header["tensors"]])
-        size, total = layout.nbytes("param"), layout.nbytes()
+        size, total = layout.nbytes("param"), _tensor_bytes(header, layout)
         _, pending = _pending_bytes(header, layout)
     except (KeyError, TypeError, ValueError) as e:
         raise SnapshotError(f"unreadable tensor list: {e}") from e
@@ -179,7 +216,8 @@ def max_size(optimizer: LionCub) -> int:
 
 
 def load(optimizer: LionCub, blob: bytes | bytearray, *, expect_digest: bytes | None = None) -> int:
-    """Copy a snapshot into the optimizer's parameters and momenta; returns its step.
+    """Copy a snapshot into the optimizer's parameters and momenta (kept as they are when the snapshot
+    has none); returns its step.
 
     Checks everything before touching the model: a rejected snapshot leaves the state as it was."""
     header, offset = read_header(blob)
@@ -188,7 +226,8 @@ def load(optimizer: LionCub, blob: bytes | bytearray, *, expect_digest: bytes | 
     if entries != layout.entries:
         raise SnapshotError("snapshot tensors do not match this model (names, dtypes or shapes differ)")
     pending_dtype, pending_bytes = _pending_bytes(header, layout)
-    total = layout.nbytes()
+    total = _tensor_bytes(header, layout)
+    copied = layout.entries if _has_momenta(header) else layout.entries[: len(optimizer.slots)]  # params first
     if len(blob) != offset + total + pending_bytes:
         raise SnapshotError(f"snapshot body has {len(blob) - offset} bytes, expected {total + pending_bytes}")
     if expect_digest is not None and _digest(blob, offset, layout.nbytes("param"), total, pending_bytes) != expect_digest:
@@ -197,7 +236,7 @@ def load(optimizer: LionCub, blob: bytes | bytearray, *, expect_digest: bytes | 
     pending = None if pending_dtype is None else \
         torch.frombuffer(bytearray(view[offset + total :]), dtype=pending_dtype).clone()
     with torch.no_grad():
-        for t, (name, dtype, shape) in zip(_tensors(optimizer), layout.entries):
+        for t, (name, dtype, shape) in zip(_tensors(optimizer), copied):
             size = t.numel() * t.element_size()
             src = torch.frombuffer(bytearray(view[offset : offset + size]), dtype=DTYPES[dtype]).view(shape) \
                 if size else torch.empty(shape, dtype=DTYPES[dtype])

@@ -108,14 +108,15 @@ class StateSync:
         synced = [pid for pid in donors if pid in records and records[pid].synced]
         return synced or donors  # peers that are joining themselves hold nothing to give
 
-    def download(self, min_step: int, group: GroupRecord) -> None:
-        """Load a member's state of step ``min_step`` or later (nothing if this peer already holds it)."""
+    def download(self, min_step: int, group: GroupRecord, *, params_only: bool = False) -> None:
+        """Load a member's state of step ``min_step`` or later (nothing if this peer already holds it);
+        ``params_only``: keep this peer's own momenta (half the bytes: a repair, a skip ahead)."""
         have = (self.optimizer.step_count, snapshot.params_digest(self.optimizer))
         max_bytes = snapshot.max_size(self.optimizer)
         bound = download_bound(max_bytes, self.join_timeout)
         step, blob, digest = self.loop.run(download_state(
             self.p2p, self.donors(group), self.run_id, min_step=min_step, max_bytes=max_bytes, timeout=bound,
-            have=have, token=self.admission.token(self.peer_id)), timeout=bound + 5)
+            have=have, token=self.admission.token(self.peer_id), params_only=params_only), timeout=bound + 5)
         if not blob:
             logger.info("this peer already holds the swarm's state (step 0, same initialization)")
             return

@@ -23,6 +23,7 @@ from .. import failpoints
 from ..allreduce.admission import OPEN, Admission
 from ..wire import PROTOCOL_VERSION, WireError, close_after_reply, pb, read_frame, write_frame
 from ..wire.gate import StreamGate, guard
+from . import snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class StateServer:
         self.max_uploads, self.wait_timeout = max_uploads, wait_timeout
         self._uploads = 0
         self._snapshot: tuple[int, bytes, bytes] | None = None  # step, blob, params digest
+        self._lean: tuple[int, bytes, bytes] | None = None  # step, params digest, that snapshot without momenta
         self._pending: dict[int, int] = {}  # min_step -> waiting requests
         self._lock = threading.Lock()
         self._offered: asyncio.Condition | None = None
@@ -129,6 +131,8 @@ class StateServer:
             self._uploads += 1
             counted = True
             step, blob, digest = await self._wait_snapshot(req.min_step)
+            if req.params_only:
+                blob = await self._without_momenta(step, blob, digest)
             if step == 0 and req.have_step == 0 and req.have_digest == digest and req.offset == 0:
                 # a fresh run where both started from the same initialization: momenta are zero on both
                 await write_frame(writer, pb.StateChunk(version=PROTOCOL_VERSION, step=0, total_bytes=0, last=True,
@@ -150,6 +154,12 @@ class StateServer:
                 self._uploads -= 1
         if replied:  # the newcomer closes once it has read the last chunk: closing first can lose it (QUIC)
             await close_after_reply(reader, writer)
+
+    async def _without_momenta(self, step: int, blob: bytes, digest: bytes) -> bytes:
+        """The snapshot without its momenta, made once per snapshot (a resumed download asks again)."""
+        if self._lean is None or self._lean[:2] != (step, digest):
+            self._lean = (step, digest, await asyncio.to_thread(snapshot.without_momenta, blob))
+        return self._lean[2]
 
     @staticmethod
     async def _send(writer: asyncio.StreamWriter, req: pb.StateRequest, step: int, blob: bytes, digest: bytes) -> None:
@@ -183,8 +193,9 @@ class _Download:
 
 async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: int, max_bytes: int,
                          timeout: float = 120.0, attempts: int = 6, have: tuple[int, bytes] | None = None,
-                         token: bytes = b"") -> tuple[int, bytes, bytes]:
-    """(step, snapshot bytes, parameter digest) from donors, resuming across them.
+                         token: bytes = b"", params_only: bool = False) -> tuple[int, bytes, bytes]:
+    """(step, snapshot bytes, parameter digest) from donors, resuming across them; ``params_only``:
+    without the momenta (``snapshot.without_momenta``; a donor of an older version sends them anyway).
 
     Donors are tried in the given order first (put the fastest first), in random order on retries.
 
@@ -200,8 +211,8 @@ async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: 
             if remaining <= 0:
                 break
             try:
-                await asyncio.wait_for(_fetch_from(p2p, donor, run_id, min_step, max_bytes, progress, have, token),
-                                       remaining)
+                await asyncio.wait_for(_fetch_from(p2p, donor, run_id, min_step, max_bytes, progress, have, token,
+                                                   params_only), remaining)
             except Exception as e:
                 errors.append(f"{donor[:16]}: {type(e).__name__}: {e}")
                 logger.info("state download from %s stopped at %d bytes: %s", donor, len(progress.blob), e)
@@ -214,13 +225,14 @@ async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: 
 
 
 async def _fetch_from(p2p: P2P, donor: str, run_id: str, min_step: int, max_bytes: int, progress: _Download,
-                      have: tuple[int, bytes] | None, token: bytes) -> None:
+                      have: tuple[int, bytes] | None, token: bytes, params_only: bool) -> None:
     _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(donor), STATE_PROTOCOL)
     try:
         have_step, have_digest = have if have is not None and not progress.blob else (0, b"")
         await write_frame(writer, pb.StateRequest(version=PROTOCOL_VERSION, run_id=run_id.encode(), min_step=min_step,
                                                   offset=len(progress.blob), params_digest=progress.digest,
-                                                  have_step=have_step, have_digest=have_digest, token=token))
+                                                  have_step=have_step, have_digest=have_digest, token=token,
+                                                  params_only=params_only))
         wait = FIRST_CHUNK_S
         while not progress.done:
             try:
