@@ -8,6 +8,7 @@ from lioncub_p2p.swarm import lead
 from lioncub_p2p.swarm.lead import Health, failed_reducers, leader_of, plan_group
 from lioncub_p2p.swarm.membership import GroupRecord, PeerRecord
 from lioncub_p2p.swarm.records import RateLimitedLog
+from lioncub_p2p.swarm import upkeep as upkeep_module
 from lioncub_p2p.swarm.upkeep import Local, Upkeep
 
 NOW = 1000.0
@@ -355,3 +356,23 @@ def test_the_leader_moves_to_its_new_group_before_the_store_is_confirmed():
     upkeep.records = {pid: r for pid, r in _records().items() if pid != "d"}
     asyncio.run(upkeep.lead())
     assert held == [directory.published[-1]] and held[0].epoch == 4
+
+
+def test_a_slow_store_counts_in_the_notice_over_the_quick_reads_after_it_for_a_while(monkeypatch):
+    """The notice decayed 20% a DHT call: a 5 s store, then the reads every half second, left ~0.3 s
+    of notice by the next group change. The slowest call of the last ``DHT_MEMORY_S`` counts."""
+    class _SlowStore(_Directory):
+        async def publish_group(self, record, ttl):
+            await asyncio.sleep(0.3)
+            return await super().publish_group(record, ttl)
+
+    upkeep = _upkeep("a", _SlowStore(True))
+    upkeep.trust(GroupRecord(3, 5, tuple(PeerSpec(pid) for pid in "abcd")))
+    upkeep.records = {pid: r for pid, r in _records().items() if pid != "d"}
+    asyncio.run(upkeep.lead())
+    for _ in range(30):  # quick reads
+        asyncio.run(upkeep.refresh_group())
+    assert 0.3 <= upkeep.dht_s < 1.0
+    later = time.monotonic() + upkeep_module.DHT_MEMORY_S + 1
+    monkeypatch.setattr(upkeep_module.time, "monotonic", lambda: later)
+    assert upkeep.dht_s == 0.0  # forgotten: no call since

@@ -41,7 +41,7 @@ from .verdicts import Verdicts
 logger = logging.getLogger(__name__)
 
 STRANDED_AFTER_S = 30.0  # with no live peer that can count votes for this long, a peer that cannot lead stops
-PACE_STEPS = 16  # step gaps whose median is this peer's pace
+PACE_STEPS = 5  # step gaps whose median is this peer's pace
 SKIP_TRIES = 3  # failed state downloads in a row after which a follower that fell out stops
 
 
@@ -74,9 +74,11 @@ class PipelineSettings:
 
 
 class Pace:
-    """Recent seconds per step: the median gap between starts of consecutive steps (a download's jump
-    is no step). The median, because a stall of seconds (a group change) is not the pace, and a leader
-    that took it for one gave its next group too few steps' notice (the record came after its start)."""
+    """Recent seconds per step: the median gap between starts of the last ``PACE_STEPS`` consecutive
+    steps (a download's jump is no step). The median, because a stall of seconds (a group change) is
+    not the pace, and a leader that took it for one gave its next group too few steps' notice (the
+    record came after its start); over a few steps, because steps that stay slow (a member gone, each
+    round waiting for its part) are the pace, and a notice of many such steps keeps the group waiting."""
 
     def __init__(self, steps: int = PACE_STEPS):
         self._gaps: deque[float] = deque(maxlen=steps)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 STEP_WINDOW = 100  # steps a member's announced step may lead the leader's and still count (forged far-future steps)
 GROUP_TTL = 60.0  # seconds a published group record lives; the leader republishes it every third of that
 GROUP_REPUBLISH_S = 20.0
+DHT_MEMORY_S = 120.0  # how long a slow DHT store or read counts in a new group's notice (dht_s)
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class Upkeep:
         self.on_epoch: Callable[[int], None] | None = None  # told the newest group's epoch (the vote node)
         self.stop_waiting_for: Callable[[set[str], str], None] | None = None  # reducers stop waiting for leavers
         self.published = 0.0  # when this peer last published the group record
-        self.dht_s = 0.0  # this peer's recent slowest group-record store or read (decays 20% a call)
+        self._dht_calls: deque[tuple[float, float]] = deque()  # (when, seconds) of recent DHT stores and reads
         self.manifest_published = 0.0
         self._progress = (time.monotonic(), 0)  # (time, step) at the last announcement, for samples/s
         self._last_expiration = 0.0  # of this peer's newest record (a leaving record must outlive it)
@@ -152,7 +153,7 @@ class Upkeep:
         self._progress = (now, me.step)
         # a newer record must expire later than the last (the DHT keeps the latest-expiring one)
         expiration = max(get_dht_time() + self.record_ttl, self._last_expiration + 1e-3)
-        if await self.directory.announce(record, self.record_ttl, expiration=expiration):
+        if await self._timed(self.directory.announce(record, self.record_ttl, expiration=expiration)):
             self._last_expiration = expiration
 
     def may_join(self, record: PeerRecord, run_manifest: Manifest | None) -> bool:
@@ -296,9 +297,20 @@ class Upkeep:
             return False
 
     async def _timed(self, call):
-        """Await a DHT call, keeping ``dht_s`` (how slow the DHT is here lately)."""
+        """Await a DHT call, keeping its time for ``dht_s``."""
         start = time.monotonic()
         try:
             return await call
         finally:
-            self.dht_s = max(time.monotonic() - start, 0.8 * self.dht_s)
+            self._dht_calls.append((start, time.monotonic() - start))
+
+    @property
+    def dht_s(self) -> float:
+        """This peer's slowest DHT store or read of the last ``DHT_MEMORY_S``: how long members may take
+        to read a new group. The slowest, for a while: stores are bursty on a loaded machine, and a
+        notice that decayed over the quick reads in between (20% a call) gave 3 steps to a record that
+        reached the members in seconds (seen: splits at a run's first group changes)."""
+        horizon = time.monotonic() - DHT_MEMORY_S
+        while self._dht_calls and self._dht_calls[0][0] < horizon:
+            self._dht_calls.popleft()
+        return max((seconds for _, seconds in self._dht_calls), default=0.0)
