@@ -245,7 +245,7 @@ def test_a_group_whose_store_was_not_confirmed_is_kept_and_stored_again_never_a_
     """A store reported failed can still land, and members that read it move to its epoch; a leader that
     planned another group for that epoch split them from the rest (seen on a loaded machine: three
     rounds at the join timeout, then a repair). It keeps the record and stores the same one again."""
-    directory = _Directory(False, asyncio.TimeoutError(), True)
+    directory = _Directory(False, asyncio.TimeoutError(), ConnectionError("no DHT node answered"), True)
     upkeep = _upkeep("a", directory)
     upkeep.trust(GroupRecord(3, 5, tuple(PeerSpec(pid) for pid in "abcd")))
     upkeep.records = {pid: r for pid, r in _records().items() if pid != "d"}  # d's record expired: dropped
@@ -255,8 +255,10 @@ def test_a_group_whose_store_was_not_confirmed_is_kept_and_stored_again_never_a_
     assert upkeep.history.latest == first and upkeep.published == 0.0  # kept, though not confirmed
     upkeep.records = _records(e={})  # meanwhile e asks to join: still the same record, stored again
     asyncio.run(upkeep.lead())  # a timeout: not confirmed either
+    asyncio.run(upkeep.lead())  # an error: nor this
+    assert upkeep.published == 0.0
     asyncio.run(upkeep.lead())
-    assert [g.epoch for g in directory.published] == [4, 4, 4] and all(g == first for g in directory.published)
+    assert [g.epoch for g in directory.published] == [4, 4, 4, 4] and all(g == first for g in directory.published)
     assert upkeep.published > 0 and upkeep.history.latest == first
 
 

@@ -290,10 +290,15 @@ class Upkeep:
                     sum(m.reduces for m in desired), "" if stored else " (its store was not confirmed: again next)")
 
     async def _publish(self, record: GroupRecord) -> bool:
-        """Store a group record; False when the DHT did not confirm it (a timeout included)."""
+        """Store a group record; False when the DHT did not confirm it (a timeout or an error included:
+        the leader holds the record already and stores it again at its next upkeep)."""
         try:
             return bool(await self._timed(self.directory.publish_group(record, ttl=GROUP_TTL)))
-        except asyncio.TimeoutError:
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if not isinstance(e, asyncio.TimeoutError):
+                logger.info("storing group epoch %d failed: %s: %s", record.epoch, type(e).__name__, e)
             return False
 
     async def _timed(self, call):
