@@ -112,7 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     what.add_argument("--max-seconds", type=float, default=0.0, help="also stop after this many seconds (0: no limit)")
     what.add_argument("--linger", type=float, default=60.0,
                       help="after the last step, stay up to this many seconds for peers that are behind, so that "
-                           "one dropped near the end can download the final state [60]")
+                           "one dropped near the end can download the final state (a download under way is not "
+                           "cut: it may take minutes on a slow link) [60]")
     what.add_argument("--wait-peers", type=int, default=0,
                       help="start training once this many peers are in the group (0: at once)")
 

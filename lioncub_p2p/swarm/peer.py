@@ -73,6 +73,7 @@ from .probe import serve_probe
 from .records import RateLimitedLog, RunRecordValidator
 from .pipeline import PipelineSettings, RoundInFlight, VotePipeline
 from .state_sync import StateSync
+from .state_transfer import download_bound
 from .upkeep import GROUP_TTL, Local, Upkeep
 from .verdicts import Verdicts
 
@@ -536,25 +537,34 @@ class Swarm:
         """After this peer's last step: stay up to ``seconds`` while a live member is behind, leading
         and serving this final state. A member dropped near the end (a stall, a lost link) rejoins at
         the last step (``final_step`` caps the group's start) and downloads it, instead of waiting for a
-        group that nobody steps any more. Returns at once when nobody is behind."""
+        group that nobody steps any more. Returns at once when nobody is behind. A download this peer
+        serves is not cut at ``seconds``: it stays while one is under way, up to the time a whole state
+        takes at 1 Mbit/s (``state_transfer.download_bound``: a slow link's last state took minutes)."""
         if self.optimizer is None or self._closed:
             return
         step, deadline = self.optimizer.step_count, time.monotonic() + seconds
+        serving_until = deadline + download_bound(snapshot.max_size(self.optimizer), 0.0)
         self._idle = True
         try:  # say at once that this peer is at its last step: those finishing with it need not wait for it
             self.loop.run(self.upkeep.announce(), timeout=10)
         except Exception as e:
             logger.debug("announcing the last step failed: %s", e)
-        waited = False
-        while time.monotonic() < deadline:
+        waited = extended = False
+        while True:
+            now, serving = time.monotonic(), self.state.server.uploading
+            if now >= (serving_until if serving else deadline):
+                break
             behind = sorted(pid for pid, r in self.records.items()  # records refresh on the loop thread
                             if pid != self.peer_id and not r.leaving and r.step < step)
-            if not behind:
+            if not behind and not serving:
                 break
             if not waited:
                 logger.info("finished at step %d; staying up to %.0f s for %d peer(s) behind", step, seconds,
                             len(behind))
                 waited = True
+            if now >= deadline and not extended:
+                logger.info("a state download from this peer is under way: staying until it ends")
+                extended = True
             time.sleep(self.config.refresh_period)
 
     def _found(self) -> bool:

@@ -75,6 +75,11 @@ class StateServer:
         self._offered = asyncio.Condition()
         await self.p2p.add_binary_stream_handler(STATE_PROTOCOL, guard(self.gate, self._on_stream))
 
+    @property
+    def uploading(self) -> bool:
+        """Whether a download from this peer is under way."""
+        return self._uploads > 0
+
     def wanted_step(self) -> int | None:
         """The lowest step someone waits for and the current snapshot does not satisfy."""
         with self._lock:
