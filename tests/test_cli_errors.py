@@ -106,6 +106,8 @@ def test_unknown_vote_encodings(capsys, flag, value, words):
     (["--upload-timeout", "30", "--result-timeout", "20"], ["less than --result-timeout"]),
     (["--lr", "0"], ["--lr"]),
     (["--hidden", "30", "--task", "byte-gpt"], ["multiple of its 4 attention heads"]),
+    (["--max-group", "1"], ["max_group must be 0 (one flat group) or at least 2"]),
+    (["--max-group", "8", "--result", "ternary"], ["max_group needs upload sign, result majority"]),
 ])
 def test_numbers_out_of_range(capsys, argv, words):
     one_line_error(train.main, argv, capsys, *words)

@@ -204,3 +204,24 @@ def test_a_two_level_vote_on_the_wire_gives_every_peer_the_flat_majority_bit_for
                                                              bitorder="little"), ref)
     voted = [i for i in range(n) if i != partless]
     assert (_np_majority(stack[voted].numpy()) < 0).sum() > 100  # ties: a wrong tie offset flips about half
+
+
+def test_a_group_that_diverged_as_a_whole_is_told_by_the_second_level():
+    """Each group's reducer votes its group's state tag at the second level; where most groups hold
+    another state, its part's result carries that one, as if every counted voter had sent it."""
+    from lioncub_p2p.allreduce.round import PartReport, RoundReport
+
+    def combined(*tags_per_slice):  # one (tag -> groups) map per slice of the part
+        parts = []
+        for k, tags in enumerate(tags_per_slice):
+            tag, votes = max(tags.items(), key=lambda kv: kv[1])
+            parts.append(PartReport(k, k, 0, 1, "ok", counted=list(range(sum(tags.values()))), tag=tag, tag_votes=votes))
+        return RoundReport("r", 0, 0, parts)
+
+    three = combined({b"ok": 2, b"off": 1}, {b"ok": 2, b"off": 1})
+    assert hierarchy.group_tag(b"off", 3, 3, three) == (b"ok", 3)  # outvoted by the other groups: repair
+    assert hierarchy.group_tag(b"ok", 2, 3, three) == (b"ok", 2)  # the group's own tag and votes, unchanged
+    two = combined({b"ok": 1}, {b"off": 1})  # two groups disagree: no majority, nobody is told to repair
+    assert hierarchy.group_tag(b"off", 2, 2, two) == (b"off", 2)
+    missing = RoundReport("r", 0, 0, [PartReport(0, 0, 0, 1, "missing")])
+    assert hierarchy.group_tag(b"off", 2, 2, missing) == (b"off", 2)

@@ -13,7 +13,7 @@ from lioncub_p2p.testing import SWARM_ROUNDS
 from lioncub_p2p.identity import Identity
 from lioncub_p2p.momentum import MomentumSchedule
 from lioncub_p2p.swarm import Manifest, ManifestError, SettingsMismatch, Swarm, SwarmConfig, publish_manifest
-from lioncub_p2p.swarm.manifest import DEFAULTS, ManifestMismatch, resolve
+from lioncub_p2p.swarm.manifest import DEFAULTS, SWARM_FIELDS, ManifestMismatch, resolve
 from lioncub_p2p.swarm.membership import Directory, PeerRecord
 from lioncub_p2p.wire import PROTOCOL_VERSION
 
@@ -66,6 +66,10 @@ def test_manifest_from_yaml_reads_a_run_file(tmp_path):
     ("layout_hash: xyz\n", "layout_hash must be 32 hex digits"),
     ("secret_required: maybe\n", "secret_required must be true or false"),
     ("transport: carrier-pigeon\n", "transport must be butterfly or allgather"),
+    ("max_group: 1\n", "max_group must be 0 (one flat group) or at least 2"),
+    ("max_group: -3\n", "max_group must be an integer"),
+    ("max_group: 32\nresult: ternary\n", "max_group needs upload sign, result majority and transport butterfly"),
+    ("max_group: 32\ntransport: allgather\n", "max_group needs upload sign"),
 ])
 def test_manifest_from_yaml_names_the_problem_in_one_line(tmp_path, text, expected):
     path = tmp_path / "run.yaml"
@@ -75,6 +79,15 @@ def test_manifest_from_yaml_names_the_problem_in_one_line(tmp_path, text, expect
         Manifest.from_yaml(path)
     message = str(error.value)
     assert expected in message and message.startswith(str(path)) and "\n" not in message
+
+
+def test_max_group_is_a_swarm_setting_absent_unless_set():
+    """A run without a two-level vote writes no max_group (older peers read its manifest as before);
+    one with it carries it, and a joiner adopts it like any swarm setting."""
+    assert "max_group" not in DEFAULTS.payload()
+    two_level = Manifest(max_group=32, upload="sign", result="majority")
+    assert Manifest.from_payload(two_level.payload()) == two_level and "max_group" in SWARM_FIELDS
+    assert resolve(Manifest(), two_level, "r").max_group == 32
 
 
 def test_resolve_adopts_what_a_peer_has_no_opinion_on_and_names_a_conflict():

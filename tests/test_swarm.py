@@ -18,7 +18,7 @@ from torch import nn
 
 from lioncub_p2p import LionCub, MomentumSchedule
 from lioncub_p2p.aio import BackgroundLoop
-from lioncub_p2p.allreduce import PeerSpec
+from lioncub_p2p.allreduce import PeerSpec, hierarchy
 from lioncub_p2p.testing import SWARM_ROUNDS
 from lioncub_p2p.tasks.digits import digits_task
 from lioncub_p2p.swarm import Swarm, SwarmConfig, checkpoint, snapshot
@@ -391,7 +391,7 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
     """Run one Swarm per config in its own thread until the global step reaches ``steps``.
 
     ``perturb=(peer, step, index)`` adds 1e-3 to the first parameter of that peer before that step
-    (all of it, or only flat element ``index``); ``instrument(i, swarm)`` runs before training;
+    (all of it, or only flat element ``index``; ``peer`` may be a predicate of (i, swarm)); ``instrument(i, swarm)`` runs before training;
     ``late=(peer, step)``: that peer joins once peer 0 reached that step (the others start without it);
     ``stall=(peer, step, seconds)``: that peer sleeps before that step (``peer="last"``: the one last in
     group order, ``out["stalled"]``); ``slow=(peer, seconds)``: that peer
@@ -429,7 +429,7 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
                 if perturb and opt.step_count == perturb[1]:
                     repairs_before = swarm.repairs  # counted from the perturbed step on (a start-up race may repair)
                     repair_steps.clear()
-                    if perturb[0] == i:
+                    if perturb[0](i, swarm) if callable(perturb[0]) else perturb[0] == i:
                         with torch.no_grad():
                             first_param = next(model.parameters())
                             if len(perturb) > 2:  # one element: a bit flip's worth of divergence
@@ -449,6 +449,8 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
                 out["max_lead"] = max(out.get("max_lead", 0), max(progress.values()) - min(progress.values()))
                 if swarm.stats.followed:
                     out.setdefault("followed", {}).setdefault(i, []).append(before)
+                if swarm.last_report is not None and swarm.last_report.combine is not None:  # two-level
+                    out.setdefault("combined", {}).setdefault(i, []).append(before)
                 time.sleep(slow[1] if slow and slow[0] == i else 0.02)
             out[i] = (opt.step_count, snapshot.params_digest(opt), swarm.repairs - repairs_before,
                       snapshot.encode(opt)[1])
@@ -488,6 +490,47 @@ def test_diverged_peer_repairs_itself_within_a_round():
     assert len({out[i][1] for i in range(3)}) == 1  # identical parameters at the end
     assert out[2][2] >= 1 and out["repair_steps"][2][0] == 15  # repaired in the very round after the perturbation
     assert not _repaired_in(out, [0, 1], 15, 18)  # nobody else did then (later, a drop under load may)
+
+
+@pytest.mark.slow
+def test_a_two_level_run_keeps_every_peer_bitwise_equal_through_a_repair():
+    """max_group 3, 6 peers: groups drawn from the group record (no matchmaking) vote inside themselves,
+    each part's counts are combined among the groups' reducers of that part, and every peer applies
+    the flat majority: a perturbed peer is repaired, and all end bitwise equal."""
+    configs = [_config("two-level", max_group=3, momentum=MomentumSchedule(every=5)) for _ in range(6)]
+    out = _train_swarm(configs, 30, perturb=(4, 15))
+    assert {out[i][0] for i in range(6)} == {30}
+    assert len({out[i][1] for i in range(6)}) == 1  # identical parameters at the end
+    assert out[4][2] >= 1  # the perturbed peer repaired
+    combined = out.get("combined", {})
+    assert sum(len(steps) for steps in combined.values()) >= 3 * 20, combined  # second-level rounds ran
+
+
+@pytest.mark.slow
+def test_a_two_level_group_that_diverged_as_a_whole_is_repaired_from_the_other_groups():
+    """Both members of a group of 2 (3 groups) shift their parameters alike: inside their group they
+    agree, so only the second level, where each group's reducer votes its group's state tag, can tell
+    them that the other groups hold another state. They repair (from members of other groups first)
+    and every peer ends bitwise equal."""
+    ids: dict[int, str] = {}
+    perturbed: set[int] = set()
+
+    def with_peer_0(i: int, swarm: Swarm) -> bool:
+        group = swarm.history.for_step(15)
+        layout = hierarchy.two_level_layout(group.member_ids(), group.epoch, swarm.optimizer.buffer_bytes, 2,
+                                            reducers={m.peer_id for m in group.members if m.reduces})
+        if any(ids[0] in g and swarm.peer_id in g for g in layout.groups):
+            perturbed.add(i)
+            return True
+        return False
+
+    configs = [_config("two-level-split", max_group=2) for _ in range(6)]
+    out = _train_swarm(configs, 30, perturb=(with_peer_0, 15),
+                       instrument=lambda i, swarm: ids.__setitem__(i, swarm.peer_id))
+    assert len(perturbed) == 2, perturbed
+    assert {out[i][0] for i in range(6)} == {30}
+    assert len({out[i][1] for i in range(6)}) == 1  # identical parameters at the end
+    assert all(out[i][2] >= 1 for i in perturbed), {i: out[i][2] for i in range(6)}
 
 
 @pytest.mark.slow

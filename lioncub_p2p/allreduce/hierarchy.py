@@ -40,22 +40,24 @@ results, recovery and audits among the combiners are the round machinery's: a gr
 combiner is left out of that slice for every peer alike, and a slice nobody received leaves part k
 without a result in every group (``LocalSwarm.two_level``, tested with 13 nodes).
 
+A run votes two-level when its manifest sets ``max_group`` (``Swarm._two_level_spec``: the layout from
+the group record's members and epoch). Each group's reducer votes its group's state tag at the second
+level, and ``group_tag`` tells a group that diverged as a whole (``docs/protocol.md``).
 Not built yet: audits of a first-level result (a voter would have to follow its part from its group's
-votes to the combiners' signed slices; first-level results of a two-level round are not audited),
-the group record naming the layout and the swarm running two-level rounds (``Swarm`` votes flat).
+votes to the combiners' signed slices; first-level results of a two-level round are not audited).
 ``benchmarks/two_level_wire.py`` times both kinds of round side by side on loopback.
 """
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .. import codecs, ops
 from .partition import PeerSpec, part_bounds
-from .round import RoundSpec
+from .round import RoundReport, RoundSpec
 
 
 def assign_groups(peer_ids: Sequence[str], epoch: int, max_size: int = 32,
@@ -115,12 +117,14 @@ def two_level_layout(peer_ids: Sequence[str], epoch: int, nbytes: int, max_size:
 
 
 def two_level_specs(round_id: bytes, step: int, layout: TwoLevelLayout, nbytes: int, *, seed: int = 0,
-                    family: str = "") -> dict[str, RoundSpec]:
+                    family: str = "", members: Mapping[str, PeerSpec] | None = None) -> dict[str, RoundSpec]:
     """Each peer's first-level round of a two-level vote at ``layout``: its group's round, in which member k
     reduces ``layout.parts[k]`` (members past the smallest group's size reduce nothing) and then runs the
     part's second-level round among the groups' reducers of part k (``RoundSpec.combine``): margins as L1
     votes, combiner q counting ``layout.slices[k][q]``, ties from the part's place in the whole buffer.
-    Every peer builds the same specs from the same layout; round ids are derived from ``round_id``."""
+    Every peer builds the same specs from the same layout; round ids are derived from ``round_id``.
+    ``members``: each peer's spec in the swarm's group (client mode, voter), kept in its group's round;
+    the layout alone says who reduces."""
     def derived(*what: object) -> bytes:
         return hashlib.blake2b(repr((round_id, *what)).encode(), digest_size=16).digest()
 
@@ -130,13 +134,28 @@ def two_level_specs(round_id: bytes, step: int, layout: TwoLevelLayout, nbytes: 
                               codecs.L1Upload(bits), codecs.MajorityResult(), seed, family=family and "combine",
                               tie_offset=a) for k, (a, b) in enumerate(layout.parts))
     specs = {}
-    for q, members in enumerate(layout.groups):
-        group = tuple(PeerSpec(pid, 1.0 if k < size else 0.0) for k, pid in enumerate(members))
+    for q, group_ids in enumerate(layout.groups):
+        flags = [members[pid] if members is not None else PeerSpec(pid) for pid in group_ids]
+        group = tuple(PeerSpec(pid, 1.0 if k < size else 0.0, m.client_mode, m.voter)
+                      for k, (pid, m) in enumerate(zip(group_ids, flags)))
         spec = RoundSpec(derived("group", q), step, group, nbytes, seed=seed, family=family,
-                         combine=combine + (None,) * (len(members) - size))
+                         combine=combine + (None,) * (len(group_ids) - size))
         assert spec.bounds[:size] == list(layout.parts), "a group's parts are the layout's"
-        specs.update(dict.fromkeys(members, spec))
+        specs.update(dict.fromkeys(group_ids, spec))
     return specs
+
+
+def group_tag(tag: bytes, votes: int, counted: int, combined: RoundReport) -> tuple[bytes, int]:
+    """The state tag a group's reducer puts in its part's result after the second level: its group's
+    (``tag``, held by ``votes`` of the ``counted`` voters), unless most groups hold another state (each
+    reducer votes its group's tag in the combine round): then that tag, as if every voter of the group
+    had sent it, so every voter of a group that diverged as a whole repairs (the flat round's check,
+    ``RoundReport.consensus_tag``, only compares a voter with its own group)."""
+    across, groups = combined.consensus_tag()
+    every = sum(p.tag_votes for p in combined.parts if p.status in ("ok", "recovered"))
+    if across and across != tag and 2 * groups > every:
+        return across, counted
+    return tag, votes
 
 
 def group_counts(stack: torch.Tensor) -> torch.Tensor:

@@ -454,7 +454,7 @@ class VoteNode:
         combine = state.spec.combine[state.me]
         try:
             margins = hierarchy.margin_codes(red.counts, len(outcome.counted), combine.upload.bits)
-            update, report = await self.run_round(combine, margins)
+            update, report = await self.run_round(combine, margins, outcome.tag)  # the group's state, not its own
         except Exception as e:  # never let the second level take the first one down
             logger.warning("round %s part %d: second level failed: %s: %s", state.spec.round_id.hex()[:12],
                            red.part, type(e).__name__, e)
@@ -466,9 +466,9 @@ class VoteNode:
         if update.dtype != torch.uint8:  # a slice nobody received: no result for the part
             return None
         wire = update.numpy().tobytes()
-        header = build_header(state.spec, red.part, outcome.counted, outcome.roots, outcome.tag, outcome.tag_votes,
-                              wire)
-        red.outcome = dataclasses.replace(outcome, wire=wire, header=header)
+        tag, tag_votes = hierarchy.group_tag(outcome.tag, outcome.tag_votes, len(outcome.counted), report)
+        header = build_header(state.spec, red.part, outcome.counted, outcome.roots, tag, tag_votes, wire)
+        red.outcome = dataclasses.replace(outcome, wire=wire, header=header, tag=tag, tag_votes=tag_votes)
         return red.outcome
 
     async def _vote_remote(self, state: RoundState, j: int, upload: torch.Tensor,

@@ -135,6 +135,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     proto.add_argument("--delay", type=int, default=None, choices=(0, 1),
                        help="1: overlapped rounds, each vote travels during the next step's compute and is "
                             "applied one step late [0]")
+    proto.add_argument("--max-group", type=int, default=None,
+                       help="a two-level vote for large runs: groups of at most this many peers vote inside "
+                            "themselves and their counts are combined into the same majority (fewer streams per "
+                            "peer; 0: one flat group) [0]")
     proto.add_argument("--upload-timeout", type=float, default=10.0, help="seconds a reducer waits for votes")
     proto.add_argument("--result-timeout", type=float, default=20.0,
                        help="seconds a voter waits for results (more than --upload-timeout)")
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         except Interrupted:
             code = 0  # stopped before joining: nothing to leave
             print(f"stopped before joining the run ({stop.received})", flush=True)
-        except (UsageError, TaskError, SwarmError, snapshot.SnapshotError) as e:
+        except (UsageError, TaskError, SwarmError, ManifestError, snapshot.SnapshotError) as e:
             raise SystemExit(f"error: {e}")
         except (MemoryError, torch.OutOfMemoryError) as e:
             raise SystemExit(f"error: out of memory ({type(e).__name__}): lower --batch or --hidden, or close other "
@@ -201,7 +205,7 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
                          run_secret=args.run_secret, allow_peers=args.allow_peers,
                          upload=args.upload, result=args.result, transport=METHODS.get(args.method),
                          momentum=momentum_schedule(args),
-                         delay=args.delay, manifest=wanted, allreduce=allreduce_config(args.upload_timeout, args.result_timeout, args.result_deltas),
+                         delay=args.delay, max_group=args.max_group, manifest=wanted, allreduce=allreduce_config(args.upload_timeout, args.result_timeout, args.result_deltas),
                          checkpoint_dir=args.checkpoint_dir,
                          checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0)
 

@@ -10,7 +10,8 @@ line naming the field when an opinion it holds differs (``resolve``). Fields:
   the exact tensor layout (``snapshot.Layout.digest``) and its parameter count;
 * what the swarm itself runs with and all peers must share: ``upload``, ``result``, ``transport``,
   ``momentum`` (a ``MomentumSchedule`` as a map), ``momentum_rule``, ``full_digest_every``, ``seed``,
-  ``delay`` (1: overlapped rounds, each vote applied one step later);
+  ``delay`` (1: overlapped rounds, each vote applied one step later), ``max_group`` (a two-level vote:
+  groups of at most this many peers, their counts combined; unset or 0: one flat group);
 * what the trainer should use: ``lr``, ``weight_decay``, ``betas``, ``lr_schedule`` (a description),
   ``batch_size``; and ``secret_required`` (whether the run is private).
 
@@ -40,7 +41,8 @@ from .records import RateLimitedLog, dht_key, read_records, seal, store_record
 
 MANIFEST_TTL = 600.0
 MAX_MANIFESTS = 256
-SWARM_FIELDS = ("upload", "result", "transport", "momentum", "momentum_rule", "full_digest_every", "seed", "delay")
+SWARM_FIELDS = ("upload", "result", "transport", "momentum", "momentum_rule", "full_digest_every", "seed", "delay",
+                "max_group")
 # fields older versions wrote that mean nothing now: read and dropped (audit_every: voters audit every round since
 # protocol 2), so their run files still load
 LEGACY_FIELDS = ("audit_every",)
@@ -148,6 +150,7 @@ class Manifest:
     full_digest_every: int | None = None
     seed: int | None = None
     delay: int | None = None
+    max_group: int | None = None
     lr: float | None = None
     weight_decay: float | None = None
     betas: tuple[float, float] | None = None
@@ -159,6 +162,11 @@ class Manifest:
         checked = {f.name: _check(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None}
         for name, value in checked.items():
             object.__setattr__(self, name, value)
+        if self.max_group and (self.upload not in (None, "sign") or self.result not in (None, "majority")
+                               or self.transport not in (None, "butterfly")):
+            raise ManifestError(f"max_group needs upload sign, result majority and transport butterfly (the "
+                                f"groups' counts are combined into the flat majority), got upload {self.upload}, "
+                                f"result {self.result}, transport {self.transport}")
 
     # -- conversions -------------------------------------------------------------------------------
 
@@ -269,6 +277,10 @@ def _check(name: str, value: Any) -> Any:
         return _integer(value, name, 0, (1 << 63) - 1)
     if name == "delay":
         return _integer(value, name, 0, 1)
+    if name == "max_group":
+        if value == 1:
+            raise ManifestError("max_group must be 0 (one flat group) or at least 2, got 1")
+        return _integer(value, name, 0, 4096)
     if name == "lr":
         return _positive(value, name, high=1e3)
     if name == "weight_decay":

@@ -53,6 +53,7 @@ import torch
 from .. import failpoints
 from ..aio import BackgroundLoop
 from ..allreduce import AllReduceConfig, PeerSpec, RoundSpec, VoteNode
+from ..allreduce import hierarchy
 from ..allreduce.admission import Admission
 from ..allreduce.allgather import GatherNode
 from ..allreduce.audit import MAX_EVIDENCE_BYTES
@@ -133,6 +134,9 @@ class SwarmConfig:
     # 1: overlapped rounds, the vote of step t travels during step t + 1's forward/backward and is applied
     # then (LionCub's docstring); 0 (default): each step waits for its own vote
     delay: int | None = None
+    # a two-level vote (allreduce/hierarchy.py): groups of at most this many members vote inside
+    # themselves and their counts are combined into the flat majority; 0 (default): one flat group
+    max_group: int | None = None
     manifest: Manifest | None = None  # opinions on the trainer's settings (task, lr, batch size, ...)
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
     lead_steps: int = 3  # a new group takes effect at least this many steps after the leader decides it (lead.py)
@@ -406,7 +410,8 @@ class Swarm:
         m = self.manifest
         self.config = replace(self.config, upload=m.upload, result=m.result, transport=m.transport,
                               momentum=m.momentum_schedule(), momentum_rule=m.momentum_rule,
-                              full_digest_every=m.full_digest_every, seed=m.seed, delay=m.delay or 0)
+                              full_digest_every=m.full_digest_every, seed=m.seed, delay=m.delay or 0,
+                              max_group=m.max_group or 0)
         self.upload = upload_codec(m.upload)
         self.result = result_codec(m.result)
 
@@ -650,9 +655,28 @@ class Swarm:
             while len(self._round_steps) > 256:
                 self._round_steps.popitem(last=False)
         if kind == "vote":
-            return RoundSpec(rid, step, group.members, self.optimizer.buffer_bytes, self.upload, self.result,
-                             self.config.seed, family="vote")
+            two_level = self._two_level_spec(group, step, rid)
+            return two_level or RoundSpec(rid, step, group.members, self.optimizer.buffer_bytes, self.upload,
+                                          self.result, self.config.seed, family="vote")
         return self._momentum_sync().spec(rid, step, group.members)
+
+    def _two_level_spec(self, group: GroupRecord, step: int, rid: bytes) -> RoundSpec | None:
+        """This peer's round of a two-level vote, when the run asks for one (``max_group``) and the group
+        is larger: groups from the record's members and epoch (``hierarchy.two_level_layout``, the same
+        on every peer: no matchmaking), reducers among its reducing members. None: a flat round."""
+        max_group = self.config.max_group or 0
+        if not max_group or len(group.members) <= max_group:
+            return None
+        members = {m.peer_id: m for m in group.members}
+        if self.peer_id not in members:
+            return None  # not this peer's round: only its own rounds are two-level specs
+        reducers = {pid for pid, m in members.items() if m.reduces}
+        if not reducers:
+            return None  # nobody reduces yet (all syncing): missed as a flat round would be
+        nbytes = self.optimizer.buffer_bytes
+        layout = hierarchy.two_level_layout(list(members), group.epoch, nbytes, max_group, reducers=reducers)
+        return hierarchy.two_level_specs(rid, step, layout, nbytes, seed=self.config.seed, family="vote",
+                                         members=members)[self.peer_id]
 
     def before_step(self) -> None:
         """Called by LionCub before the step touches any state: snapshots wait from here on."""

@@ -228,8 +228,11 @@ class VotePipeline:
         if votes * 2 > all_votes and consensus != tag:
             logger.warning("step %d: parameters differ from %d of %d votes: repairing from a peer", step, votes,
                            all_votes)
+            # a two-level group may have diverged as a whole: its own members are the last donors asked
+            own = [m.peer_id for m in r.spec.group] if r.spec.combine else []
             try:  # from a peer past the step in progress (overlapped: the next one, whose vote is out)
-                self.state.download(min_step=self.optimizer.step_count + 1, group=group, params_only=True)
+                self.state.download(min_step=self.optimizer.step_count + 1, group=group, params_only=True,
+                                    last=own)
             except Exception as e:  # apply nothing: still diverged, so the next round tries again
                 logger.warning("step %d: repair failed (%s); retrying next step", step, e)
                 return self._missed(step)
@@ -292,7 +295,9 @@ class VotePipeline:
         for i, member in enumerate(spec.group):
             if member.peer_id != self.peer_id:
                 self.upkeep.count_vote(member.peer_id, i in counted)
-        if not report.followed:  # a follower's parts come from archives: a missing one says little
+        # a follower's parts come from archives: a missing one says little; in a two-level vote a part
+        # also misses when another group's combiner fails, which this peer cannot tell from its reducer's
+        if not report.followed and not spec.combine:
             for pid in failed_reducers(report.parts, spec.group, self.peer_id):
                 self.part_failed_at[pid] = time.monotonic()
         numel = self.optimizer.param_count

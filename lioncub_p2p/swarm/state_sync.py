@@ -19,7 +19,7 @@ import contextlib
 import logging
 import random
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 from ..aio import BackgroundLoop
 from ..allreduce.admission import Admission
@@ -108,14 +108,16 @@ class StateSync:
         synced = [pid for pid in donors if pid in records and records[pid].synced]
         return synced or donors  # peers that are joining themselves hold nothing to give
 
-    def download(self, min_step: int, group: GroupRecord, *, params_only: bool = False) -> None:
+    def download(self, min_step: int, group: GroupRecord, *, params_only: bool = False,
+                 last: Collection[str] = ()) -> None:
         """Load a member's state of step ``min_step`` or later (nothing if this peer already holds it);
-        ``params_only``: keep this peer's own momenta (half the bytes: a repair, a skip ahead)."""
+        ``params_only``: keep this peer's own momenta (half the bytes: a repair, a skip ahead); ``last``:
+        donors asked only after the others (a two-level group that diverged as a whole)."""
         have = (self.optimizer.step_count, snapshot.params_digest(self.optimizer))
         max_bytes = snapshot.max_size(self.optimizer)
         bound = download_bound(max_bytes, self.join_timeout)
         step, blob, digest = self.loop.run(download_state(
-            self.p2p, self.donors(group), self.run_id, min_step=min_step, max_bytes=max_bytes, timeout=bound,
+            self.p2p, sorted(self.donors(group), key=lambda pid: pid in last), self.run_id, min_step=min_step, max_bytes=max_bytes, timeout=bound,
             have=have, token=self.admission.token(self.peer_id), params_only=params_only), timeout=bound + 5)
         if not blob:
             logger.info("this peer already holds the swarm's state (step 0, same initialization)")
