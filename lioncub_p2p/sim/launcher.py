@@ -118,8 +118,8 @@ class MethodResult:
 class Simulation:
     def __init__(self, profiles: list[LinkProfile], *, shaping: str, workdir: Path, hidden: int, batch: int,
                  steps: int, seconds: float, lr: float, eval_every: int, timeouts: tuple[float, float],
-                 linger: float = 60.0):
-        self.profiles, self.workdir, self.linger = profiles, workdir, linger
+                 linger: float = 60.0, max_group: int = 0):
+        self.profiles, self.workdir, self.linger, self.max_group = profiles, workdir, linger, max_group
         self.hidden, self.batch, self.steps, self.seconds, self.lr = hidden, batch, steps, seconds, lr
         self.eval_every, self.timeouts = eval_every, timeouts
         self.net: NamespaceNetwork | None = None
@@ -253,7 +253,7 @@ class Simulation:
                 "--wait-peers", str(sum(p.join_at is None for p in self.profiles))
                 if not method.trainer_args[1].startswith("hivemind") else "0",
                 "--final-eval", str(out / f"peer{i}.eval.json"), "--final-state", str(out / f"peer{i}.state"),
-                *method.trainer_args]
+                *(["--max-group", str(self.max_group)] if self.max_group else []), *method.trainer_args]
         env = {failpoints.ENV: profile.failpoint} if profile.failpoint else {}
         return self._spawn(i, argv, out / f"peer{i}.log", env)
 
@@ -630,6 +630,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--linger", type=float, default=60.0,
                    help="trainers' --linger: after --steps, how long peers stay up for one behind (a slow link "
                         "downloading the final state)")
+    p.add_argument("--max-group", type=int, default=0,
+                   help="trainers' --max-group: a two-level vote in groups of at most this many peers (0: flat)")
     p.add_argument("--shaping", choices=["auto", "netns", "proxy", "none"], default="auto",
                    help="auto: namespaces as root, else the user-space proxy; proxy also applies latency")
     p.add_argument("--out", type=Path, default=Path("runs/sim"), help="folder for the report, plot and peer logs")
@@ -689,7 +691,8 @@ def run(argv: list[str] | None = None) -> list[MethodResult]:
         raise SystemExit(f"error: --out {args.out} cannot be created ({e.strerror or e}); choose another folder")
     sim = Simulation(profiles, shaping=args.shaping, workdir=args.out, hidden=args.hidden, batch=args.batch,
                      steps=args.steps, seconds=args.seconds, lr=args.lr, eval_every=args.eval_every,
-                     timeouts=(args.upload_timeout, args.result_timeout), linger=args.linger)
+                     timeouts=(args.upload_timeout, args.result_timeout), linger=args.linger,
+                     max_group=args.max_group)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def interrupted(signum, frame):
