@@ -248,7 +248,7 @@ def test_a_download_without_momenta_resumes_from_another_donor(monkeypatch):
     """``params_only``: both donors cut the same lean snapshot from their full one, so a download cut
     at the first resumes at the second; it is the full snapshot without the momentum section."""
     monkeypatch.setattr(state_transfer, "CHUNK_BYTES", 4096)
-    _, donor_opt = _opt(0, hidden=512)
+    _, donor_opt = _opt(0, hidden=1024)
     blob, digest = snapshot.encode(donor_opt)
     lean = snapshot.without_momenta(blob)
     loop = BackgroundLoop()
@@ -259,6 +259,37 @@ def test_a_download_without_momenta_resumes_from_another_donor(monkeypatch):
             peers[2], donors, "run", min_step=3, max_bytes=len(blob) + 10, params_only=True), timeout=60)
         assert (step, got_digest) == (3, digest) and got == lean and len(lean) < 0.55 * len(blob)
         assert recording.offsets and recording.offsets[0] > 0  # resumed where the dying donor stopped
+    finally:
+        _close_peers(loop, peers)
+
+
+class _DyingOnceServer(_DyingServer):
+    """Drops its first download after two chunks (a stream cut), then serves as usual."""
+
+    async def _on_stream(self, info, reader, writer):
+        if getattr(self, "died", False):
+            return await state_transfer.StateServer._on_stream(self, info, reader, writer)
+        self.died = True
+        await super()._on_stream(info, reader, writer)
+
+
+def test_a_cut_download_resumes_at_the_same_donor_before_one_that_moved_on(monkeypatch):
+    """A stream cut mid-transfer (seen on a 1 Mbit/s link after 1 MB) is resumed at the donor that sent
+    it, which still holds that snapshot; the next donor had moved on to a newer one, and resuming there
+    started the download over."""
+    monkeypatch.setattr(state_transfer, "CHUNK_BYTES", 4096)
+    _, donor_opt = _opt(0, hidden=512)
+    blob, digest = snapshot.encode(donor_opt)
+    loop = BackgroundLoop()
+    peers, cut, recording = _failing_then_recording_donor(loop, _DyingOnceServer, blob, digest, max_uploads=1)
+    try:
+        _, newer = _opt(1, hidden=512)
+        loop.run(recording.offer(4, *snapshot.encode(newer)), timeout=10)  # the next donor moved on
+        donors = [peers[0].peer_id.to_base58(), peers[1].peer_id.to_base58()]
+        step, got, got_digest = loop.run(state_transfer.download_state(
+            peers[2], donors, "run", min_step=3, max_bytes=2 * len(blob)), timeout=60)
+        assert (step, got, got_digest) == (3, blob, digest)
+        assert recording.offsets == []  # never asked: the cut donor resumed its own snapshot
     finally:
         _close_peers(loop, peers)
 

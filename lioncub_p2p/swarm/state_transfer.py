@@ -32,6 +32,7 @@ CHUNK_BYTES = 256 << 10
 FIRST_FRAME_S = 5.0
 STALL_S = 30.0  # a donor that sends no chunk for this long is left for the next one (the download resumes)
 FIRST_CHUNK_S = 90.0  # ...and its first chunk: it may wait up to its wait_timeout (60 s) for the step asked for
+SAME_DONOR_RETRIES = 1  # a donor whose stream broke after sending something is asked to resume once more
 MIN_RATE = 125_000  # bytes/s (1 Mbit/s): the slowest link a whole state download is given time for
 
 
@@ -212,16 +213,22 @@ async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: 
     deadline = time.monotonic() + timeout
     for attempt in range(attempts):
         for donor in donors if attempt == 0 else random.sample(donors, len(donors)):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            for _ in range(1 + SAME_DONOR_RETRIES):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                before = len(progress.blob)
+                try:
+                    await asyncio.wait_for(_fetch_from(p2p, donor, run_id, min_step, max_bytes, progress, have,
+                                                       token, params_only), remaining)
+                except Exception as e:
+                    errors.append(f"{donor[:16]}: {type(e).__name__}: {e}")
+                    logger.info("state download from %s stopped at %d bytes: %s", donor, len(progress.blob), e)
+                    # its stream broke mid-transfer: ask it again first, it still holds this snapshot where
+                    # the next donor may have moved on (seen: a 1 Mbit/s download cut at 1 MB started over)
+                    if len(progress.blob) > before:
+                        continue
                 break
-            try:
-                await asyncio.wait_for(_fetch_from(p2p, donor, run_id, min_step, max_bytes, progress, have, token,
-                                                   params_only), remaining)
-            except Exception as e:
-                errors.append(f"{donor[:16]}: {type(e).__name__}: {e}")
-                logger.info("state download from %s stopped at %d bytes: %s", donor, len(progress.blob), e)
-                continue
             if progress.done:
                 return progress.step, bytes(progress.blob), progress.digest
         # every donor was busy, joining or gone: back off (with jitter, so newcomers spread) and retry
