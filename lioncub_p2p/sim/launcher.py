@@ -265,12 +265,15 @@ class Simulation:
         done_by = time.monotonic() + self.seconds + self.linger + 180
         stalled, left, back, cut = set(), set(), set(), {}
         window = TrainingWindow(lambda: self._counters(len(peers)))
-        ended_at, kill_at = None, float("inf")
+        ended_at, kill_at, grace = None, float("inf"), 3.0
         running = lambda: [p for p in peers if p is not None]  # noqa: E731  (newcomers start later)
         while time.monotonic() < done_by and any(p.poll() is None for p in running()):
             if ended_at is None and any(p.poll() == 0 for p in running()):
                 ended_at = time.monotonic()  # the budget is up: the others stop too, cleanly (SIGINT)
-            if ended_at is not None and time.monotonic() - ended_at > 3:
+                if any(p is not None and p.poll() == 0 and _last_step(out / f"peer{i}.jsonl") >= self.steps - 1
+                       for i, p in enumerate(peers)):  # it ended at the last step: others may linger for one
+                    grace = self.linger + 10.0  # behind, and serve it the final state (trainers' --linger)
+            if ended_at is not None and time.monotonic() - ended_at > grace:
                 for p in running():
                     if p.poll() is None:
                         _signal_group(p, signal.SIGINT)
