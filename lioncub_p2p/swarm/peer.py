@@ -411,7 +411,7 @@ class Swarm:
         self.config = replace(self.config, upload=m.upload, result=m.result, transport=m.transport,
                               momentum=m.momentum_schedule(), momentum_rule=m.momentum_rule,
                               full_digest_every=m.full_digest_every, seed=m.seed, delay=m.delay or 0,
-                              max_group=m.max_group or 0)
+                              max_group=m.max_group)
         self.upload = upload_codec(m.upload)
         self.result = result_codec(m.result)
 
