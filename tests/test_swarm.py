@@ -9,6 +9,7 @@ import struct
 import threading
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -525,16 +526,29 @@ def test_diverged_peer_repairs_itself_within_a_round():
 
 @pytest.mark.slow
 def test_a_two_level_run_keeps_every_peer_bitwise_equal_through_a_repair():
-    """max_group 3, 6 peers: groups drawn from the group record (no matchmaking) vote inside themselves,
-    each part's counts are combined among the groups' reducers of that part, and every peer applies
-    the flat majority: a perturbed peer is repaired, and all end bitwise equal."""
-    configs = [_config("two-level", max_group=3, momentum=MomentumSchedule(every=5)) for _ in range(6)]
+    """max_group 2, 6 peers: 3 groups drawn from the group record (no matchmaking) vote inside
+    themselves, each part's counts are combined among the groups' reducers of that part, and every peer
+    applies the flat majority: a perturbed peer is repaired, and all end bitwise equal."""
+    configs = [_config("two-level", max_group=2, momentum=MomentumSchedule(every=5)) for _ in range(6)]
     out = _train_swarm(configs, 30, perturb=(4, 15))
     assert {out[i][0] for i in range(6)} == {30}
     assert len({out[i][1] for i in range(6)}) == 1  # identical parameters at the end
     assert out[4][2] >= 1  # the perturbed peer repaired
     combined = out.get("combined", {})
     assert sum(len(steps) for steps in combined.values()) >= 3 * 20, combined  # second-level rounds ran
+
+
+def test_a_group_too_small_for_three_groups_votes_flat():
+    """Of two groups neither is a majority that could tell a diverged one (a member leaving mid-round
+    costs its group a part the other applies): with fewer than 3 groups the round is flat."""
+    swarm = Swarm.__new__(Swarm)
+    swarm.peer_id, swarm.optimizer = "a", SimpleNamespace(buffer_bytes=4096)
+    swarm.config = SimpleNamespace(max_group=3, seed=0)
+    group = GroupRecord(5, 0, tuple(PeerSpec(pid) for pid in "abcdef"))
+    assert swarm._two_level_spec(group, 0, b"r") is None  # 2 groups of 3
+    swarm.config.max_group = 2
+    spec = swarm._two_level_spec(group, 0, b"r")  # 3 groups of 2
+    assert spec is not None and len(spec.group) == 2 and len(spec.combine[0].group) == 3
 
 
 @pytest.mark.slow

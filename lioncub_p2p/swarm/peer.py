@@ -85,6 +85,10 @@ PORT_TRIES = 3  # daemon starts on a freshly picked port, when another process t
 
 MAX_CANDIDATES = 8  # group records a newcomer asks for admission, most populated first
 MAX_RECORD_TTL = 300.0
+# a two-level round needs this many groups, else the round is flat: a group whose reducer of a part
+# fails (a member leaving) misses that part while the others apply it, and only a majority of groups
+# tells it so (hierarchy.group_tag); of two groups neither is a majority (seen: a run ending split)
+MIN_GROUPS = 3
 ROUND_KINDS = ("vote", "momentum")
 # TCP and QUIC on every interface, ports chosen by the OS. Over QUIC a stream closed right after its
 # last write loses that write, so every handler here that ends a stream with a reply waits (bounded)
@@ -662,8 +666,9 @@ class Swarm:
 
     def _two_level_spec(self, group: GroupRecord, step: int, rid: bytes) -> RoundSpec | None:
         """This peer's round of a two-level vote, when the run asks for one (``max_group``) and the group
-        is larger: groups from the record's members and epoch (``hierarchy.two_level_layout``, the same
-        on every peer: no matchmaking), reducers among its reducing members. None: a flat round."""
+        makes at least ``MIN_GROUPS`` groups: groups from the record's members and epoch
+        (``hierarchy.two_level_layout``, the same on every peer: no matchmaking), reducers among its
+        reducing members. None: a flat round."""
         max_group = self.config.max_group or 0
         if not max_group or len(group.members) <= max_group:
             return None
@@ -675,6 +680,8 @@ class Swarm:
             return None  # nobody reduces yet (all syncing): missed as a flat round would be
         nbytes = self.optimizer.buffer_bytes
         layout = hierarchy.two_level_layout(list(members), group.epoch, nbytes, max_group, reducers=reducers)
+        if len(layout.groups) < MIN_GROUPS:
+            return None
         return hierarchy.two_level_specs(rid, step, layout, nbytes, seed=self.config.seed, family="vote",
                                          members=members)[self.peer_id]
 
