@@ -601,8 +601,9 @@ class Swarm:
         logger.info("no group found for run %s: started it", self.config.run_id)
         return True
 
-    def _sync_from_swarm(self, deadline: float) -> None:
-        """Wait until the leader adds this peer to a group, then download the state of that step."""
+    def _sync_from_swarm(self, deadline: float, *, params_only: bool = False) -> None:
+        """Wait until the leader adds this peer to a group, then download the state of that step
+        (``params_only``: a peer coming back keeps its own momenta, half the bytes)."""
         logger.info("waiting to be added to the group of run %s", self.config.run_id)
         asked = time.monotonic()
         while True:
@@ -618,7 +619,7 @@ class Swarm:
                 self._ask_again(latest)
             self.loop.run(self.upkeep.announce(), timeout=30)
             time.sleep(self.config.refresh_period)
-        self.state.download(min_step=latest.from_step, group=latest)
+        self.state.download(min_step=latest.from_step, group=latest, params_only=params_only)
 
     def _ask_again(self, latest: GroupRecord | None) -> None:
         """Still not in the group: prove the key to its current author, and look for a newer group this
@@ -716,7 +717,7 @@ class Swarm:
 
     def _rejoin(self) -> None:
         self.state.synced = False
-        self._sync_from_swarm(time.monotonic() + self.config.join_timeout)
+        self._sync_from_swarm(time.monotonic() + self.config.join_timeout, params_only=True)
         self.state.synced = True
         self.rounds.prepare(self.optimizer.step_count)
 
