@@ -209,9 +209,16 @@ def _close_peers(loop: BackgroundLoop, peers: list[P2P]) -> None:
     loop.stop()
 
 
-def _failing_then_recording_donor(loop, failing: type, blob: bytes, digest: bytes, **recording_kwargs):
-    """Three daemons: peer 0 serves step 3 through ``failing``, peer 1 through a ``_RecordingServer``
-    (the offsets it was asked to resume at); peer 2 downloads. Returns (peers, failing, recording)."""
+def _failing_then_recording_donor(monkeypatch, failing: type, *, hidden: int = 512,
+                                  **recording_kwargs) -> SimpleNamespace:
+    """4 KiB chunks, the snapshot of a model ``hidden`` wide at step 3, and three daemons: peer 0 serves
+    it through ``failing``, peer 1 through a ``_RecordingServer`` (the offsets it was asked to resume
+    at); peer 2 downloads. Returns loop, peers, first, recording, blob, digest and donors (0, then 1)."""
+    monkeypatch.setattr(state_transfer, "CHUNK_BYTES", 4096)
+    _, donor_opt = _opt(0, hidden=hidden)
+    blob, digest = snapshot.encode(donor_opt)
+    loop = BackgroundLoop()
+
     async def setup():
         peers = await _p2p_peers(3)
         first = failing(peers[0], "run")
@@ -222,46 +229,38 @@ def _failing_then_recording_donor(loop, failing: type, blob: bytes, digest: byte
             await server.offer(3, blob, digest)
         return peers, first, recording
 
-    return loop.run(setup(), timeout=60)
+    peers, first, recording = loop.run(setup(), timeout=60)
+    return SimpleNamespace(loop=loop, peers=peers, first=first, recording=recording, blob=blob, digest=digest,
+                           donors=[peers[0].peer_id.to_base58(), peers[1].peer_id.to_base58()])
 
 
 def test_download_resumes_from_another_donor(monkeypatch):
-    monkeypatch.setattr(state_transfer, "CHUNK_BYTES", 4096)
-    _, donor_opt = _opt(0, hidden=512)
-    blob, digest = snapshot.encode(donor_opt)
-    loop = BackgroundLoop()
-    peers, dying, recording = _failing_then_recording_donor(loop, _DyingServer, blob, digest, max_uploads=1)
+    t = _failing_then_recording_donor(monkeypatch, _DyingServer, max_uploads=1)
     try:
-        donors = [peers[0].peer_id.to_base58(), peers[1].peer_id.to_base58()]
-        step, got, got_digest = loop.run(state_transfer.download_state(
-            peers[2], donors, "run", min_step=3, max_bytes=len(blob) + 10), timeout=60)
-        assert (step, got, got_digest) == (3, blob, digest)
-        assert recording.offsets and recording.offsets[0] > 0  # resumed where the dying donor stopped
+        step, got, got_digest = t.loop.run(state_transfer.download_state(
+            t.peers[2], t.donors, "run", min_step=3, max_bytes=len(t.blob) + 10), timeout=60)
+        assert (step, got, got_digest) == (3, t.blob, t.digest)
+        assert t.recording.offsets and t.recording.offsets[0] > 0  # resumed where the dying donor stopped
         with pytest.raises(state_transfer.StateTransferError):  # a step nobody has reached in time
-            recording.wait_timeout = dying.wait_timeout = 0.5
-            loop.run(state_transfer.download_state(peers[2], donors, "run", min_step=50, max_bytes=len(blob) + 10,
-                                                   attempts=1), timeout=60)
+            t.recording.wait_timeout = t.first.wait_timeout = 0.5
+            t.loop.run(state_transfer.download_state(t.peers[2], t.donors, "run", min_step=50,
+                                                     max_bytes=len(t.blob) + 10, attempts=1), timeout=60)
     finally:
-        _close_peers(loop, peers)
+        _close_peers(t.loop, t.peers)
 
 
 def test_a_download_without_momenta_resumes_from_another_donor(monkeypatch):
     """``params_only``: both donors cut the same lean snapshot from their full one, so a download cut
     at the first resumes at the second; it is the full snapshot without the momentum section."""
-    monkeypatch.setattr(state_transfer, "CHUNK_BYTES", 4096)
-    _, donor_opt = _opt(0, hidden=1024)
-    blob, digest = snapshot.encode(donor_opt)
-    lean = snapshot.without_momenta(blob)
-    loop = BackgroundLoop()
-    peers, dying, recording = _failing_then_recording_donor(loop, _DyingServer, blob, digest, max_uploads=1)
+    t = _failing_then_recording_donor(monkeypatch, _DyingServer, hidden=1024, max_uploads=1)
+    lean = snapshot.without_momenta(t.blob)
     try:
-        donors = [peers[0].peer_id.to_base58(), peers[1].peer_id.to_base58()]
-        step, got, got_digest = loop.run(state_transfer.download_state(
-            peers[2], donors, "run", min_step=3, max_bytes=len(blob) + 10, params_only=True), timeout=60)
-        assert (step, got_digest) == (3, digest) and got == lean and len(lean) < 0.55 * len(blob)
-        assert recording.offsets and recording.offsets[0] > 0  # resumed where the dying donor stopped
+        step, got, got_digest = t.loop.run(state_transfer.download_state(
+            t.peers[2], t.donors, "run", min_step=3, max_bytes=len(t.blob) + 10, params_only=True), timeout=60)
+        assert (step, got_digest) == (3, t.digest) and got == lean and len(lean) < 0.55 * len(t.blob)
+        assert t.recording.offsets and t.recording.offsets[0] > 0  # resumed where the dying donor stopped
     finally:
-        _close_peers(loop, peers)
+        _close_peers(t.loop, t.peers)
 
 
 class _DyingOnceServer(_DyingServer):
@@ -278,21 +277,16 @@ def test_a_cut_download_resumes_at_the_same_donor_before_one_that_moved_on(monke
     """A stream cut mid-transfer (seen on a 1 Mbit/s link after 1 MB) is resumed at the donor that sent
     it, which still holds that snapshot; the next donor had moved on to a newer one, and resuming there
     started the download over."""
-    monkeypatch.setattr(state_transfer, "CHUNK_BYTES", 4096)
-    _, donor_opt = _opt(0, hidden=512)
-    blob, digest = snapshot.encode(donor_opt)
-    loop = BackgroundLoop()
-    peers, cut, recording = _failing_then_recording_donor(loop, _DyingOnceServer, blob, digest, max_uploads=1)
+    t = _failing_then_recording_donor(monkeypatch, _DyingOnceServer, max_uploads=1)
     try:
         _, newer = _opt(1, hidden=512)
-        loop.run(recording.offer(4, *snapshot.encode(newer)), timeout=10)  # the next donor moved on
-        donors = [peers[0].peer_id.to_base58(), peers[1].peer_id.to_base58()]
-        step, got, got_digest = loop.run(state_transfer.download_state(
-            peers[2], donors, "run", min_step=3, max_bytes=2 * len(blob)), timeout=60)
-        assert (step, got, got_digest) == (3, blob, digest)
-        assert recording.offsets == []  # never asked: the cut donor resumed its own snapshot
+        t.loop.run(t.recording.offer(4, *snapshot.encode(newer)), timeout=10)  # the next donor moved on
+        step, got, got_digest = t.loop.run(state_transfer.download_state(
+            t.peers[2], t.donors, "run", min_step=3, max_bytes=2 * len(t.blob)), timeout=60)
+        assert (step, got, got_digest) == (3, t.blob, t.digest)
+        assert t.recording.offsets == []  # never asked: the cut donor resumed its own snapshot
     finally:
-        _close_peers(loop, peers)
+        _close_peers(t.loop, t.peers)
 
 
 class _StallingServer(state_transfer.StateServer):
@@ -312,23 +306,18 @@ def test_a_download_leaves_a_stalled_donor_for_the_next_and_its_bound_grows_with
     resumes at the next donor (not after the whole bound: a slow link's bound is minutes). The bound is
     the wait plus the snapshot at 1 Mbit/s: a 22 MB state at 1 Mbit/s needs 176 s, which a fixed 120 s
     bound never gave it."""
-    monkeypatch.setattr(state_transfer, "CHUNK_BYTES", 4096)
     monkeypatch.setattr(state_transfer, "STALL_S", 1.0)
     assert state_transfer.download_bound(22_000_000, 120.0) == pytest.approx(120.0 + 176.0)
-    _, donor_opt = _opt(0, hidden=512)
-    blob, digest = snapshot.encode(donor_opt)
-    loop = BackgroundLoop()
-    peers, _, recording = _failing_then_recording_donor(loop, _StallingServer, blob, digest)
+    t = _failing_then_recording_donor(monkeypatch, _StallingServer)
     try:
-        donors = [peers[0].peer_id.to_base58(), peers[1].peer_id.to_base58()]
         started = time.monotonic()
-        got = loop.run(state_transfer.download_state(peers[2], donors, "run", min_step=3, max_bytes=len(blob) + 10,
-                                                     timeout=60), timeout=70)
-        assert got == (3, blob, digest)
-        assert recording.offsets and recording.offsets[0] > 0  # resumed where the stalled donor stopped
+        got = t.loop.run(state_transfer.download_state(t.peers[2], t.donors, "run", min_step=3,
+                                                       max_bytes=len(t.blob) + 10, timeout=60), timeout=70)
+        assert got == (3, t.blob, t.digest)
+        assert t.recording.offsets and t.recording.offsets[0] > 0  # resumed where the stalled donor stopped
         assert time.monotonic() - started < 15  # left after ~1 s of silence, not at the 60 s bound
     finally:
-        _close_peers(loop, peers)
+        _close_peers(t.loop, t.peers)
 
 
 class _CountingServer(state_transfer.StateServer):

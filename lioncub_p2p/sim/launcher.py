@@ -249,7 +249,8 @@ class Simulation:
                 "--max-seconds", str(self.seconds), "--hidden", str(self.hidden), "--batch", str(self.batch),
                 "--lr", str(self.lr), "--seed", "0", "--group-size", str(len(self.profiles)), "--quiet",
                 "--eval-every", str(self.eval_every), "--upload-timeout", str(self.timeouts[0]),
-                "--result-timeout", str(self.timeouts[1]), "--linger", str(self.linger), "--metrics-jsonl", str(out / f"peer{i}.jsonl"),
+                "--result-timeout", str(self.timeouts[1]), "--linger", str(self.linger),
+                "--metrics-jsonl", str(out / f"peer{i}.jsonl"),
                 "--wait-peers", str(sum(p.join_at is None for p in self.profiles))
                 if not method.trainer_args[1].startswith("hivemind") else "0",
                 "--final-eval", str(out / f"peer{i}.eval.json"), "--final-state", str(out / f"peer{i}.state"),

@@ -52,8 +52,7 @@ import torch
 
 from .. import failpoints
 from ..aio import BackgroundLoop
-from ..allreduce import AllReduceConfig, PeerSpec, RoundSpec, VoteNode
-from ..allreduce import hierarchy
+from ..allreduce import AllReduceConfig, PeerSpec, RoundSpec, VoteNode, hierarchy
 from ..allreduce.admission import Admission
 from ..allreduce.allgather import GatherNode
 from ..allreduce.audit import MAX_EVIDENCE_BYTES
@@ -64,9 +63,9 @@ from ..momentum import MomentumSchedule
 from ..optim import LionCub, Resolved
 from ..wire import PROTOCOL_VERSION
 from . import checkpoint, manifest as manifests, reachability, snapshot
-from .dht_process import start_dht, stop_dht
 from .accuse import Accusation, AccuseServer, Refused, Suspicions, send_accusation
 from .admit import AdmitServer, ask_admission
+from .dht_process import start_dht, stop_dht
 from .manifest import DEFAULTS, Manifest, ManifestError, ManifestMismatch
 from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, assigned_weight, reducer_floor
 from .momentum_sync import MomentumSync, Sent

@@ -2,12 +2,13 @@
 
 Layout: ``MAGIC | u32 header length | JSON header | parameter bytes | momentum bytes | in-flight
 update bytes``; without the momentum bytes when the header says ``"momenta": false``
-(``without_momenta``: for a peer that keeps its own, as a repair or a skip ahead does, half the bytes). The header lists each tensor's name, dtype and shape; the receiver accepts a
-snapshot only if that list equals its own model's exactly, so a peer cannot make it allocate or
-reshape anything unexpected. With overlapped rounds the update of the vote in flight is part of
-the state (header ``pending``: its dtype, ``uint8`` packed or ``float32`` values, sized by the vote
-buffer). Parameters and that update are identical on every peer at the same step (the digest covers
-both); momenta are each peer's own.
+(``without_momenta``: for a peer that keeps its own, as a repair or a skip ahead does, half the
+bytes). The header lists each tensor's name, dtype and shape; the receiver accepts a snapshot only
+if that list equals its own model's exactly, so a peer cannot make it allocate or reshape anything
+unexpected. With overlapped rounds the update of the vote in flight is part of the state (header
+``pending``: its dtype, ``uint8`` packed or ``float32`` values, sized by the vote buffer). Parameters
+and that update are identical on every peer at the same step (the digest covers both); momenta are
+each peer's own.
 """
 from __future__ import annotations
 

@@ -294,9 +294,7 @@ class Upkeep:
         the leader holds the record already and stores it again at its next upkeep)."""
         try:
             return bool(await self._timed(self.directory.publish_group(record, ttl=GROUP_TTL)))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
+        except Exception as e:  # (a cancellation is no Exception: it passes)
             if not isinstance(e, asyncio.TimeoutError):
                 logger.info("storing group epoch %d failed: %s: %s", record.epoch, type(e).__name__, e)
             return False
