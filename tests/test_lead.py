@@ -378,3 +378,50 @@ def test_a_slow_store_counts_in_the_notice_over_the_quick_reads_after_it_for_a_w
     later = time.monotonic() + upkeep_module.DHT_MEMORY_S + 1
     monkeypatch.setattr(upkeep_module.time, "monotonic", lambda: later)
     assert upkeep.dht_s == 0.0  # forgotten: no call since
+
+
+class _RecordStore(_Directory):
+    """Peer records as the DHT keeps them: per author, the latest-expiring one."""
+
+    def __init__(self, earlier: PeerRecord | None = None):
+        super().__init__()
+        self.kept = {earlier.peer_id: earlier} if earlier else {}
+        self.announced: list[tuple[PeerRecord, float]] = []  # (record, its expiration)
+
+    async def announce(self, record: PeerRecord, ttl: float, *, expiration: float) -> bool:
+        self.announced.append((record, expiration))
+        if record.peer_id not in self.kept or expiration > self.kept[record.peer_id].expires:
+            self.kept[record.peer_id] = PeerRecord(**{**record.__dict__, "expires": expiration})
+        return True
+
+    async def peers(self) -> dict[str, PeerRecord]:
+        return dict(self.kept)
+
+
+def test_a_record_outlives_slow_announcements_a_follower_s_busy_link_and_a_state_download(monkeypatch):
+    """At 1 Mbit/s the link carries votes, results or a state download for seconds to minutes; the
+    10 s record expired between announcements and the leader dropped a live member, then added it
+    back (a group change each time, 5-10 a run). The lifetime follows the slowest recent DHT call,
+    a follower's or a download's needs, within what other peers accept (``records.LIMITS``)."""
+    store = _RecordStore()
+    upkeep = _upkeep("a", store)
+    assert upkeep.record_lifetime() == 10.0
+    upkeep._dht_calls.append((time.monotonic(), 3.0))  # a store took 3 s
+    assert upkeep.record_lifetime() == 6 * 3.0
+    assert upkeep.record_lifetime(following=True) == upkeep_module.FOLLOWER_TTL_S
+    assert upkeep.record_lifetime(hold_s=200.0) == 200.0
+    assert upkeep.record_lifetime(hold_s=1e4) == upkeep_module.MAX_TTL_S < upkeep_module.LIMITS["peers"][1]
+    asyncio.run(upkeep.announce(hold_s=200.0))  # before a download
+    asyncio.run(upkeep.announce())  # the next, shorter-lived record must not shadow it...
+    (_, held), (_, next_one) = store.announced
+    assert held > upkeep_module.get_dht_time() + 150 and next_one > held  # ...so it expires later still
+
+
+def test_a_restarted_peer_announces_past_its_earlier_record():
+    """The DHT keeps a peer's latest-expiring record: a peer restarted while its earlier record (a
+    long-lived or leaving one) still lives announced records nobody saw until that one expired."""
+    earlier = PeerRecord("a", expires=upkeep_module.get_dht_time() + 120.0, leaving=True)
+    store = _RecordStore(earlier)
+    asyncio.run(_upkeep("a", store).announce())
+    record, expiration = store.announced[0]
+    assert expiration > earlier.expires and store.kept["a"].expires == expiration and not store.kept["a"].leaving

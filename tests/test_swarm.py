@@ -325,9 +325,9 @@ class _CountingServer(state_transfer.StateServer):
 
     served = 0
 
-    async def _wait_snapshot(self, min_step):
+    async def _wait_snapshot(self, min_step, fresh=False):
         self.served += 1
-        return await super()._wait_snapshot(min_step)
+        return await super()._wait_snapshot(min_step, fresh)
 
 
 def test_a_busy_donor_sends_a_newcomer_to_the_next_donor(caplog):
@@ -363,6 +363,81 @@ def test_a_busy_donor_sends_a_newcomer_to_the_next_donor(caplog):
         assert first.result(30) == (5, blob, digest) and busy._uploads == 0
     finally:
         _close_peers(loop, peers)
+
+
+def test_a_new_download_gets_the_donors_current_step_not_a_snapshot_cached_for_an_older_one(monkeypatch):
+    """A donor keeps the snapshot it made for an earlier download. A repair asking for "step 3 or
+    later" got that one, 16 steps old, and was still behind (a 1 Mbit/s peer downloaded twice). A new
+    download gets the donor's current step; a resumed one still gets the cached snapshot it resumes;
+    a donor whose current state does not come within ``FRESH_WAIT_S`` serves the cached one."""
+    monkeypatch.setattr(state_transfer, "FRESH_WAIT_S", 1.0)
+    _, old_opt = _opt(0, hidden=64)
+    _, new_opt = _opt(1, hidden=64)
+    (old_blob, old_digest), (new_blob, new_digest) = snapshot.encode(old_opt), snapshot.encode(new_opt)
+    current = {"step": 19, "made": (19, new_blob, new_digest)}
+    loop = BackgroundLoop()
+
+    async def setup():
+        peers = await _p2p_peers(2)
+        server = state_transfer.StateServer(peers[0], "run", provider=lambda step: current["made"],
+                                            current_step=lambda: current["step"])
+        await server.start()
+        await server.offer(3, old_blob, old_digest)  # made for an earlier download
+        return peers, server
+
+    peers, server = loop.run(setup(), timeout=60)
+    donor = [peers[0].peer_id.to_base58()]
+    fetch = lambda: loop.run(state_transfer.download_state(  # noqa: E731
+        peers[1], donor, "run", min_step=3, max_bytes=len(new_blob) + 10, attempts=1), timeout=60)
+    try:
+        assert fetch() == (19, new_blob, new_digest)
+        loop.run(server.offer(3, old_blob, old_digest), timeout=10)
+        resumed = state_transfer._Download()
+        resumed.blob += old_blob[:100]
+        resumed.step, resumed.digest, resumed.total = 3, old_digest, len(old_blob)
+        loop.run(state_transfer._fetch_from(peers[1], donor[0], "run", 3, len(old_blob) + 10, resumed, None, b"",
+                                            False), timeout=60)
+        assert bytes(resumed.blob) == old_blob  # resumed within the cached snapshot, not started over
+        current["step"], current["made"] = 25, None  # stepping: no state between steps within the wait
+        started = time.monotonic()
+        assert fetch() == (3, old_blob, old_digest)
+        assert time.monotonic() - started >= 1.0
+    finally:
+        _close_peers(loop, peers)
+
+
+def test_a_followers_state_download_is_preceded_by_a_record_that_outlives_it(monkeypatch):
+    """A 1 Mbit/s link carrying a 22 MB state starves the periodic announcements for minutes; the
+    leader dropped the member when its record expired. A follower's download is preceded by a record
+    that outlives the download's bound (``download_bound``); a voter's is not."""
+    from lioncub_p2p.allreduce.admission import OPEN
+    from lioncub_p2p.swarm.state_sync import StateSync
+
+    events = []
+
+    class _Upkeep:
+        records: dict = {}
+
+        async def announce(self, *, hold_s=0.0):
+            events.append(("announce", hold_s))
+
+    async def download_state(*args, timeout, **kwargs):
+        events.append(("download", timeout))
+        return 3, b"", b""
+
+    monkeypatch.setattr("lioncub_p2p.swarm.state_sync.download_state", download_state)
+    loop = BackgroundLoop()
+    try:
+        state = StateSync(p2p=None, loop=loop, run_id="run", peer_id="me", admission=OPEN, upkeep=_Upkeep(),
+                          liars=dict, max_uploads=1, join_timeout=60.0, round_bound=10.0)
+        state.optimizer = _opt(0, hidden=64)[1]
+        group = GroupRecord(1, 3, (PeerSpec("me"), PeerSpec("donor")))
+        state.download(3, group, params_only=True)  # a voter: its record may tell another group it is gone
+        state.download(3, group, params_only=True, slow_link=True)  # a follower
+    finally:
+        loop.stop()
+    bound = state_transfer.download_bound(snapshot.max_size(state.optimizer), 60.0)
+    assert events == [("download", bound), ("announce", bound), ("download", bound)]
 
 
 def test_download_starts_over_when_the_next_donor_moved_on(monkeypatch):

@@ -232,7 +232,7 @@ class VotePipeline:
             own = [m.peer_id for m in r.spec.group] if r.spec.combine else []
             try:  # from a peer past the step in progress (overlapped: the next one, whose vote is out)
                 self.state.download(min_step=self.optimizer.step_count + 1, group=group, params_only=True,
-                                    last=own)
+                                    last=own, slow_link=self.follow.following)
             except Exception as e:  # apply nothing: still diverged, so the next round tries again
                 logger.warning("step %d: repair failed (%s); retrying next step", step, e)
                 return self._missed(step)
@@ -271,7 +271,8 @@ class VotePipeline:
         go on applying zeros: a follower nobody serves any more must not finish as if it had trained."""
         logger.warning("step %d: this peer fell so far behind that nobody keeps its round: downloading the state", step)
         try:
-            self.state.download(min_step=self.optimizer.step_count + 1, group=group, params_only=True)
+            self.state.download(min_step=self.optimizer.step_count + 1, group=group, params_only=True,
+                                slow_link=self.follow.following)
         except Exception as e:
             self._skip_failures += 1
             logger.warning("step %d: skipping ahead failed (%s); retrying next step", step, e)

@@ -40,7 +40,7 @@ class StateSync:
         self.upkeep, self.liars, self.join_timeout, self.round_bound = upkeep, liars, join_timeout, round_bound
         self.optimizer: LionCub | None = None  # set at join
         self.server = StateServer(p2p, run_id, max_uploads=max_uploads, provider=self.snapshot_between_steps,
-                                  admission=admission)
+                                  admission=admission, current_step=self._step)
         self.step_lock = threading.Lock()
         self._in_step = False
         self.synced = False
@@ -55,6 +55,9 @@ class StateSync:
     def synced(self, value: bool) -> None:
         self._synced = value
         self.server.serving = value
+
+    def _step(self) -> int:
+        return self.optimizer.step_count if self.optimizer is not None else 0
 
     def enter_step(self) -> None:
         if not self._in_step:  # still held if an earlier step stopped between aggregate and after_step
@@ -108,14 +111,28 @@ class StateSync:
         synced = [pid for pid in donors if pid in records and records[pid].synced]
         return synced or donors  # peers that are joining themselves hold nothing to give
 
+    def _hold_record(self, seconds: float) -> None:
+        """Announce a record that outlives the download: a slow link carrying it starves the periodic
+        announcements, and the leader drops a member whose record expired (seen at 1 Mbit/s: dropped
+        and added back around every download, a group change for everyone each time). Followers only:
+        they reduce nothing, so a long record of one that dies costs nobody a part (a reducer's
+        record is what tells a leader of another group in a two-level vote that it is gone)."""
+        try:
+            self.loop.run(self.upkeep.announce(hold_s=seconds), timeout=15)
+        except Exception as e:  # the download matters more; its record may still be refreshed in time
+            logger.info("announcing before the state download failed: %s: %s", type(e).__name__, e)
+
     def download(self, min_step: int, group: GroupRecord, *, params_only: bool = False,
-                 last: Collection[str] = ()) -> None:
+                 last: Collection[str] = (), slow_link: bool = False) -> None:
         """Load a member's state of step ``min_step`` or later (nothing if this peer already holds it);
         ``params_only``: keep this peer's own momenta (half the bytes: a repair, a skip ahead); ``last``:
-        donors asked only after the others (a two-level group that diverged as a whole)."""
+        donors asked only after the others (a two-level group that diverged as a whole); ``slow_link``
+        (a follower): first announce a record that outlives the download (``_hold_record``)."""
         have = (self.optimizer.step_count, snapshot.params_digest(self.optimizer))
         max_bytes = snapshot.max_size(self.optimizer)
         bound = download_bound(max_bytes, self.join_timeout)
+        if slow_link:
+            self._hold_record(bound)
         step, blob, digest = self.loop.run(download_state(
             self.p2p, sorted(self.donors(group), key=lambda pid: pid in last), self.run_id, min_step=min_step, max_bytes=max_bytes, timeout=bound,
             have=have, token=self.admission.token(self.peer_id), params_only=params_only), timeout=bound + 5)

@@ -33,6 +33,7 @@ FIRST_FRAME_S = 5.0
 STALL_S = 30.0  # a donor that sends no chunk for this long is left for the next one (the download resumes)
 FIRST_CHUNK_S = 90.0  # ...and its first chunk: it may wait up to its wait_timeout (60 s) for the step asked for
 SAME_DONOR_RETRIES = 1  # a donor whose stream broke after sending something is asked to resume once more
+FRESH_WAIT_S = 10.0  # how long a new download waits for the donor's current step before taking an older snapshot
 MIN_RATE = 125_000  # bytes/s (1 Mbit/s): the slowest link a whole state download is given time for
 
 
@@ -57,7 +58,7 @@ class StateServer:
 
     def __init__(self, p2p: P2P, run_id: str, *, max_uploads: int = 2, wait_timeout: float = 60.0,
                  provider: Callable[[int], tuple[int, bytes, bytes] | None] | None = None,
-                 admission: Admission = OPEN):
+                 admission: Admission = OPEN, current_step: Callable[[], int] | None = None):
         self.p2p, self.run_id = p2p, run_id.encode()
         self.max_uploads, self.wait_timeout = max_uploads, wait_timeout
         self._uploads = 0
@@ -67,6 +68,7 @@ class StateServer:
         self._lock = threading.Lock()
         self._offered: asyncio.Condition | None = None
         self.provider = provider
+        self.current_step = current_step  # this peer's step: a new download gets that state, not an older cached one
         self.admission = admission
         self.serving = True  # False while this peer holds no state of the swarm (joining): refuse at once
         # streams before admission: 2 per peer, 16 in all (a download holds its stream; busy ones end at once)
@@ -94,15 +96,25 @@ class StateServer:
         async with self._offered:
             self._offered.notify_all()
 
-    async def _wait_snapshot(self, min_step: int) -> tuple[int, bytes, bytes]:
-        ready = lambda: self._snapshot is not None and self._snapshot[0] >= min_step  # noqa: E731
+    async def _wait_snapshot(self, min_step: int, fresh: bool = False) -> tuple[int, bytes, bytes]:
+        """A snapshot of ``min_step`` or later; ``fresh`` (a new download, not a resumed one): of this
+        peer's current step if one comes within ``FRESH_WAIT_S``. A snapshot cached for an earlier
+        download was served 16 steps old to a 1 Mbit/s peer, which then was still behind and downloaded
+        again (minutes)."""
+        want = max(min_step, self.current_step()) if fresh and self.current_step is not None else min_step
+        started = time.monotonic()
+
+        def ready() -> bool:
+            have = self._snapshot[0] if self._snapshot is not None else -1
+            return have >= want or (have >= min_step and time.monotonic() - started > FRESH_WAIT_S)
+
         with self._lock:
-            self._pending[min_step] = self._pending.get(min_step, 0) + 1
-        deadline = time.monotonic() + self.wait_timeout
+            self._pending[want] = self._pending.get(want, 0) + 1
+        deadline = started + self.wait_timeout
         try:
             while not ready():
                 if self.provider is not None:
-                    made = await asyncio.to_thread(self.provider, min_step)
+                    made = await asyncio.to_thread(self.provider, want)
                     if made is not None:
                         await self.offer(*made)
                         continue
@@ -117,7 +129,7 @@ class StateServer:
             return self._snapshot
         finally:
             with self._lock:
-                self._pending[min_step] -= 1
+                self._pending[want] -= 1
 
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         counted = replied = False
@@ -136,7 +148,7 @@ class StateServer:
                 raise WireError("busy: too many downloads from this donor, try another")
             self._uploads += 1
             counted = True
-            step, blob, digest = await self._wait_snapshot(req.min_step)
+            step, blob, digest = await self._wait_snapshot(req.min_step, fresh=not req.params_digest)
             if req.params_only:
                 blob = await self._without_momenta(step, blob, digest)
             if step == 0 and req.have_step == 0 and req.have_digest == digest and req.offset == 0:

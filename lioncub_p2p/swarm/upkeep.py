@@ -30,7 +30,7 @@ from .lead import NOTICE_S, REST_S, STEADY_ROUNDS, Health, leader_of, plan_group
 from .manifest import Manifest
 from .membership import (Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group,
                          preferred_rival)
-from .records import RateLimitedLog
+from .records import LIMITS, RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,13 @@ STEP_WINDOW = 100  # steps a member's announced step may lead the leader's and s
 GROUP_TTL = 60.0  # seconds a published group record lives; the leader republishes it every third of that
 GROUP_REPUBLISH_S = 20.0
 DHT_MEMORY_S = 120.0  # how long a slow DHT store or read counts in a new group's notice (dht_s)
+# A record must outlive the time until the next one lands: an upkeep cycle (three DHT calls) after a
+# third of its lifetime, plus the store. Over a 1 Mbit/s link carrying votes and results a call takes
+# seconds and a 10 s record expired between two announcements: the leader dropped a live member and
+# added it back a few seconds later, a group change each time (5-10 a run).
+SLOW_DHT_TTL_FACTOR = 6.0
+FOLLOWER_TTL_S = 60.0  # a follower's link carries results without pause; keeping a dead follower costs nothing
+MAX_TTL_S = LIMITS["peers"][1] - 10.0  # what others accept (records.py), less clock skew
 
 
 @dataclass(frozen=True)
@@ -140,8 +147,16 @@ class Upkeep:
             self.history.replace(rival)
             self.trust(rival)
 
-    async def announce(self, *, leaving: bool = False) -> None:
-        """Publish this peer's record: its step, rates, whether it holds the state, follows, leaves."""
+    def record_lifetime(self, following: bool = False, hold_s: float = 0.0) -> float:
+        """Seconds this peer's next record lives: ``record_ttl``, longer where announcements land late
+        (slow DHT calls, a follower's busy link) or the link is about to carry a state download for
+        ``hold_s`` (its announcements starve meanwhile; a member whose record expires is dropped)."""
+        ttl = max(self.record_ttl, SLOW_DHT_TTL_FACTOR * self.dht_s, FOLLOWER_TTL_S if following else 0.0, hold_s)
+        return min(ttl, max(MAX_TTL_S, self.record_ttl))
+
+    async def announce(self, *, leaving: bool = False, hold_s: float = 0.0) -> None:
+        """Publish this peer's record: its step, rates, whether it holds the state, follows, leaves;
+        ``hold_s``: it lives at least that long (``record_lifetime``)."""
         me = self.local()
         now, (t0, step0) = time.monotonic(), self._progress
         samples_per_s = max(me.samples_per_step * (me.step - step0) / max(now - t0, 1e-6), 0.0)
@@ -151,10 +166,23 @@ class Upkeep:
                             manifest=me.run_manifest.digest() if me.run_manifest else "", leaving=leaving,
                             following=me.following and not leaving)
         self._progress = (now, me.step)
-        # a newer record must expire later than the last (the DHT keeps the latest-expiring one)
-        expiration = max(get_dht_time() + self.record_ttl, self._last_expiration + 1e-3)
-        if await self._timed(self.directory.announce(record, self.record_ttl, expiration=expiration)):
-            self._last_expiration = expiration
+        # a newer record must expire later than the last (the DHT keeps the latest-expiring one), even
+        # one whose store was not confirmed: it may have landed all the same
+        if not self._last_expiration:  # a restarted peer's records (a leaving one too) may outlive a new one
+            self._last_expiration = await self._own_expiration()
+        ttl = self.record_lifetime(me.following and not leaving, 0.0 if leaving else hold_s)
+        expiration = max(get_dht_time() + ttl, self._last_expiration + 1e-3)
+        self._last_expiration = expiration
+        await self._timed(self.directory.announce(record, ttl, expiration=expiration))
+
+    async def _own_expiration(self) -> float:
+        """When this peer's newest record in the DHT expires (0 if none or unreadable)."""
+        try:
+            own = (await self._timed(self.directory.peers())).get(self.peer_id)
+        except Exception as e:  # announce anyway: at worst the old record shows until it expires
+            logger.info("reading this peer's earlier record failed: %s: %s", type(e).__name__, e)
+            return 0.0
+        return own.expires if own is not None else 0.0
 
     def may_join(self, record: PeerRecord, run_manifest: Manifest | None) -> bool:
         """Whether the leader may add the peer of ``record`` to the group (logged, rate-limited, if not)."""
