@@ -206,6 +206,43 @@ def test_a_two_level_vote_on_the_wire_gives_every_peer_the_flat_majority_bit_for
     assert (_np_majority(stack[voted].numpy()) < 0).sum() > 100  # ties: a wrong tie offset flips about half
 
 
+@pytest.mark.slow
+def test_a_group_whose_reducer_fails_after_combining_assembles_its_part_from_the_second_level():
+    """The reducer of part k of one group combines (the other groups get part k from the second level)
+    and then fails to answer its own group (a member leaving mid-round). Its group's voters fetch part
+    k's second-level slices, each signed by the combiner that reduced it, and apply what every other
+    group applies: all 13 updates equal, bit for bit. Before, that group applied nothing there, diverged
+    as a whole and downloaded the state member by member."""
+    from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
+
+    n, nbytes = 13, 4096
+    stack = _votes(n, nbytes, seed=22)
+    with LocalSwarm(n, config=FAST_CONFIG) as swarm:
+        ids = [p.peer_id for p in swarm.group]
+        layout = hierarchy.two_level_layout(ids, 0, nbytes, max_size=4)
+        group = next(g for g in layout.groups if len(g) == 3)
+        failing = ids.index(group[1])  # reduces part 1 of its group, and combines part 1's round
+        node = swarm.nodes[failing]
+        send_result = node._send_result
+
+        async def fail_its_own_group(writer, spec, part, outcome, report=None, **kwargs):
+            if spec.combine:  # its group's round (the second level has no combine)
+                raise ConnectionResetError("left mid-round")
+            return await send_result(writer, spec, part, outcome, report, **kwargs)
+
+        node._send_result = fail_its_own_group
+        results = swarm.two_level(list(stack), max_size=4, step=7, seed=5)
+        reports = list(swarm.reports)
+    members = [ids.index(pid) for pid in group if ids.index(pid) != failing]
+    assert all(reports[i].parts[1].status == "recovered" and "second level" in reports[i].parts[1].note
+               for i in members)
+    # who counted what, as the failing reducer saw it (its group's other reports have no header for part 1)
+    expected = _two_level_expected(stack, layout, ids, [reports[failing] if ids[i] in group else r
+                                                        for i, r in enumerate(reports)], seed=5, step=7)
+    for i, result in enumerate(results):
+        assert torch.equal(result, expected), i
+
+
 def test_a_group_that_diverged_as_a_whole_is_told_by_the_second_level():
     """Each group's reducer votes its group's state tag at the second level; where most groups hold
     another state, its part's result carries that one, as if every counted voter had sent it."""

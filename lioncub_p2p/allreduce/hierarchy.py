@@ -38,7 +38,9 @@ groups' margins are counted as they come) and returns that round's majority as p
 signed by itself, to its group's voters. So the combiner's deadline, quorum (over groups), signed
 results, recovery and audits among the combiners are the round machinery's: a group late at a
 combiner is left out of that slice for every peer alike, and a slice nobody received leaves part k
-without a result in every group (``LocalSwarm.two_level``, tested with 13 nodes).
+without a result in every group (``LocalSwarm.two_level``, tested with 13 nodes). A group whose
+reducer of part k combined and then failed to answer it assembles part k from that round's signed
+slices, fetched from the other groups' reducers of part k (``VoteNode._recover_combined``).
 
 A run votes two-level when its manifest sets ``max_group`` (``Swarm._two_level_spec``: the layout from
 the group record's members and epoch). Each group's reducer votes its group's state tag at the second

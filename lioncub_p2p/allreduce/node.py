@@ -149,6 +149,8 @@ class VoteNode:
         self._by_step: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._waiting_key: dict[bytes, tuple[str, int]] = {}  # (family, step) of rounds waited for
         self._waiting: dict[bytes, asyncio.Event] = {}  # rounds asked for before this peer started them
+        # second-level rounds this peer combines in: any admitted peer may fetch their results (``_recover_combined``)
+        self._second_level: OrderedDict[bytes, None] = OrderedDict()
         # family -> the newest step an admitted member asked this peer for (votes or results): how far the
         # group's fastest member is, seen within a round trip (its record says so seconds later)
         self.asked_step: dict[str, int] = {}
@@ -231,6 +233,9 @@ class VoteNode:
             state.reduction.excuse(frozenset(i for i, p in enumerate(spec.group) if p.peer_id in late and i != me))
             state.reducing = asyncio.create_task(self._reduce_part(state, state.reduction, state.direct[me]))
             if spec.combine and spec.combine[me] is not None:  # count other groups' margins as they come
+                self._second_level[spec.combine[me].round_id] = None
+                while len(self._second_level) > self._finished.maxlen:
+                    self._second_level.popitem(last=False)
                 self.prepare_round(spec.combine[me])
         self._register(state)
         return state
@@ -326,8 +331,8 @@ class VoteNode:
         if missing:
             # all missing parts come over this peer's link at once: give each answer the time of all at 1 Mbit/s
             transfer_s = sum(spec.result_size(j, len(spec.group)) for j in missing) / AUDIT_MIN_RATE
-            recovered = await asyncio.gather(*(self._recover(state, j, one_at_a_time=one_at_a_time, transfer_s=transfer_s)
-                                               for j in missing))
+            recovered = await asyncio.gather(*(self._recover_either(state, j, one_at_a_time=one_at_a_time,
+                                                                    transfer_s=transfer_s) for j in missing))
             for j, outcome in zip(missing, recovered):
                 outcomes[j] = outcome
                 parts[j].status = "recovered" if outcome is not None else "missing"
@@ -670,6 +675,73 @@ class VoteNode:
                 report.payload_up += length
             self._emit("result_chunk")
 
+    async def _fetch(self, state: RoundState, i: int, j: int, answering: asyncio.Event | None = None) -> PartResult:
+        """Part j's signed result of ``state``'s round, asked of member i (``FETCH_PROTOCOL``)."""
+        spec = state.spec
+        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[i].peer_id),
+                                                                      FETCH_PROTOCOL)
+        try:
+            sent = await write_frame(writer, pb.FetchResult(version=PROTOCOL_VERSION, round_id=spec.round_id, part=j,
+                                                            token=self.admission.token(self.peer_id), step=spec.step,
+                                                            family=spec.family))
+            state.report.bytes_up += sent
+            return await self._read_result(reader, state, j, forwarded=True, answering=answering)
+        finally:
+            writer.close()  # after the last chunk: the member waits for this close before its own
+
+    async def _recover_either(self, state: RoundState, j: int, *, one_at_a_time: bool,
+                              transfer_s: float) -> PartResult | None:
+        """A missing part: in a two-level round from its second level first (``_recover_combined``), then
+        from this group's members (a reducer whose stream to this peer alone failed)."""
+        outcome = await self._recover_combined(state, j, transfer_s) if state.spec.combine else None
+        if outcome is not None:
+            state.report.parts[j].note = "assembled from the second level's signed slices"
+            return outcome
+        return await self._recover(state, j, one_at_a_time=one_at_a_time, transfer_s=transfer_s)
+
+    async def _recover_combined(self, state: RoundState, j: int, transfer_s: float) -> PartResult | None:
+        """Part j of a two-level round from its second level: part j's round among the groups' reducers
+        of part j decides part j for every group, so when this group's reducer fails after combining (it
+        left mid-round), its voters fetch that round's slices, each signed by the combiner that reduced
+        it, from any of those reducers. Before, the group applied nothing there while the other groups
+        applied the part: it diverged as a whole, and each member downloaded the state.
+
+        The assembled part has no header of this group's round: it counts nobody and carries no state
+        tag, and it is never forwarded (no single signature covers it). All within
+        ``recovery_timeout`` plus ``transfer_s``; None if a slice is nowhere to be had (then no group
+        has the part: a combiner that failed before sending its slice leaves it missing for everyone)."""
+        combine = state.spec.combine[j] if j < len(state.spec.combine) else None
+        if combine is None:
+            return None
+        second = RoundState(combine, -1, state.report, None, {})  # what _read_result checks the slices against
+        combiners = [p.peer_id for p in combine.group]
+        failed = state.spec.group[j].peer_id  # this group's reducer of part j: asked last
+
+        async def slice_of(q: int) -> PartResult | None:
+            # the slice's own combiner first, then the others rotated from it (askers spread)
+            for i in sorted(range(len(combiners)), key=lambda i: (combiners[i] == failed, i != q,
+                                                                  (i - q) % len(combiners))):
+                try:
+                    return await self._fetch(second, i, q)
+                except Exception as e:
+                    logger.info("round %s: slice %d of part %d not from combiner %d: %s: %s",
+                                state.spec.round_id.hex()[:12], q, j, i, type(e).__name__, e)
+            return None
+
+        try:
+            slices = await asyncio.wait_for(asyncio.gather(*(slice_of(q) for q in range(len(combiners)))),
+                                            self.config.recovery_timeout + transfer_s)
+        except asyncio.TimeoutError:
+            return None
+        if any(s is None for s in slices):
+            return None
+        wire = b"".join(s.wire for s in slices)
+        a, b = state.spec.bounds[j]
+        if len(wire) != b - a:  # each slice's size was checked against the second level's spec
+            return None
+        state.received[j] = (time.monotonic(), False)
+        return PartResult(wire, [])
+
     async def _recover(self, state: RoundState, j: int, *, one_at_a_time: bool = False,
                        transfer_s: float = 0.0) -> PartResult | None:
         """Ask the other reachable members (the reducer first: its vote stream may have failed while it
@@ -689,16 +761,7 @@ class VoteNode:
                         key=lambda i: (i != j, (i - state.me) % n))  # rotated: members spread their asks
 
         async def ask(i: int, answering: asyncio.Event | None = None) -> tuple[int, PartResult]:
-            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[i].peer_id),
-                                                                          FETCH_PROTOCOL)
-            try:
-                sent = await write_frame(writer, pb.FetchResult(version=PROTOCOL_VERSION, round_id=spec.round_id, part=j,
-                                                                token=self.admission.token(self.peer_id), step=spec.step,
-                                                                family=spec.family))
-                state.report.bytes_up += sent
-                return i, await self._read_result(reader, state, j, forwarded=True, answering=answering)
-            finally:
-                writer.close()  # after the last chunk: the member waits for this close before its own
+            return i, await self._fetch(state, i, j, answering)
 
         def failed(i: int, e: BaseException) -> None:  # a refusal says why (kept in the report); else: gone
             if isinstance(e, WireError):
@@ -1094,7 +1157,7 @@ class VoteNode:
                 state = await self._find_round(req.round_id, peer, req.family, req.step)
             if state is not None:
                 spec = state.spec
-                spec.index_of(peer)
+                self._check_asker(spec, peer)
                 future = state.direct.get(req.part)
                 if future is None:
                     raise WireError(f"no part {req.part} in this round")
@@ -1106,7 +1169,7 @@ class VoteNode:
                 if kept is None:
                     raise WireError(FORGOTTEN)
                 spec = kept.spec
-                spec.index_of(peer)
+                self._check_asker(spec, peer)
                 outcome = kept.results.get(req.part)
             if outcome is None or not outcome.signature:
                 raise WireError(f"part {req.part}: no result signed by its reducer here")
@@ -1127,6 +1190,12 @@ class VoteNode:
                 state.handlers.discard(task)
         if replied:  # the asker closes after the last chunk; closing first can lose it (QUIC)
             await close_after_reply(reader, writer)
+
+    def _check_asker(self, spec: RoundSpec, peer: str) -> None:
+        """Members ask for their round's results; a second-level round's slices go to any admitted peer
+        (the voters of a group whose reducer failed assemble their part from them, ``_recover_combined``)."""
+        if spec.round_id not in self._second_level:
+            spec.index_of(peer)
 
     def _audited(self, round_id: bytes) -> tuple[RoundSpec, PartReduction | None] | None:
         """The spec and this peer's reduction of a round, live or archived (None: unknown or forgotten)."""

@@ -84,9 +84,10 @@ PORT_TRIES = 3  # daemon starts on a freshly picked port, when another process t
 
 MAX_CANDIDATES = 8  # group records a newcomer asks for admission, most populated first
 MAX_RECORD_TTL = 300.0
-# a two-level round needs this many groups, else the round is flat: a group whose reducer of a part
-# fails (a member leaving) misses that part while the others apply it, and only a majority of groups
-# tells it so (hierarchy.group_tag); of two groups neither is a majority (seen: a run ending split)
+# a two-level round needs this many groups, else the round is flat: a group can still miss a part the
+# others apply (a second-level slice that reached some combiners and not, in time, the others), and
+# only a majority of groups tells it so (hierarchy.group_tag);
+# of two groups neither is a majority (seen before slices were fetched: a run ending split)
 MIN_GROUPS = 3
 ROUND_KINDS = ("vote", "momentum")
 # TCP and QUIC on every interface, ports chosen by the OS. Over QUIC a stream closed right after its
