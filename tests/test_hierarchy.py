@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
 import pytest
@@ -9,6 +10,8 @@ import torch
 
 from lioncub_p2p import codecs, ops
 from lioncub_p2p.allreduce import hierarchy
+from lioncub_p2p.allreduce.commit import result_signed_bytes
+from lioncub_p2p.wire import pb
 from lioncub_p2p.allreduce.hierarchy import (assign_groups, combine_counts, group_counts, majority_of_majorities,
                                              upward_bits)
 
@@ -234,13 +237,53 @@ def test_a_group_whose_reducer_fails_after_combining_assembles_its_part_from_the
         results = swarm.two_level(list(stack), max_size=4, step=7, seed=5)
         reports = list(swarm.reports)
     members = [ids.index(pid) for pid in group if ids.index(pid) != failing]
-    assert all(reports[i].parts[1].status == "recovered" and "second level" in reports[i].parts[1].note
-               for i in members)
+    assert all(reports[i].parts[1].status == "recovered" and reports[i].parts[1].second_level for i in members)
+    assert not any(p.second_level for i, r in enumerate(reports) if i not in members for p in r.parts)
     # who counted what, as the failing reducer saw it (its group's other reports have no header for part 1)
     expected = _two_level_expected(stack, layout, ids, [reports[failing] if ids[i] in group else r
                                                         for i, r in enumerate(reports)], seed=5, step=7)
     for i, result in enumerate(results):
         assert torch.equal(result, expected), i
+
+
+@pytest.mark.slow
+def test_a_reducer_that_sends_its_group_another_result_than_the_second_levels_is_caught_by_its_voters():
+    """A voter cannot recount its group's first-level result (it is the second level's majority), but
+    it compares a slice of it, chosen privately, with the same slice fetched signed by its combiner. A
+    reducer that flips its part's bits for its own group (validly signed) is caught by those voters;
+    in the honest round before, nobody is."""
+    from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
+
+    n, nbytes = 13, 4096
+    stack = _votes(n, nbytes, seed=23)
+    config = dataclasses.replace(FAST_CONFIG, audits_per_round=2)  # groups of 3: both other parts compared
+    with LocalSwarm(n, config=config) as swarm:
+        ids = [p.peer_id for p in swarm.group]
+        layout = hierarchy.two_level_layout(ids, 0, nbytes, max_size=4)
+        group = next(g for g in layout.groups if len(g) == 3)
+        liar = ids.index(group[2])
+        swarm.two_level(list(stack), max_size=4, step=1, seed=5)
+        swarm.settle_audits()
+        assert not any(node.caught for node in swarm.nodes)  # honest: every comparison agrees
+
+        def outcome_for(state, to, outcome):  # its own group's voters get every bit flipped, re-signed
+            if not state.spec.combine:
+                return outcome
+            wire = bytes(b ^ 0xFF for b in outcome.wire)
+            header = pb.ResultHeader.FromString(outcome.header)
+            header.wire_digest = hashlib.sha256(wire).digest()
+            raw = header.SerializeToString(deterministic=True)
+            node = swarm.nodes[liar]
+            return dataclasses.replace(outcome, wire=wire, header=raw,
+                                       signature=node.identity.sign(result_signed_bytes(raw)))
+
+        swarm.nodes[liar]._outcome_for = outcome_for
+        swarm.two_level(list(stack), max_size=4, step=2, seed=5)
+        swarm.settle_audits()
+        catchers = {i for i, node in enumerate(swarm.nodes) if node.caught}
+        assert catchers == {ids.index(pid) for pid in group if pid != group[2]}
+        assert all(set(swarm.nodes[i].caught) == {group[2]} and swarm.nodes[i].caught[group[2]].kind == "misrepresented"
+                   for i in catchers)
 
 
 def test_a_group_that_diverged_as_a_whole_is_told_by_the_second_level():

@@ -147,6 +147,12 @@ def test_failed_reducers_are_those_missing_while_another_part_came_through():
     # everything missing but this peer's own part: more likely this peer's own link
     assert failed_reducers([part(i, s) for i, s in enumerate(statuses["alone"])], group, me="a") == []
     assert failed_reducers([part(0, "ok"), part(1, "empty"), part(2, "missing"), part(3, "ok")], group, "b") == ["c"]
+    # two-level: a missing part may be another group's combiner's fault; one the combiners had (assembled
+    # from the second level) was its reducer's alone
+    parts = [part(0, "ok"), part(1, "missing"), part(2, "recovered"), part(3, "recovered")]
+    parts[3].second_level = True
+    assert failed_reducers(parts, group, me="a", two_level=True) == ["d"]
+    assert failed_reducers(parts, group, me="a") == ["b"]
 
 
 def test_a_member_dropped_for_missed_votes_comes_back_on_probation_until_a_vote_counts():

@@ -45,8 +45,9 @@ slices, fetched from the other groups' reducers of part k (``VoteNode._recover_c
 A run votes two-level when its manifest sets ``max_group`` (``Swarm._two_level_spec``: the layout from
 the group record's members and epoch). Each group's reducer votes its group's state tag at the second
 level, and ``group_tag`` tells a group that diverged as a whole (``docs/protocol.md``).
-Not built yet: audits of a first-level result (a voter would have to follow its part from its group's
-votes to the combiners' signed slices; first-level results of a two-level round are not audited).
+A voter audits a first-level result by comparing a slice of it with the combiners' signed slice
+(``VoteNode._compare_with_second_level``); not built: a check that a reducer's margins are its
+group's counts.
 ``benchmarks/two_level_wire.py`` times both kinds of round side by side on loopback.
 """
 from __future__ import annotations

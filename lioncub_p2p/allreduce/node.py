@@ -696,6 +696,7 @@ class VoteNode:
         outcome = await self._recover_combined(state, j, transfer_s) if state.spec.combine else None
         if outcome is not None:
             state.report.parts[j].note = "assembled from the second level's signed slices"
+            state.report.parts[j].second_level = True
             return outcome
         return await self._recover(state, j, one_at_a_time=one_at_a_time, transfer_s=transfer_s)
 
@@ -714,22 +715,10 @@ class VoteNode:
         if combine is None:
             return None
         second = RoundState(combine, -1, state.report, None, {})  # what _read_result checks the slices against
-        combiners = [p.peer_id for p in combine.group]
         failed = state.spec.group[j].peer_id  # this group's reducer of part j: asked last
-
-        async def slice_of(q: int) -> PartResult | None:
-            # the slice's own combiner first, then the others rotated from it (askers spread)
-            for i in sorted(range(len(combiners)), key=lambda i: (combiners[i] == failed, i != q,
-                                                                  (i - q) % len(combiners))):
-                try:
-                    return await self._fetch(second, i, q)
-                except Exception as e:
-                    logger.info("round %s: slice %d of part %d not from combiner %d: %s: %s",
-                                state.spec.round_id.hex()[:12], q, j, i, type(e).__name__, e)
-            return None
-
         try:
-            slices = await asyncio.wait_for(asyncio.gather(*(slice_of(q) for q in range(len(combiners)))),
+            slices = await asyncio.wait_for(asyncio.gather(*(self._fetch_slice(second, q, last=failed)
+                                                             for q in range(len(combine.group)))),
                                             self.config.recovery_timeout + transfer_s)
         except asyncio.TimeoutError:
             return None
@@ -741,6 +730,18 @@ class VoteNode:
             return None
         state.received[j] = (time.monotonic(), False)
         return PartResult(wire, [])
+
+    async def _fetch_slice(self, second: RoundState, q: int, *, last: str = "") -> PartResult | None:
+        """Slice q of a second-level round, signed by its combiner: asked of that combiner first, then of
+        the others rotated from it (askers spread), ``last`` last; None if nobody gave it."""
+        combiners = [p.peer_id for p in second.spec.group]
+        for i in sorted(range(len(combiners)), key=lambda i: (combiners[i] == last, i != q, (i - q) % len(combiners))):
+            try:
+                return await self._fetch(second, i, q)
+            except Exception as e:
+                logger.info("round %s: slice %d not from combiner %d: %s: %s", second.spec.round_id.hex()[:12], q, i,
+                            type(e).__name__, e)
+        return None
 
     async def _recover(self, state: RoundState, j: int, *, one_at_a_time: bool = False,
                        transfer_s: float = 0.0) -> PartResult | None:
@@ -826,7 +827,12 @@ class VoteNode:
     def _start_audits(self, state: RoundState, outcomes: dict[int, PartResult]) -> None:
         """Audit ``audits_per_round`` other reducers' parts, chosen now that their results are in."""
         candidates = sorted(j for j, outcome in outcomes.items() if j != state.me and outcome.header)
-        if not candidates or state.spec.combine:  # two-level: a part is not its group's majority (not built)
+        if state.spec.combine:  # two-level: a part is the second level's majority, not its group's: compared
+            candidates = [j for j in candidates if state.spec.combine[j] is not None]
+            for j in self.audit_rng.sample(candidates, min(self.config.audits_per_round, len(candidates))):
+                self._track_audit(self._compare_with_second_level(state, j, outcomes[j]))
+            return
+        if not candidates:
             return
         if len(self._audits) >= MAX_AUDITS_IN_FLIGHT:
             self.audits_expired += 1
@@ -839,6 +845,39 @@ class VoteNode:
             task = asyncio.create_task(self._audit(state, j, outcomes[j], header, leaves))
             self._audits.add(task)
             task.add_done_callback(self._audits.discard)
+
+    def _track_audit(self, coroutine) -> None:
+        if len(self._audits) >= MAX_AUDITS_IN_FLIGHT:
+            self.audits_expired += 1
+            coroutine.close()
+            return
+        task = asyncio.create_task(coroutine)
+        self._audits.add(task)
+        task.add_done_callback(self._audits.discard)
+
+    async def _compare_with_second_level(self, state: RoundState, j: int, outcome: PartResult) -> None:
+        """A two-level round's audit: part j's result is its second-level round's majority, which this
+        voter cannot recount, but can compare: one slice, chosen privately, fetched signed by the
+        combiner that reduced it, must equal those bytes of what part j's reducer sent. A reducer that
+        sends its group another result (seen in no honest run) is reported: a suspicion, not a proof
+        (the slice's combiner could have signed two different slices). Bounded by half the audit
+        window; a slice nobody gives is no verdict."""
+        combine = state.spec.combine[j]
+        q = self.audit_rng.randrange(len(combine.group))
+        second = RoundState(combine, -1, RoundReport(combine.round_id.hex(), combine.step, -1, []), None, {})
+        try:
+            got = await asyncio.wait_for(self._fetch_slice(second, q), self.config.audit_window_s / 2)
+        except asyncio.TimeoutError:
+            got = None
+        if got is None:
+            self.audits_expired += 1
+            return
+        a, b = combine.bounds[q]
+        if outcome.wire[a:b] != got.wire:
+            reducer = state.spec.group[j].peer_id
+            self._convict(Caught(reducer, state.spec.round_id, j, "misrepresented",
+                                 f"round {state.spec.round_id.hex()[:12]} part {j}: its signed result differs from "
+                                 f"slice {q} of the second level, signed by {combine.group[q].peer_id}"))
 
     async def _audit(self, state: RoundState, j: int, outcome: PartResult, header: pb.ResultHeader,
                      leaves: list[int]) -> None:

@@ -227,6 +227,7 @@ class PartReport:
     tag_votes: int = 0
     forgotten: bool = False  # a member refused it as a round it no longer keeps (``archive.FORGOTTEN``)
     other_group: bool = False  # its reducer refused this peer's votes: it ran this step in another group
+    second_level: bool = False  # two-level: assembled from the second level's slices, not from its reducer
 
     def record(self, result: PartResult) -> None:
         self.counted, self.tag, self.tag_votes = list(result.counted), result.tag, result.tag_votes

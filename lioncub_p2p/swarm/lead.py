@@ -26,7 +26,8 @@ The rules:
   change every 5-25 s, and so it was when one counted vote (a probe) ended the probation;
 * a member whose part was missing at the leader while the other reducers' parts came through
   (``failed_reducers``: it is behind, stalled or gone, and every voter waited out a timeout on its
-  part) **rests**: no part for ``REST_S`` seconds, still a voter. Dropping it takes 2 rounds and
+  part; in a two-level vote: whose part came only from the second level) **rests**: no part for
+  ``REST_S`` seconds, still a voter. Dropping it takes 2 rounds and
   ``drop_after`` seconds; a reducer a few steps behind costs every member a timeout per step until then;
 * a new group takes effect ``lead_steps`` past the fastest member's step (its record's, or the newest
   step a member asked the leader to count votes for: a leader behind its group sees it there long
@@ -128,12 +129,15 @@ def plan_group(latest: GroupRecord, healthy: Health, *, evicted: Mapping[str, fl
     return GroupPlan(tuple(sorted(kept + list(joined), key=lambda m: m.peer_id)), dropped, joined)
 
 
-def failed_reducers(parts: Sequence[PartReport], group: Sequence[PeerSpec], me: str) -> list[str]:
+def failed_reducers(parts: Sequence[PartReport], group: Sequence[PeerSpec], me: str, *,
+                    two_level: bool = False) -> list[str]:
     """The members whose part was missing in this round while another member's part came through
-    (when every part is missing, the fault is more likely this peer's own)."""
+    (when every part is missing, the fault is more likely this peer's own). ``two_level``: whose part
+    came only from the second level (the combiners had it: its reducer alone did not answer); a part
+    missing there may be another group's combiner's fault, which this peer cannot tell."""
     others = [p for p in parts if p.status != "empty" and group[p.reducer].peer_id != me]
-    missing = [group[p.reducer].peer_id for p in others if p.status == "missing"]
-    return missing if len(missing) < len(others) else []
+    failed = [group[p.reducer].peer_id for p in others if (p.second_level if two_level else p.status == "missing")]
+    return failed if len(failed) < len(others) else []
 
 
 __all__ = ["Health", "GroupPlan", "leader_of", "plan_group", "failed_reducers", "SYNC_GRACE_ROUNDS", "DROP_AFTER_S",

@@ -296,10 +296,9 @@ class VotePipeline:
         for i, member in enumerate(spec.group):
             if member.peer_id != self.peer_id:
                 self.upkeep.count_vote(member.peer_id, i in counted)
-        # a follower's parts come from archives: a missing one says little; in a two-level vote a part
-        # also misses when another group's combiner fails, which this peer cannot tell from its reducer's
-        if not report.followed and not spec.combine:
-            for pid in failed_reducers(report.parts, spec.group, self.peer_id):
+        # a follower's parts come from archives: a missing one says little
+        if not report.followed:
+            for pid in failed_reducers(report.parts, spec.group, self.peer_id, two_level=bool(spec.combine)):
                 self.part_failed_at[pid] = time.monotonic()
         numel = self.optimizer.param_count
         self.stats.peers = max((len(p.counted) for p in received), default=0)
