@@ -256,7 +256,8 @@ def test_a_reducer_that_sends_its_group_another_result_than_the_second_levels_is
 
     n, nbytes = 13, 4096
     stack = _votes(n, nbytes, seed=23)
-    config = dataclasses.replace(FAST_CONFIG, audits_per_round=2)  # groups of 3: both other parts compared
+    # every round; groups of 3: both other parts compared
+    config = dataclasses.replace(FAST_CONFIG, audits_per_round=2, slice_audit_rate=1.0)
     with LocalSwarm(n, config=config) as swarm:
         ids = [p.peer_id for p in swarm.group]
         layout = hierarchy.two_level_layout(ids, 0, nbytes, max_size=4)

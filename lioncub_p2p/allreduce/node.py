@@ -717,9 +717,9 @@ class VoteNode:
         second = RoundState(combine, -1, state.report, None, {})  # what _read_result checks the slices against
         failed = state.spec.group[j].peer_id  # this group's reducer of part j: asked last
         try:
-            slices = await asyncio.wait_for(asyncio.gather(*(self._fetch_slice(second, q, last=failed)
-                                                             for q in range(len(combine.group)))),
-                                            self.config.recovery_timeout + transfer_s)
+            slices = await asyncio.wait_for(asyncio.gather(*(
+                self._fetch_slice(second, q, self.config.recovery_timeout / 2 + transfer_s, last=failed)
+                for q in range(len(combine.group)))), self.config.recovery_timeout + transfer_s)
         except asyncio.TimeoutError:
             return None
         if any(s is None for s in slices):
@@ -731,13 +731,14 @@ class VoteNode:
         state.received[j] = (time.monotonic(), False)
         return PartResult(wire, [])
 
-    async def _fetch_slice(self, second: RoundState, q: int, *, last: str = "") -> PartResult | None:
+    async def _fetch_slice(self, second: RoundState, q: int, per_ask: float, *, last: str = "") -> PartResult | None:
         """Slice q of a second-level round, signed by its combiner: asked of that combiner first, then of
-        the others rotated from it (askers spread), ``last`` last; None if nobody gave it."""
+        the others rotated from it (askers spread), ``last`` last, each within ``per_ask`` seconds;
+        None if nobody gave it."""
         combiners = [p.peer_id for p in second.spec.group]
         for i in sorted(range(len(combiners)), key=lambda i: (combiners[i] == last, i != q, (i - q) % len(combiners))):
             try:
-                return await self._fetch(second, i, q)
+                return await asyncio.wait_for(self._fetch(second, i, q), per_ask)
             except Exception as e:
                 logger.info("round %s: slice %d not from combiner %d: %s: %s", second.spec.round_id.hex()[:12], q, i,
                             type(e).__name__, e)
@@ -829,26 +830,22 @@ class VoteNode:
         candidates = sorted(j for j, outcome in outcomes.items() if j != state.me and outcome.header)
         if state.spec.combine:  # two-level: a part is the second level's majority, not its group's: compared
             candidates = [j for j in candidates if state.spec.combine[j] is not None]
+            if self.audit_rng.random() >= self.config.slice_audit_rate:
+                return
             for j in self.audit_rng.sample(candidates, min(self.config.audits_per_round, len(candidates))):
                 self._track_audit(self._compare_with_second_level(state, j, outcomes[j]))
-            return
-        if not candidates:
-            return
-        if len(self._audits) >= MAX_AUDITS_IN_FLIGHT:
-            self.audits_expired += 1
-            logger.info("round %s: no audit (%d in flight)", state.spec.round_id.hex()[:12], len(self._audits))
             return
         for j in self.audit_rng.sample(candidates, min(self.config.audits_per_round, len(candidates))):
             header = parse_header(outcomes[j].header)
             count = leaf_count(header.stop - header.start, header.leaf_bytes)
             leaves = self.audit_rng.sample(range(count), min(self.config.audit_leaves, count))
-            task = asyncio.create_task(self._audit(state, j, outcomes[j], header, leaves))
-            self._audits.add(task)
-            task.add_done_callback(self._audits.discard)
+            self._track_audit(self._audit(state, j, outcomes[j], header, leaves))
 
     def _track_audit(self, coroutine) -> None:
+        """Run an audit in the background, unless ``MAX_AUDITS_IN_FLIGHT`` run already (then none)."""
         if len(self._audits) >= MAX_AUDITS_IN_FLIGHT:
             self.audits_expired += 1
+            logger.info("no audit (%d in flight)", len(self._audits))
             coroutine.close()
             return
         task = asyncio.create_task(coroutine)
@@ -856,17 +853,18 @@ class VoteNode:
         task.add_done_callback(self._audits.discard)
 
     async def _compare_with_second_level(self, state: RoundState, j: int, outcome: PartResult) -> None:
-        """A two-level round's audit: part j's result is its second-level round's majority, which this
-        voter cannot recount, but can compare: one slice, chosen privately, fetched signed by the
-        combiner that reduced it, must equal those bytes of what part j's reducer sent. A reducer that
-        sends its group another result (seen in no honest run) is reported: a suspicion, not a proof
-        (the slice's combiner could have signed two different slices). Bounded by half the audit
-        window; a slice nobody gives is no verdict."""
+        """A two-level round's audit (after a share ``slice_audit_rate`` of rounds): part j's result is its
+        second-level round's majority, which this voter cannot recount, but can compare: one slice,
+        chosen privately, fetched signed by the combiner that reduced it, must equal those bytes of what
+        part j's reducer sent. A reducer that sends its group another result (seen in no honest run) is
+        reported: a suspicion, not a proof (the slice's combiner could have signed two different
+        slices). Bounded by half the audit window; a slice nobody gives is no verdict."""
         combine = state.spec.combine[j]
         q = self.audit_rng.randrange(len(combine.group))
         second = RoundState(combine, -1, RoundReport(combine.round_id.hex(), combine.step, -1, []), None, {})
         try:
-            got = await asyncio.wait_for(self._fetch_slice(second, q), self.config.audit_window_s / 2)
+            got = await asyncio.wait_for(self._fetch_slice(second, q, self.config.audit_window_s / 4),
+                                         self.config.audit_window_s / 2)
         except asyncio.TimeoutError:
             got = None
         if got is None:
