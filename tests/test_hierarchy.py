@@ -287,6 +287,56 @@ def test_a_reducer_that_sends_its_group_another_result_than_the_second_levels_is
                    for i in catchers)
 
 
+@pytest.mark.slow
+def test_a_combiner_serving_auditors_another_slice_gets_no_honest_reducer_accused(caplog):
+    """A combiner that signs a second version of its slice and serves it to auditors (not to the other
+    combiners) would make every auditor of that part accuse its honest reducers. A mismatch is checked
+    against a second copy from another combiner: two versions, no verdict."""
+    import contextvars
+    import random
+
+    from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
+
+    n, nbytes = 13, 4096
+    stack = _votes(n, nbytes, seed=24)
+    config = dataclasses.replace(FAST_CONFIG, audits_per_round=2, slice_audit_rate=1.0)
+    with LocalSwarm(n, config=config) as swarm:
+        ids = [p.peer_id for p in swarm.group]
+        layout = hierarchy.two_level_layout(ids, 0, nbytes, max_size=4)
+        forger = ids.index(layout.groups[0][1])  # combines part 1: slice 0 of part 1's round is its own
+        node = swarm.nodes[forger]
+        fetching = contextvars.ContextVar("fetching", default=False)  # copied into the tasks it starts
+        check_asker, send_result = node._check_asker, node._send_result
+
+        def note_fetch(spec, peer):  # only the fetch handler asks this
+            fetching.set(True)
+            return check_asker(spec, peer)
+
+        async def forge_for_fetches(writer, spec, part, outcome, report=None, **kwargs):
+            if fetching.get() and spec.round_id in node._second_level:
+                wire = bytes(b ^ 0xFF for b in outcome.wire)
+                header = pb.ResultHeader.FromString(outcome.header)
+                header.wire_digest = hashlib.sha256(wire).digest()
+                raw = header.SerializeToString(deterministic=True)
+                outcome = dataclasses.replace(outcome, wire=wire, header=raw,
+                                              signature=node.identity.sign(result_signed_bytes(raw)))
+            return await send_result(writer, spec, part, outcome, report, **kwargs)
+
+        node._check_asker, node._send_result = note_fetch, forge_for_fetches
+
+        class _ForgersSlice(random.Random):
+            def randrange(self, *args):  # every comparison picks slice 0 (the forger's, in part 1's round)
+                return 0
+
+        for other in swarm.nodes:
+            other.audit_rng = _ForgersSlice()
+        with caplog.at_level("WARNING", logger="lioncub_p2p.allreduce.node"):
+            swarm.two_level(list(stack), max_size=4, step=3, seed=5)
+            swarm.settle_audits()
+        assert not any(other.caught for other in swarm.nodes), [o.caught for o in swarm.nodes]
+        assert any("came in two versions" in r.getMessage() for r in caplog.records)
+
+
 def test_a_group_that_diverged_as_a_whole_is_told_by_the_second_level():
     """Each group's reducer votes its group's state tag at the second level; where most groups hold
     another state, its part's result carries that one, as if every counted voter had sent it."""

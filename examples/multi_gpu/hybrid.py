@@ -120,7 +120,11 @@ def main(argv: list[str] | None = None) -> dict:
                 time.sleep(0.2)
             for t in threads:
                 t.join()
-            box.join()
+            # join() returns once any rank ends (False while others run): killing rank 0 below while it
+            # still leaves the swarm orphaned its DHT process, which held the output open (a CI hang)
+            deadline = time.monotonic() + 120
+            while not box.join(timeout=5) and time.monotonic() < deadline:
+                pass
         finally:
             for p in box.processes:
                 if p.is_alive():

@@ -691,14 +691,16 @@ class VoteNode:
 
     async def _recover_either(self, state: RoundState, j: int, *, one_at_a_time: bool,
                               transfer_s: float) -> PartResult | None:
-        """A missing part: in a two-level round from its second level first (``_recover_combined``), then
-        from this group's members (a reducer whose stream to this peer alone failed)."""
-        outcome = await self._recover_combined(state, j, transfer_s) if state.spec.combine else None
-        if outcome is not None:
-            state.report.parts[j].note = "assembled from the second level's signed slices"
-            state.report.parts[j].second_level = True
-            return outcome
-        return await self._recover(state, j, one_at_a_time=one_at_a_time, transfer_s=transfer_s)
+        """A missing part: from its reducer or this group's members (``_recover``: its signed header
+        carries the counted votes and the state tag a follower's repair rule reads), then, in a
+        two-level round, from the second level (``_recover_combined``): its reducer did not answer."""
+        outcome = await self._recover(state, j, one_at_a_time=one_at_a_time, transfer_s=transfer_s)
+        if outcome is None and state.spec.combine:
+            outcome = await self._recover_combined(state, j, transfer_s)
+            if outcome is not None:
+                state.report.parts[j].note = "assembled from the second level's signed slices"
+                state.report.parts[j].second_level = True
+        return outcome
 
     async def _recover_combined(self, state: RoundState, j: int, transfer_s: float) -> PartResult | None:
         """Part j of a two-level round from its second level: part j's round among the groups' reducers
@@ -716,13 +718,28 @@ class VoteNode:
             return None
         second = RoundState(combine, -1, state.report, None, {})  # what _read_result checks the slices against
         failed = state.spec.group[j].peer_id  # this group's reducer of part j: asked last
+        own = [p.peer_id for p in combine.group].index(failed)
+        per_ask = self.config.recovery_timeout / 2 + transfer_s
+
+        async def fetch_all() -> list[PartResult] | None:
+            # the failed reducer's own slice first: if it died before combining, nobody has it (every
+            # group misses the part alike) and the other slices are not worth their bytes
+            first = await self._fetch_slice(second, own, per_ask, last=failed)
+            if first is None:
+                return None
+            rest = await asyncio.gather(*(self._fetch_slice(second, q, per_ask, last=failed)
+                                          for q in range(len(combine.group)) if q != own))
+            if any(r is None for r in rest):
+                return None
+            slices = [r[1] for r in rest]
+            slices.insert(own, first[1])
+            return slices
+
         try:
-            slices = await asyncio.wait_for(asyncio.gather(*(
-                self._fetch_slice(second, q, self.config.recovery_timeout / 2 + transfer_s, last=failed)
-                for q in range(len(combine.group)))), self.config.recovery_timeout + transfer_s)
+            slices = await asyncio.wait_for(fetch_all(), self.config.recovery_timeout + transfer_s)
         except asyncio.TimeoutError:
             return None
-        if any(s is None for s in slices):
+        if slices is None:
             return None
         wire = b"".join(s.wire for s in slices)
         a, b = state.spec.bounds[j]
@@ -731,14 +748,17 @@ class VoteNode:
         state.received[j] = (time.monotonic(), False)
         return PartResult(wire, [])
 
-    async def _fetch_slice(self, second: RoundState, q: int, per_ask: float, *, last: str = "") -> PartResult | None:
-        """Slice q of a second-level round, signed by its combiner: asked of that combiner first, then of
-        the others rotated from it (askers spread), ``last`` last, each within ``per_ask`` seconds;
-        None if nobody gave it."""
+    async def _fetch_slice(self, second: RoundState, q: int, per_ask: float, *, last: str = "",
+                           skip: int | None = None) -> tuple[int, PartResult] | None:
+        """(combiner asked, slice q of a second-level round signed by its combiner): asked of that
+        combiner first, then of the others in turn, ``last`` last, ``skip`` never, each within
+        ``per_ask`` seconds; None if nobody gave it."""
         combiners = [p.peer_id for p in second.spec.group]
         for i in sorted(range(len(combiners)), key=lambda i: (combiners[i] == last, i != q, (i - q) % len(combiners))):
+            if i == skip:
+                continue
             try:
-                return await asyncio.wait_for(self._fetch(second, i, q), per_ask)
+                return i, await asyncio.wait_for(self._fetch(second, i, q), per_ask)
             except Exception as e:
                 logger.info("round %s: slice %d not from combiner %d: %s: %s", second.spec.round_id.hex()[:12], q, i,
                             type(e).__name__, e)
@@ -856,26 +876,37 @@ class VoteNode:
         """A two-level round's audit (after a share ``slice_audit_rate`` of rounds): part j's result is its
         second-level round's majority, which this voter cannot recount, but can compare: one slice,
         chosen privately, fetched signed by the combiner that reduced it, must equal those bytes of what
-        part j's reducer sent. A reducer that sends its group another result (seen in no honest run) is
-        reported: a suspicion, not a proof (the slice's combiner could have signed two different
-        slices). Bounded by half the audit window; a slice nobody gives is no verdict."""
+        part j's reducer sent. A mismatch is checked against a second copy of the slice from another
+        combiner (a combiner that signed two versions, one for auditors, must not frame an honest
+        reducer); then the reducer is reported: a suspicion, not a proof. Bounded by half the audit
+        window each; a slice nobody gives is no verdict."""
         combine = state.spec.combine[j]
+        reducer = state.spec.group[j].peer_id
         q = self.audit_rng.randrange(len(combine.group))
+        a, b = combine.bounds[q]
         second = RoundState(combine, -1, RoundReport(combine.round_id.hex(), combine.step, -1, []), None, {})
-        try:
-            got = await asyncio.wait_for(self._fetch_slice(second, q, self.config.audit_window_s / 4),
+        per_ask = self.config.audit_window_s / 8 + (b - a) / AUDIT_MIN_RATE
+        try:  # the audited reducer is asked last: it could serve a slice that matches its own lie
+            got = await asyncio.wait_for(self._fetch_slice(second, q, per_ask, last=reducer),
                                          self.config.audit_window_s / 2)
+            if got is not None and outcome.wire[a:b] != got[1].wire:
+                # a second copy from another combiner: a combiner that signed two versions of its slice
+                # (one for the reducers, one for auditors) must not get an honest reducer accused
+                again = await asyncio.wait_for(self._fetch_slice(second, q, per_ask, last=reducer, skip=got[0]),
+                                               self.config.audit_window_s / 2)
+                if again is None or again[1].wire != got[1].wire:
+                    logger.warning("round %s part %d: slice %d of the second level came in two versions signed by "
+                                   "%s (or once only): no verdict on reducer %s", state.spec.round_id.hex()[:12],
+                                   j, q, combine.group[q].peer_id, reducer)
+                    return
+                self._convict(Caught(reducer, state.spec.round_id, j, "misrepresented",
+                                     f"round {state.spec.round_id.hex()[:12]} part {j}: its signed result differs "
+                                     f"from slice {q} of the second level, signed by {combine.group[q].peer_id}"))
+                return
         except asyncio.TimeoutError:
             got = None
         if got is None:
             self.audits_expired += 1
-            return
-        a, b = combine.bounds[q]
-        if outcome.wire[a:b] != got.wire:
-            reducer = state.spec.group[j].peer_id
-            self._convict(Caught(reducer, state.spec.round_id, j, "misrepresented",
-                                 f"round {state.spec.round_id.hex()[:12]} part {j}: its signed result differs from "
-                                 f"slice {q} of the second level, signed by {combine.group[q].peer_id}"))
 
     async def _audit(self, state: RoundState, j: int, outcome: PartResult, header: pb.ResultHeader,
                      leaves: list[int]) -> None:

@@ -116,7 +116,9 @@ class StateSync:
         announcements, and the leader drops a member whose record expired (seen at 1 Mbit/s: dropped
         and added back around every download, a group change for everyone each time). Followers only:
         they reduce nothing, so a long record of one that dies costs nobody a part (a reducer's
-        record is what tells a leader of another group in a two-level vote that it is gone)."""
+        record is what tells a leader of another group in a two-level vote that it is gone). Its later
+        records keep that expiry (the DHT keeps the latest-expiring one): a peer that stops following
+        and dies within it stays listed until then; its own group drops it for missed votes."""
         try:
             self.loop.run(self.upkeep.announce(hold_s=seconds), timeout=15)
         except Exception as e:  # the download matters more; its record may still be refreshed in time

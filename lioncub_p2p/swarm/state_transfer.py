@@ -130,6 +130,8 @@ class StateServer:
         finally:
             with self._lock:
                 self._pending[want] -= 1
+                if self._pending[want] <= 0:  # one key per step asked for: forgotten when nobody waits
+                    del self._pending[want]
 
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         counted = replied = False
@@ -148,7 +150,10 @@ class StateServer:
                 raise WireError("busy: too many downloads from this donor, try another")
             self._uploads += 1
             counted = True
-            step, blob, digest = await self._wait_snapshot(req.min_step, fresh=not req.params_digest)
+            # a new download gets the current step, unless another download runs: a new snapshot would
+            # make that one's resume start over (two slow followers at one donor)
+            step, blob, digest = await self._wait_snapshot(req.min_step,
+                                                           fresh=not req.params_digest and self._uploads == 1)
             if req.params_only:
                 blob = await self._without_momenta(step, blob, digest)
             if step == 0 and req.have_step == 0 and req.have_digest == digest and req.offset == 0:

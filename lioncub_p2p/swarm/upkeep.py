@@ -169,7 +169,7 @@ class Upkeep:
         # a newer record must expire later than the last (the DHT keeps the latest-expiring one), even
         # one whose store was not confirmed: it may have landed all the same
         if not self._last_expiration:  # a restarted peer's records (a leaving one too) may outlive a new one
-            self._last_expiration = await self._own_expiration()
+            self._last_expiration = max(self._last_expiration, await self._own_expiration())
         ttl = self.record_lifetime(me.following and not leaving, 0.0 if leaving else hold_s)
         expiration = max(get_dht_time() + ttl, self._last_expiration + 1e-3)
         self._last_expiration = expiration
