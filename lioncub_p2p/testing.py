@@ -34,6 +34,7 @@ from .aio import BackgroundLoop
 from .allreduce import AllReduceConfig, PeerSpec, RoundReport, RoundSpec, VoteNode
 from .allreduce.commit import result_signed_bytes
 from .allreduce.reducer import PartReduction
+from .allreduce.round import PartResult
 from .codecs import result_codec, upload_codec
 from .identity import Identity
 from .wire import PROTOCOL_VERSION, pb, read_frame, write_frame
@@ -324,21 +325,26 @@ def lying_reduction(probability: float = 1.0, seed: int = 0, first_bytes: int | 
     return Lying
 
 
+def flipped(outcome: PartResult, identity: Identity) -> PartResult:
+    """``outcome`` with every bit flipped, its header's digest redone and signed again by
+    ``identity``: a result its reducer lies with, validly signed."""
+    wire = bytes(b ^ 0xFF for b in outcome.wire)
+    header = pb.ResultHeader.FromString(outcome.header)
+    header.wire_digest = hashlib.sha256(wire).digest()
+    raw = header.SerializeToString(deterministic=True)
+    return dataclasses.replace(outcome, wire=wire, header=raw, signature=identity.sign(result_signed_bytes(raw)))
+
+
 def lie_to(node: VoteNode, voter: int) -> list[bytes]:
     """Make ``node`` send group member ``voter`` a different result than everyone else, validly signed
-    (every bit flipped, the header's digest redone). Returns the list of round ids it lied in."""
+    (``flipped``). Returns the list of round ids it lied in."""
     lied: list[bytes] = []
 
     def outcome_for(state, to: int, outcome):
         if to != voter:
             return outcome
         lied.append(state.spec.round_id)
-        wire = bytes(b ^ 0xFF for b in outcome.wire)
-        header = pb.ResultHeader.FromString(outcome.header)
-        header.wire_digest = hashlib.sha256(wire).digest()
-        raw = header.SerializeToString(deterministic=True)
-        return dataclasses.replace(outcome, wire=wire, header=raw,
-                                   signature=node.identity.sign(result_signed_bytes(raw)))
+        return flipped(outcome, node.identity)
 
     node._outcome_for = outcome_for  # type: ignore[method-assign]
     return lied

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 import numpy as np
 import pytest
@@ -10,8 +9,6 @@ import torch
 
 from lioncub_p2p import codecs, ops
 from lioncub_p2p.allreduce import hierarchy
-from lioncub_p2p.allreduce.commit import result_signed_bytes
-from lioncub_p2p.wire import pb
 from lioncub_p2p.allreduce.hierarchy import (assign_groups, combine_counts, group_counts, majority_of_majorities,
                                              upward_bits)
 
@@ -252,7 +249,7 @@ def test_a_reducer_that_sends_its_group_another_result_than_the_second_levels_is
     it compares a slice of it, chosen privately, with the same slice fetched signed by its combiner. A
     reducer that flips its part's bits for its own group (validly signed) is caught by those voters;
     in the honest round before, nobody is."""
-    from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
+    from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm, flipped
 
     n, nbytes = 13, 4096
     stack = _votes(n, nbytes, seed=23)
@@ -268,15 +265,7 @@ def test_a_reducer_that_sends_its_group_another_result_than_the_second_levels_is
         assert not any(node.caught for node in swarm.nodes)  # honest: every comparison agrees
 
         def outcome_for(state, to, outcome):  # its own group's voters get every bit flipped, re-signed
-            if not state.spec.combine:
-                return outcome
-            wire = bytes(b ^ 0xFF for b in outcome.wire)
-            header = pb.ResultHeader.FromString(outcome.header)
-            header.wire_digest = hashlib.sha256(wire).digest()
-            raw = header.SerializeToString(deterministic=True)
-            node = swarm.nodes[liar]
-            return dataclasses.replace(outcome, wire=wire, header=raw,
-                                       signature=node.identity.sign(result_signed_bytes(raw)))
+            return flipped(outcome, swarm.nodes[liar].identity) if state.spec.combine else outcome
 
         swarm.nodes[liar]._outcome_for = outcome_for
         swarm.two_level(list(stack), max_size=4, step=2, seed=5)
@@ -295,7 +284,7 @@ def test_a_combiner_serving_auditors_another_slice_gets_no_honest_reducer_accuse
     import contextvars
     import random
 
-    from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
+    from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm, flipped
 
     n, nbytes = 13, 4096
     stack = _votes(n, nbytes, seed=24)
@@ -314,12 +303,7 @@ def test_a_combiner_serving_auditors_another_slice_gets_no_honest_reducer_accuse
 
         async def forge_for_fetches(writer, spec, part, outcome, report=None, **kwargs):
             if fetching.get() and spec.round_id in node._second_level:
-                wire = bytes(b ^ 0xFF for b in outcome.wire)
-                header = pb.ResultHeader.FromString(outcome.header)
-                header.wire_digest = hashlib.sha256(wire).digest()
-                raw = header.SerializeToString(deterministic=True)
-                outcome = dataclasses.replace(outcome, wire=wire, header=raw,
-                                              signature=node.identity.sign(result_signed_bytes(raw)))
+                outcome = flipped(outcome, node.identity)
             return await send_result(writer, spec, part, outcome, report, **kwargs)
 
         node._check_asker, node._send_result = note_fetch, forge_for_fetches

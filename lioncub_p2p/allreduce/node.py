@@ -713,7 +713,7 @@ class VoteNode:
         tag, and it is never forwarded (no single signature covers it). All within
         ``recovery_timeout`` plus ``transfer_s``; None if a slice is nowhere to be had (then no group
         has the part: a combiner that failed before sending its slice leaves it missing for everyone)."""
-        combine = state.spec.combine[j] if j < len(state.spec.combine) else None
+        combine = state.spec.combine[j]  # one per member (``RoundSpec``); None for a member with no part
         if combine is None:
             return None
         second = RoundState(combine, -1, state.report, None, {})  # what _read_result checks the slices against
