@@ -8,6 +8,9 @@ others) the first time it reaches the point, on or after that step:
 - ``upload``    a vote round, after its first vote chunk went out;
 - ``reduce``    a vote round, when this peer's part is reduced but nobody has its result yet;
 - ``result``    a vote round, after the first result chunk went out (some voters have it, others not);
+                in a two-level vote, the first chunk of the part's result to its own group, after combining;
+- ``combine``   a two-level vote round, after the first chunk of a slice this peer combined for the
+                groups' reducers of its part went out (some groups have the slice, others not);
 - ``momentum``  a whole-buffer momentum-averaging round, after its first chunk went out;
 - ``serve``     serving state to a newcomer, after the second chunk went out;
 - ``download``  downloading state as a newcomer, after the first chunk arrived.
@@ -19,7 +22,7 @@ from __future__ import annotations
 import os
 import signal
 
-POINTS = ("upload", "reduce", "result", "momentum", "serve", "download")
+POINTS = ("upload", "reduce", "result", "combine", "momentum", "serve", "download")
 ENV = "LIONCUB_FAILPOINT"
 
 

@@ -244,6 +244,44 @@ def test_a_group_whose_reducer_fails_after_combining_assembles_its_part_from_the
 
 
 @pytest.mark.slow
+def test_a_group_below_its_quorum_for_a_part_applies_what_the_other_groups_decided_there():
+    """Both voters of one group of 3 fail to reach its reducer of part 1 (below the quorum of 2): that
+    group's votes are left out of part 1, which the other groups still decide at the second level. The
+    reducer and its voters assemble part 1 from the second level's signed slices, so all 13 apply the
+    same update, bit for bit. Before, the reducer applied nothing there (its own part was never
+    recovered) while its voters applied the part: the group split."""
+    from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
+
+    n, nbytes = 13, 4096
+    stack = _votes(n, nbytes, seed=23)
+    with LocalSwarm(n, config=FAST_CONFIG) as swarm:
+        ids = [p.peer_id for p in swarm.group]
+        layout = hierarchy.two_level_layout(ids, 0, nbytes, max_size=4)
+        q_short, group = next((q, g) for q, g in enumerate(layout.groups) if q > 0 and len(g) == 3)
+        reducer = ids.index(group[1])
+        voters = [ids.index(pid) for pid in group if pid != group[1]]
+        for v in voters:
+            node = swarm.nodes[v]
+
+            async def cut_part_1(writer, state, j, upload, statement, send=node._send_votes):
+                if state.spec.combine and j == 1:  # its group's round, part 1
+                    raise ConnectionResetError("link down")
+                return await send(writer, state, j, upload, statement)
+
+            node._send_votes = cut_part_1
+        results = swarm.two_level(list(stack), max_size=4, step=9, seed=5)
+        reports = list(swarm.reports)
+    combiners = reports[ids.index(layout.groups[0][1])].combine  # part 1's round as group 0's reducer saw it
+    assert all(q_short not in p.counted and len(p.counted) == len(layout.groups) - 1 for p in combiners.parts)
+    expected = _two_level_expected(stack, layout, ids, reports, seed=5, step=9)
+    for i, result in enumerate(results):
+        assert torch.equal(result, expected), i
+    assert reports[reducer].parts[1].note.startswith("assembled from the second level")
+    for i in [reducer, *voters]:
+        assert reports[i].parts[1].status == "recovered" and reports[i].parts[1].second_level, i
+
+
+@pytest.mark.slow
 def test_a_reducer_that_sends_its_group_another_result_than_the_second_levels_is_caught_by_its_voters():
     """A voter cannot recount its group's first-level result (it is the second level's majority), but
     it compares a slice of it, chosen privately, with the same slice fetched signed by its combiner. A

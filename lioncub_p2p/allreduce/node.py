@@ -327,7 +327,10 @@ class VoteNode:
         for j, outcome in outcomes.items():
             if outcome is not None and j != me and j in roots:
                 self._check_own_root(state, j, outcome, roots[j])
-        missing = [j for j, outcome in outcomes.items() if outcome is None and j != me]
+        # this peer's own part is missing when its group's votes fell below the quorum; in a two-level round
+        # the other groups still decide it at the second level, so it is missing only if that fails too
+        missing = [j for j, outcome in outcomes.items()
+                   if outcome is None and (j != me or (spec.combine and spec.combine[j] is not None))]
         if missing:
             # all missing parts come over this peer's link at once: give each answer the time of all at 1 Mbit/s
             transfer_s = sum(spec.result_size(j, len(spec.group)) for j in missing) / AUDIT_MIN_RATE
@@ -673,7 +676,7 @@ class VoteNode:
             if report is not None:
                 report.bytes_up += sent
                 report.payload_up += length
-            self._emit("result_chunk")
+            self._emit("combined_chunk" if spec.family == hierarchy.COMBINE_FAMILY else "result_chunk")
 
     async def _fetch(self, state: RoundState, i: int, j: int, answering: asyncio.Event | None = None) -> PartResult:
         """Part j's signed result of ``state``'s round, asked of member i (``FETCH_PROTOCOL``)."""
@@ -693,11 +696,15 @@ class VoteNode:
                               transfer_s: float) -> PartResult | None:
         """A missing part: from its reducer or this group's members (``_recover``: its signed header
         carries the counted votes and the state tag a follower's repair rule reads), then, in a
-        two-level round, from the second level (``_recover_combined``): its reducer did not answer."""
-        outcome = await self._recover(state, j, one_at_a_time=one_at_a_time, transfer_s=transfer_s)
+        two-level round, from the second level (``_recover_combined``): its reducer did not answer, or
+        it is this peer's own part and its group's votes fell below the quorum (nobody here has it)."""
+        outcome = None
+        if j != state.me:
+            outcome = await self._recover(state, j, one_at_a_time=one_at_a_time, transfer_s=transfer_s)
         if outcome is None and state.spec.combine:
             outcome = await self._recover_combined(state, j, transfer_s)
             if outcome is not None:
+                logger.info("round %s: part %d assembled from the second level", state.spec.round_id.hex()[:12], j)
                 state.report.parts[j].note = "assembled from the second level's signed slices"
                 state.report.parts[j].second_level = True
         return outcome
@@ -707,7 +714,9 @@ class VoteNode:
         of part j decides part j for every group, so when this group's reducer fails after combining (it
         left mid-round), its voters fetch that round's slices, each signed by the combiner that reduced
         it, from any of those reducers. Before, the group applied nothing there while the other groups
-        applied the part: it diverged as a whole, and each member downloaded the state.
+        applied the part: it diverged as a whole, and each member downloaded the state. The same when
+        the group's votes for part j fell below its quorum (its reducer, still a combiner, sent no
+        margins: the group's votes are left out of part j), the reducer itself included.
 
         The assembled part has no header of this group's round: it counts nobody and carries no state
         tag, and it is never forwarded (no single signature covers it). All within
@@ -719,15 +728,16 @@ class VoteNode:
         second = RoundState(combine, -1, state.report, None, {})  # what _read_result checks the slices against
         failed = state.spec.group[j].peer_id  # this group's reducer of part j: asked last
         own = [p.peer_id for p in combine.group].index(failed)
+        skip = own if failed == self.peer_id else None  # this peer's own part: its slice from the others
         per_ask = self.config.recovery_timeout / 2 + transfer_s
 
         async def fetch_all() -> list[PartResult] | None:
             # the failed reducer's own slice first: if it died before combining, nobody has it (every
             # group misses the part alike) and the other slices are not worth their bytes
-            first = await self._fetch_slice(second, own, per_ask, last=failed)
+            first = await self._fetch_slice(second, own, per_ask, last=failed, skip=skip)
             if first is None:
                 return None
-            rest = await asyncio.gather(*(self._fetch_slice(second, q, per_ask, last=failed)
+            rest = await asyncio.gather(*(self._fetch_slice(second, q, per_ask, last=failed, skip=skip)
                                           for q in range(len(combine.group)) if q != own))
             if any(r is None for r in rest):
                 return None

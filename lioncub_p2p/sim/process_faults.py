@@ -30,6 +30,7 @@ class Scenario:
     label: str
     peers: list[dict]  # LinkProfile fields per peer
     steps_factor: float = 1.0  # newcomers need a longer run (a process starts in seconds); a 1 Mbit/s peer a shorter one
+    max_group: int = 0  # a two-level vote in groups of at most this many (0: one flat group)
 
     def victims(self) -> set[int]:
         """Peers this scenario kills on purpose (they are not expected to finish)."""
@@ -50,6 +51,14 @@ SCENARIOS = [
     Scenario("SIGSTOP stall of 4 s", [FAST, FAST, {**FAST, "stall_at": 20, "stall_s": 4}, FAST]),
     Scenario("link cut for 4 s mid-transfer", [FAST, FAST, {**FAST, "cut_at": 20, "cut_s": 4}, FAST]),
     Scenario("one 1 Mbit/s link among 100 Mbit/s", [FAST, FAST, FAST, {"mbit": 1}], steps_factor=0.4),
+    # three groups of 2 (two-level needs 3 groups): peer 2 reduces a part of its group and combines a slice of
+    # that part for the other groups; its group's other member has nobody else to ask for a part it missed
+    Scenario("two-level: SIGKILL during reduction (before combining)",
+             [FAST, FAST, {**FAST, "failpoint": "reduce@20"}, FAST, FAST, FAST], max_group=2),
+    Scenario("two-level: SIGKILL mid-combining (some groups have its slice)",
+             [FAST, FAST, {**FAST, "failpoint": "combine@20"}, FAST, FAST, FAST], max_group=2),
+    Scenario("two-level: SIGKILL after combining, mid-answer to its group",
+             [FAST, FAST, {**FAST, "failpoint": "result@20"}, FAST, FAST, FAST], max_group=2),
 ]
 
 
@@ -57,7 +66,7 @@ def run_scenario(scenario: Scenario, workdir: Path, *, steps: int, hidden: int, 
                  method: str = "lioncub") -> dict:
     profiles = [LinkProfile.from_dict(p) for p in scenario.peers]
     sim = Simulation(profiles, shaping=shaping, workdir=workdir, hidden=hidden, batch=32, steps=steps, seconds=600,
-                     lr=3e-4, eval_every=0, timeouts=(UPLOAD_TIMEOUT, RESULT_TIMEOUT))
+                     lr=3e-4, eval_every=0, timeouts=(UPLOAD_TIMEOUT, RESULT_TIMEOUT), max_group=scenario.max_group)
     try:
         result = sim.run(method)
     finally:

@@ -322,7 +322,7 @@ class Swarm:
     def _failpoint(self, event: str) -> None:
         kind, step = self.rounds.current
         point = {"vote_chunk": "momentum" if kind == "momentum" else "upload", "finalize": "reduce",
-                 "result_chunk": "result"}.get(event)
+                 "result_chunk": "result", "combined_chunk": "combine"}.get(event)
         if point is not None and (kind == "vote" or point == "momentum"):
             failpoints.reached(point, step)
 
