@@ -58,10 +58,21 @@ def test_a_reduction_stops_waiting_for_excused_voters_but_never_below_the_quorum
         outcome = red.close()
         assert outcome is not None and outcome.counted == [0, 1, 2, 3]
 
+        assert not red.only_excused_left.is_set()
+
         plain = PartReduction(spec, 0)  # without excuses: all five awaited
         for v in (0, 1, 2, 3):
             plain.add(v, 0, codes.clone(), last=True)
-        assert not plain.all_in.is_set()
+        assert not plain.all_in.is_set() and not plain.only_excused_left.is_set()
+
+        hinged = PartReduction(spec, 0)  # the quorum of 3 hinges on excused voters: the node stops waiting soon
+        hinged.excuse(frozenset({2, 3, 4}))
+        hinged.add(0, 0, codes.clone(), last=True)
+        assert not hinged.only_excused_left.is_set()  # voter 1 is awaited
+        hinged.add(1, 0, codes.clone(), last=True)
+        assert hinged.only_excused_left.is_set() and not hinged.quorum_in.is_set()
+        hinged.add(4, 0, codes.clone(), last=True)  # an excused vote in time still counts
+        assert hinged.quorum_in.is_set() and hinged.close().counted == [0, 1, 4]
 
     asyncio.run(main())
 

@@ -282,6 +282,38 @@ def test_a_group_below_its_quorum_for_a_part_applies_what_the_other_groups_decid
 
 
 @pytest.mark.slow
+def test_a_group_of_two_with_a_member_gone_stops_waiting_for_it_after_three_rounds():
+    """Groups of 2 (6 VoteNodes); one member's daemon dies. Its partner's part can never reach the
+    quorum of 2 again: for three rounds it waits out the upload timeout (the member may be slow), then
+    the member is late (``punctuality.py``) and the partner closes within a grace, every round, while
+    its part still comes from the other groups at the second level. All survivors apply the same update
+    every round. Before, every round waited the upload timeout until the member left the group."""
+    import time
+
+    from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
+
+    n, nbytes = 6, 2048
+    stack = _votes(n, nbytes, seed=24)
+    with LocalSwarm(n, config=FAST_CONFIG) as swarm:
+        ids = [p.peer_id for p in swarm.group]
+        layout = hierarchy.two_level_layout(ids, 0, nbytes, max_size=2)
+        gone, partner = ids.index(layout.groups[1][1]), ids.index(layout.groups[1][0])
+        swarm.kill(gone)
+        seconds, partner_parts = [], []
+        for step in range(1, 6):
+            started = time.perf_counter()
+            results = swarm.two_level(list(stack), max_size=2, step=step, seed=5)
+            seconds.append(time.perf_counter() - started)
+            partner_parts.append(swarm.reports[partner].parts[0])
+            survivors = [r for i, r in enumerate(results) if i != gone]
+            assert all(torch.equal(r, survivors[0]) for r in survivors), step
+    timeout = FAST_CONFIG.upload_timeout
+    assert all(s > timeout for s in seconds[:3]), seconds  # waited for: it may only be slow
+    assert all(s < 0.8 * timeout for s in seconds[3:]), seconds  # late three rounds in a row: not waited for
+    assert all(p.status == "recovered" and p.second_level for p in partner_parts), partner_parts
+
+
+@pytest.mark.slow
 def test_a_reducer_that_sends_its_group_another_result_than_the_second_levels_is_caught_by_its_voters():
     """A voter cannot recount its group's first-level result (it is the second level's majority), but
     it compares a slice of it, chosen privately, with the same slice fetched signed by its combiner. A

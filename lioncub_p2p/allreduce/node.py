@@ -139,6 +139,9 @@ class VoteNode:
         self.reduction_factory = PartReduction  # what reduces a part (simulations swap in lying reducers)
         self.deadline = AdaptiveDeadline(max_grace=self.config.upload_timeout)
         self.punctuality = Punctuality()  # voters late round after round: not waited for
+        # the same for the second-level rounds this peer combines in: a table forgets whoever is not in the
+        # round it observes, so one shared table would forget a gone group member at every second level
+        self.combine_punctuality = Punctuality()
         self.audit_rng: random.Random = random.SystemRandom()  # private: reducers must not predict audits
         self._rounds: OrderedDict[bytes, RoundState] = OrderedDict()
         # Rounds that left the live table: more than the archive window holds at ten rounds a second, so a
@@ -229,7 +232,7 @@ class VoteNode:
                            {j: loop.create_future() for j, (a, b) in enumerate(spec.bounds) if b > a})
         if me in state.direct:
             state.reduction = self.reduction_factory(spec, me)
-            late = self.punctuality.late()
+            late = self._punctuality(spec).late()
             state.reduction.excuse(frozenset(i for i, p in enumerate(spec.group) if p.peer_id in late and i != me))
             state.reducing = asyncio.create_task(self._reduce_part(state, state.reduction, state.direct[me]))
             if spec.combine and spec.combine[me] is not None:  # count other groups' margins as they come
@@ -239,6 +242,9 @@ class VoteNode:
                 self.prepare_round(spec.combine[me])
         self._register(state)
         return state
+
+    def _punctuality(self, spec: RoundSpec) -> Punctuality:
+        return self.combine_punctuality if spec.round_id in self._second_level else self.punctuality
 
     async def run_round(self, spec: RoundSpec, upload: torch.Tensor, tag: bytes = b"", *,
                         one_at_a_time: bool = False) -> tuple[torch.Tensor, RoundReport]:
@@ -425,7 +431,14 @@ class VoteNode:
         started = time.perf_counter()
         deadline = started + self.config.upload_timeout
         try:
-            await asyncio.wait_for(red.quorum_in.wait(), max(deadline - time.perf_counter(), 0.0))
+            await _first_of(red.quorum_in, red.only_excused_left, max(deadline - time.perf_counter(), 0.0))
+            if not red.quorum_in.is_set():
+                # the quorum hinges on voters late round after round (a member that died, a link that cannot
+                # keep up): a grace for them, not the upload timeout every round. In a two-level round the
+                # other groups still decide the part; a group of 2 with one member gone waited 3 s a step
+                # (and so did everyone: it combines a slice for all groups)
+                await asyncio.wait_for(red.quorum_in.wait(),
+                                       min(self.deadline.grace(), max(deadline - time.perf_counter(), 0.0)))
             if not red.all_in.is_set():
                 grace = min(self.deadline.grace(), max(deadline - time.perf_counter(), 0.0))
                 await asyncio.wait_for(red.all_in.wait(), grace)
@@ -438,8 +451,8 @@ class VoteNode:
         if outcome is not None and state.spec.combine:
             outcome = await self._combine(state, red, outcome)
         group = state.spec.group
-        self.punctuality.observe({group[v].peer_id for v in red.complete},
-                                 {p.peer_id for i, p in enumerate(group) if i != state.me})
+        self._punctuality(state.spec).observe({group[v].peer_id for v in red.complete},
+                                              {p.peer_id for i, p in enumerate(group) if i != state.me})
         if outcome is not None and self.identity is not None:
             outcome = dataclasses.replace(outcome, signature=self.identity.sign(result_signed_bytes(outcome.header)),
                                           public_key=self.identity.public_key)
@@ -1325,6 +1338,18 @@ class VoteNode:
             logger.warning("audit stream from %s failed: %s: %s", info.peer_id, type(e).__name__, e)
         if replied:  # the auditor closes once it has every answer; closing first can lose the last (QUIC)
             await close_after_reply(reader, writer)
+
+
+async def _first_of(a: asyncio.Event, b: asyncio.Event, timeout: float) -> None:
+    """Wait until ``a`` or ``b`` is set; ``asyncio.TimeoutError`` after ``timeout`` seconds."""
+    waits = [asyncio.ensure_future(a.wait()), asyncio.ensure_future(b.wait())]
+    try:
+        done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+    if not done:
+        raise asyncio.TimeoutError
 
 
 async def _set_within(event: asyncio.Event, seconds: float) -> bool:

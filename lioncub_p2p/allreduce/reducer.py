@@ -39,6 +39,7 @@ class PartReduction:
         self.first_in = asyncio.Event()  # a first chunk arrived: the upload timeout runs from here
         self.all_in = asyncio.Event()
         self.quorum_in = asyncio.Event()
+        self.only_excused_left = asyncio.Event()  # every awaited voter is in, the quorum is not: it hinges on the late
         self.quorum = spec.quorum
         # voters not waited for (late round after round, ``punctuality.py``): counted if complete in time
         self.excused: frozenset[int] = frozenset()
@@ -105,6 +106,8 @@ class PartReduction:
         self._check_all_in()
 
     def _check_all_in(self) -> None:
+        if self.excused and len(self.complete) < self.quorum and self.awaited_in():
+            self.only_excused_left.set()
         if len(self.complete) >= self.quorum and not self.quorum_in.is_set():
             self.quorum_time = time.perf_counter()
             self.quorum_in.set()
