@@ -244,6 +244,40 @@ def test_a_group_whose_reducer_fails_after_combining_assembles_its_part_from_the
 
 
 @pytest.mark.slow
+def test_members_of_other_groups_fetch_second_level_slices_as_members_not_strangers():
+    """As in the test above, a reducer fails its group after combining, but every node admits no
+    stranger streams at all: the failed group's voters, asking other groups' reducers for slices at
+    once, get them because the swarm tells each node who is in the run (``VoteNode.in_run``); all 13
+    updates equal. As strangers (the hook unset) they were refused and their group applied nothing there."""
+    from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
+
+    n, nbytes = 13, 4096
+    stack = _votes(n, nbytes, seed=25)
+    with LocalSwarm(n, config=dataclasses.replace(FAST_CONFIG, max_stranger_streams=0)) as swarm:
+        ids = [p.peer_id for p in swarm.group]
+        for node in swarm.nodes:
+            node.in_run = set(ids).__contains__
+        layout = hierarchy.two_level_layout(ids, 0, nbytes, max_size=4)
+        group = next(g for g in layout.groups if len(g) == 3)
+        node = swarm.nodes[ids.index(group[1])]
+
+        gone = []
+
+        async def fail_its_own_group(writer, spec, part, outcome, report=None, send=node._send_result, **kwargs):
+            if spec.combine or gone:  # its group's round, and everything after: it left (no slice from it)
+                gone.append(True)
+                raise ConnectionResetError("left mid-round")
+            return await send(writer, spec, part, outcome, report, **kwargs)
+
+        node._send_result = fail_its_own_group
+        results = swarm.two_level(list(stack), max_size=4, step=8, seed=5)
+        reports = list(swarm.reports)
+    members = [ids.index(pid) for pid in group if pid != group[1]]
+    assert all(reports[i].parts[1].second_level for i in members)
+    assert all(torch.equal(r, results[0]) for r in results) and results[0].dtype == torch.uint8
+
+
+@pytest.mark.slow
 def test_a_group_below_its_quorum_for_a_part_applies_what_the_other_groups_decided_there():
     """Both voters of one group of 3 fail to reach its reducer of part 1 (below the quorum of 2): that
     group's votes are left out of part 1, which the other groups still decide at the second level. The

@@ -594,8 +594,11 @@ def test_a_two_level_run_keeps_every_peer_bitwise_equal_through_a_repair():
     themselves, each part's counts are combined among the groups' reducers of that part, and every peer
     applies the flat majority: a perturbed peer is repaired, and all end bitwise equal."""
     configs = [_config("two-level", max_group=2, momentum=MomentumSchedule(every=5)) for _ in range(6)]
-    out = _train_swarm(configs, 30, perturb=(4, 15))
+    swarms: dict[int, Swarm] = {}
+    out = _train_swarm(configs, 30, perturb=(4, 15), instrument=swarms.__setitem__)
     assert {out[i][0] for i in range(6)} == {30}
+    # each node counts every group's members as the run's, not as strangers (second-level slices)
+    assert all(swarms[i].node.in_run(swarms[j].peer_id) for i in range(6) for j in range(6))
     assert len({out[i][1] for i in range(6)}) == 1  # identical parameters at the end
     assert out[4][2] >= 1  # the perturbed peer repaired
     combined = out.get("combined", {})

@@ -181,6 +181,10 @@ class VoteNode:
         # The newest group epoch this peer knows, sent with every result so peers behind learn of a
         # group change within one round (set by the swarm).
         self.group_epoch = 0
+        # Whether a peer belongs to the run beyond this peer's own rounds (set by the swarm: every group of
+        # a two-level vote). Stream caps only: a group whose reducer failed fetches second-level slices
+        # from other groups' reducers all at once, and as strangers most of them were refused
+        self.in_run: Callable[[str], bool] = lambda peer_id: False
 
     def _emit(self, event: str) -> None:
         for callback in self.on_event:
@@ -192,9 +196,10 @@ class VoteNode:
             await self.p2p.add_binary_stream_handler(name, guard(self.gates[name], handler))
 
     def _is_member(self, peer_id: str) -> bool:
-        """In the group of a live round or of a finished one still kept (a peer behind asks for those)."""
+        """In the group of a live round or of a finished one still kept (a peer behind asks for those), or
+        in the run (``in_run``)."""
         return (any(peer_id in state.spec._index for state in self._rounds.values())  # type: ignore[attr-defined]
-                or self.archive.has_member(peer_id))
+                or self.archive.has_member(peer_id) or self.in_run(peer_id))
 
     def stop_waiting_for(self, peer_ids: set[str], reason: str) -> None:
         """Leave these peers' unfinished votes out of every part this peer still reduces (they said

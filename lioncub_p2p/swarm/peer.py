@@ -293,6 +293,7 @@ class Swarm:
         if self.history.latest is not None:
             self.node.group_epoch = self.history.latest.epoch
         self.upkeep.on_epoch = lambda epoch: setattr(self.node, "group_epoch", epoch)
+        self.node.in_run = self._is_member  # other groups' members ask for second-level slices as members
         self.upkeep.stop_waiting_for = self.node.stop_waiting_for
         self.gather = GatherNode(self.p2p, config.allreduce, self.admission) \
             if self.config.transport == "allgather" else None
