@@ -59,6 +59,12 @@ SCENARIOS = [
              [FAST, FAST, {**FAST, "failpoint": "combine@20"}, FAST, FAST, FAST], max_group=2),
     Scenario("two-level: SIGKILL after combining, mid-answer to its group",
              [FAST, FAST, {**FAST, "failpoint": "result@20"}, FAST, FAST, FAST], max_group=2),
+    Scenario("two-level: SIGSTOP stall of 4 s", [FAST, FAST, {**FAST, "stall_at": 20, "stall_s": 4}, FAST, FAST, FAST],
+             max_group=2),
+    Scenario("two-level: link cut for 4 s", [FAST, FAST, {**FAST, "cut_at": 20, "cut_s": 4}, FAST, FAST, FAST],
+             max_group=2),
+    Scenario("two-level: a newcomer joins (the groups reshuffle)", [FAST, FAST, FAST, FAST, FAST, FAST,
+                                                                   {**FAST, "join_at": 5}], steps_factor=2.0, max_group=2),
 ]
 
 
