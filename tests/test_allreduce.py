@@ -674,3 +674,26 @@ def test_a_follower_gets_each_part_once_without_voting_and_late_voters_stop_bein
         assert report.missing_parts == [0, 1, 2] and FollowRule.fell_out(report), [p.note for p in report.parts]
         _, report = swarm.run(swarm.nodes[3].follow_round(failed))
         assert report.missing_parts == [0, 1, 2] and not FollowRule.fell_out(report)
+
+
+@pytest.mark.slow
+def test_a_flat_round_waits_the_whole_upload_timeout_for_late_voters_its_quorum_needs():
+    """Peer 1 of 2 misses three rounds (late: not waited for once the quorum is in), then votes 1.5 s
+    late. Peer 0's part still counts it: in a flat round nobody else decides a part, so a reducer whose
+    quorum needs late voters waits the whole upload timeout for them (only a group's round of a
+    two-level vote closes within a grace then: the other groups decide its part)."""
+    numel = 8 * 4096
+
+    async def absent(node, spec, codes):
+        pass
+
+    with LocalSwarm(2) as swarm:
+        codes = _codes("sign", 2, numel, seed=31)
+        for step in range(1, 4):
+            swarm.allreduce(codes, step=step, behaviors={1: absent})
+        assert swarm.nodes[0].punctuality.late() == {swarm.nodes[1].peer_id}
+        assert swarm.nodes[0].deadline.grace() < 1.5 < swarm.config.upload_timeout
+        results = swarm.allreduce(codes, step=4, delays={1: 1.5})
+    expected = numpy_vote(codes, "sign", "majority", numel, seed=0, step=4)
+    for update in results:
+        np.testing.assert_array_equal(as_values(update, numel), expected)

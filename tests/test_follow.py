@@ -74,6 +74,14 @@ def test_a_reduction_stops_waiting_for_excused_voters_but_never_below_the_quorum
         hinged.add(4, 0, codes.clone(), last=True)  # an excused vote in time still counts
         assert hinged.quorum_in.is_set() and hinged.close().counted == [0, 1, 4]
 
+        cut = PartReduction(spec, 0)  # a member that cuts its stream is not excused by it
+        cut.excuse(frozenset({3, 4}))
+        cut.add(0, 0, codes.clone(), last=True)
+        cut.drop(1, "stream closed before its last chunk")
+        assert not cut.only_excused_left.is_set()  # voter 2 is still awaited
+        cut.drop(2, "stream closed before its last chunk")
+        assert not cut.only_excused_left.is_set() and not cut.quorum_in.is_set()
+
     asyncio.run(main())
 
 

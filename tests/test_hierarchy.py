@@ -245,10 +245,11 @@ def test_a_group_whose_reducer_fails_after_combining_assembles_its_part_from_the
 
 @pytest.mark.slow
 def test_members_of_other_groups_fetch_second_level_slices_as_members_not_strangers():
-    """As in the test above, a reducer fails its group after combining, but every node admits no
-    stranger streams at all: the failed group's voters, asking other groups' reducers for slices at
-    once, get them because the swarm tells each node who is in the run (``VoteNode.in_run``); all 13
-    updates equal. As strangers (the hook unset) they were refused and their group applied nothing there."""
+    """As in the test above, a reducer fails its group after combining (and then everything: it left),
+    and every node admits no stranger streams at all, which stands for a combiner whose 16 stranger
+    streams a large group's askers fill: the failed group's voters ask other groups' reducers for
+    slices and get them because the swarm tells each node who is in the run (``VoteNode.in_run``); all
+    13 updates equal. As strangers (the hook unset) they were refused and their group applied nothing there."""
     from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
 
     n, nbytes = 13, 4096

@@ -42,7 +42,8 @@ without a result in every group (``LocalSwarm.two_level``, tested with 13 nodes)
 reducer of part k combined and then failed to answer it assembles part k from that round's signed
 slices, fetched from the other groups' reducers of part k (``VoteNode._recover_combined``); so does a
 group whose votes for part k fell below its quorum, its reducer included (its votes are left out of
-part k, which the other groups decide: a failed group never splits the run).
+part k, which the other groups decide: a failed group does not split the run while the slices can
+be fetched).
 
 A run votes two-level when its manifest sets ``max_group`` (``Swarm._two_level_spec``: the layout from
 the group record's members and epoch). Each group's reducer votes its group's state tag at the second
@@ -121,9 +122,6 @@ def two_level_layout(peer_ids: Sequence[str], epoch: int, nbytes: int, max_size:
     return TwoLevelLayout(groups, parts, slices)
 
 
-COMBINE_FAMILY = "combine"  # a second-level round's family (when the first level names one)
-
-
 def two_level_specs(round_id: bytes, step: int, layout: TwoLevelLayout, nbytes: int, *, seed: int = 0,
                     family: str = "", members: Mapping[str, PeerSpec] | None = None) -> dict[str, RoundSpec]:
     """Each peer's first-level round of a two-level vote at ``layout``: its group's round, in which member k
@@ -139,7 +137,7 @@ def two_level_specs(round_id: bytes, step: int, layout: TwoLevelLayout, nbytes: 
     size = len(layout.parts)
     bits = margin_bits(max(len(g) for g in layout.groups))
     combine = tuple(RoundSpec(derived("part", k), step, tuple(PeerSpec(g[k]) for g in layout.groups), b - a,
-                              codecs.L1Upload(bits), codecs.MajorityResult(), seed, family=family and COMBINE_FAMILY,
+                              codecs.L1Upload(bits), codecs.MajorityResult(), seed, family=family and "combine",
                               tie_offset=a) for k, (a, b) in enumerate(layout.parts))
     specs = {}
     for q, group_ids in enumerate(layout.groups):

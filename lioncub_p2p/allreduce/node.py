@@ -46,6 +46,7 @@ and never raises in the caller.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -173,7 +174,8 @@ class VoteNode:
         cfg = self.config
         caps = dict(per_peer=cfg.max_streams_per_peer, stranger_per_peer=2, strangers=cfg.max_stranger_streams,
                     total=cfg.max_streams, is_member=self._is_member)
-        self.gates = {VOTE_PROTOCOL: StreamGate("vote", **caps), FETCH_PROTOCOL: StreamGate("fetch", **caps),
+        self.gates = {VOTE_PROTOCOL: StreamGate("vote", **caps),
+                      FETCH_PROTOCOL: StreamGate("fetch", **dict(caps, is_member=self._may_fetch)),
                       AUDIT_PROTOCOL: StreamGate("audit", **dict(caps, per_peer=2))}
         # Observers of progress ("vote_chunk" / "result_chunk" after each chunk is written, "finalize",
         # "result:<part>" when a part's result arrived), for metrics and tests that inject faults.
@@ -181,9 +183,10 @@ class VoteNode:
         # The newest group epoch this peer knows, sent with every result so peers behind learn of a
         # group change within one round (set by the swarm).
         self.group_epoch = 0
-        # Whether a peer belongs to the run beyond this peer's own rounds (set by the swarm: every group of
-        # a two-level vote). Stream caps only: a group whose reducer failed fetches second-level slices
-        # from other groups' reducers all at once, and as strangers most of them were refused
+        # Whether a peer is in the run's current group beyond this peer's own rounds (set by the swarm:
+        # every group of a two-level vote). For the fetch gate's caps only: a group whose reducer failed
+        # asks other groups' reducers for second-level slices all at once; as strangers (16 streams in
+        # all) a group of 32 was half refused
         self.in_run: Callable[[str], bool] = lambda peer_id: False
 
     def _emit(self, event: str) -> None:
@@ -196,10 +199,12 @@ class VoteNode:
             await self.p2p.add_binary_stream_handler(name, guard(self.gates[name], handler))
 
     def _is_member(self, peer_id: str) -> bool:
-        """In the group of a live round or of a finished one still kept (a peer behind asks for those), or
-        in the run (``in_run``)."""
+        """In the group of a live round or of a finished one still kept (a peer behind asks for those)."""
         return (any(peer_id in state.spec._index for state in self._rounds.values())  # type: ignore[attr-defined]
-                or self.archive.has_member(peer_id) or self.in_run(peer_id))
+                or self.archive.has_member(peer_id))
+
+    def _may_fetch(self, peer_id: str) -> bool:
+        return self._is_member(peer_id) or self.in_run(peer_id)
 
     def stop_waiting_for(self, peer_ids: set[str], reason: str) -> None:
         """Leave these peers' unfinished votes out of every part this peer still reduces (they said
@@ -436,12 +441,13 @@ class VoteNode:
         started = time.perf_counter()
         deadline = started + self.config.upload_timeout
         try:
-            await _first_of(red.quorum_in, red.only_excused_left, max(deadline - time.perf_counter(), 0.0))
+            # a group's round of a two-level vote whose quorum hinges on voters late round after round (a
+            # member gone): a grace for them, not the upload timeout every round (which every group waits
+            # for: this peer combines a slice of the part for all); the other groups decide the part. In a
+            # flat round nobody else would: the late voters get the whole upload timeout
+            hinge = red.only_excused_left if state.spec.combine else asyncio.Event()
+            await _first_of(red.quorum_in, hinge, max(deadline - time.perf_counter(), 0.0))
             if not red.quorum_in.is_set():
-                # the quorum hinges on voters late round after round (a member that died, a link that cannot
-                # keep up): a grace for them, not the upload timeout every round. In a two-level round the
-                # other groups still decide the part; a group of 2 with one member gone waited 3 s a step
-                # (and so did everyone: it combines a slice for all groups)
                 await asyncio.wait_for(red.quorum_in.wait(),
                                        min(self.deadline.grace(), max(deadline - time.perf_counter(), 0.0)))
             if not red.all_in.is_set():
@@ -694,7 +700,7 @@ class VoteNode:
             if report is not None:
                 report.bytes_up += sent
                 report.payload_up += length
-            self._emit("combined_chunk" if spec.family == hierarchy.COMBINE_FAMILY else "result_chunk")
+            self._emit("combined_chunk" if spec.round_id in self._second_level else "result_chunk")
 
     async def _fetch(self, state: RoundState, i: int, j: int, answering: asyncio.Event | None = None) -> PartResult:
         """Part j's signed result of ``state``'s round, asked of member i (``FETCH_PROTOCOL``)."""
@@ -749,10 +755,19 @@ class VoteNode:
         skip = own if failed == self.peer_id else None  # this peer's own part: its slice from the others
         per_ask = self.config.recovery_timeout / 2 + transfer_s
 
+        async def own_slice() -> tuple[int, PartResult] | None:
+            local = self._rounds.get(combine.round_id) if skip is not None else None
+            if local is not None and own in local.direct:  # this peer combined it: no need to ask
+                with contextlib.suppress(asyncio.TimeoutError):
+                    outcome = await asyncio.wait_for(asyncio.shield(local.direct[own]), per_ask)
+                    if outcome is not None:
+                        return own, outcome
+            return await self._fetch_slice(second, own, per_ask, last=failed, skip=skip)
+
         async def fetch_all() -> list[PartResult] | None:
             # the failed reducer's own slice first: if it died before combining, nobody has it (every
             # group misses the part alike) and the other slices are not worth their bytes
-            first = await self._fetch_slice(second, own, per_ask, last=failed, skip=skip)
+            first = await own_slice()
             if first is None:
                 return None
             rest = await asyncio.gather(*(self._fetch_slice(second, q, per_ask, last=failed, skip=skip)

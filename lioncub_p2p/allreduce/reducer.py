@@ -39,7 +39,9 @@ class PartReduction:
         self.first_in = asyncio.Event()  # a first chunk arrived: the upload timeout runs from here
         self.all_in = asyncio.Event()
         self.quorum_in = asyncio.Event()
-        self.only_excused_left = asyncio.Event()  # every awaited voter is in, the quorum is not: it hinges on the late
+        # every voter not excused is counted (a dropped one does not count: a member cutting its stream must
+        # not bring the close forward), the quorum is not: it can only come from the excused
+        self.only_excused_left = asyncio.Event()
         self.quorum = spec.quorum
         # voters not waited for (late round after round, ``punctuality.py``): counted if complete in time
         self.excused: frozenset[int] = frozenset()
@@ -106,7 +108,8 @@ class PartReduction:
         self._check_all_in()
 
     def _check_all_in(self) -> None:
-        if self.excused and len(self.complete) < self.quorum and self.awaited_in():
+        if self.excused and len(self.complete) < self.quorum \
+                and len(self.complete | self.excused) >= len(self.spec.group):
             self.only_excused_left.set()
         if len(self.complete) >= self.quorum and not self.quorum_in.is_set():
             self.quorum_time = time.perf_counter()

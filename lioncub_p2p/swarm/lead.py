@@ -133,8 +133,9 @@ def failed_reducers(parts: Sequence[PartReport], group: Sequence[PeerSpec], me: 
                     two_level: bool = False) -> list[str]:
     """The members whose part was missing in this round while another member's part came through
     (when every part is missing, the fault is more likely this peer's own). ``two_level``: whose part
-    came only from the second level (the combiners had it: its reducer alone did not answer); a part
-    missing there may be another group's combiner's fault, which this peer cannot tell."""
+    came only from the second level (the combiners had it: its reducer did not answer, or its group's
+    votes for it fell below the quorum); a part missing there may be another group's combiner's
+    fault, which this peer cannot tell."""
     others = [p for p in parts if p.status != "empty" and group[p.reducer].peer_id != me]
     failed = [group[p.reducer].peer_id for p in others if (p.second_level if two_level else p.status == "missing")]
     return failed if len(failed) < len(others) else []

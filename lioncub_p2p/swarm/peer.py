@@ -293,7 +293,7 @@ class Swarm:
         if self.history.latest is not None:
             self.node.group_epoch = self.history.latest.epoch
         self.upkeep.on_epoch = lambda epoch: setattr(self.node, "group_epoch", epoch)
-        self.node.in_run = self._is_member  # other groups' members ask for second-level slices as members
+        self.node.in_run = self._in_run  # other groups' members ask for second-level slices as members
         self.upkeep.stop_waiting_for = self.node.stop_waiting_for
         self.gather = GatherNode(self.p2p, config.allreduce, self.admission) \
             if self.config.transport == "allgather" else None
@@ -840,6 +840,11 @@ class Swarm:
 
     def _is_member(self, peer_id: str) -> bool:
         return any(peer_id in g.member_ids() for g in list(self.history.by_epoch.values()))
+
+    def _in_run(self, peer_id: str) -> bool:
+        """In the run's current group (every group of a two-level vote) and not proven to lie."""
+        latest = self.history.latest
+        return latest is not None and peer_id in latest.member_ids() and peer_id not in self.liars
 
     def _accusation_header(self, accuser: str, accusation: Accusation, evidence_bytes: int) -> int:
         """Before any evidence is read: a round of this peer's groups, its reducer accused by another of its
