@@ -597,8 +597,7 @@ def test_a_two_level_run_keeps_every_peer_bitwise_equal_through_a_repair():
     swarms: dict[int, Swarm] = {}
     out = _train_swarm(configs, 30, perturb=(4, 15), instrument=swarms.__setitem__)
     assert {out[i][0] for i in range(6)} == {30}
-    # each node counts every group's members as the run's, not as strangers (second-level slices)
-    assert all(swarms[i].node.in_run(swarms[j].peer_id) for i in range(6) for j in range(6))
+    assert all(s.node.in_run == s._in_run for s in swarms.values())  # the fetch gate knows the run's members
     assert len({out[i][1] for i in range(6)}) == 1  # identical parameters at the end
     assert out[4][2] >= 1  # the perturbed peer repaired
     combined = out.get("combined", {})
@@ -616,6 +615,17 @@ def test_a_group_too_small_for_three_groups_votes_flat():
     swarm.config.max_group = 2
     spec = swarm._two_level_spec(group, 0, b"r")  # 3 groups of 2
     assert spec is not None and len(spec.group) == 2 and len(spec.combine[0].group) == 3
+
+
+def test_the_runs_members_for_the_fetch_gate_are_the_current_groups_not_caught_lying():
+    """Other groups' members ask a combiner for second-level slices as members of the run, not as
+    strangers (``VoteNode.in_run``): the members of the newest group record, less proven liars."""
+    swarm = Swarm.__new__(Swarm)
+    swarm.upkeep = SimpleNamespace(history=GroupHistory())
+    older = GroupRecord(4, 0, tuple(PeerSpec(pid) for pid in "abcdxy"))
+    swarm.history.add(GroupRecord(5, 10, tuple(PeerSpec(pid) for pid in "abcdef"), previous=older))
+    swarm.verdicts = SimpleNamespace(liars={"c": "flipped a result"})
+    assert [pid for pid in "abcdefxyz" if swarm._in_run(pid)] == ["a", "b", "d", "e", "f"]
 
 
 @pytest.mark.slow
