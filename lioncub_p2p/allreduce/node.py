@@ -752,7 +752,7 @@ class VoteNode:
         second = RoundState(combine, -1, state.report, None, {})  # what _read_result checks the slices against
         failed = state.spec.group[j].peer_id  # this group's reducer of part j: asked last
         own = [p.peer_id for p in combine.group].index(failed)
-        skip = own if failed == self.peer_id else None  # this peer's own part: its slice from the others
+        skip = own if failed == self.peer_id else None  # this peer's own part: it never asks itself
         per_ask = self.config.recovery_timeout / 2 + transfer_s
 
         async def own_slice() -> tuple[int, PartResult] | None:
