@@ -206,6 +206,20 @@ def test_a_two_level_vote_on_the_wire_gives_every_peer_the_flat_majority_bit_for
     assert (_np_majority(stack[voted].numpy()) < 0).sum() > 100  # ties: a wrong tie offset flips about half
 
 
+def _fail_its_own_group(node, *, then_everything: bool = False) -> None:
+    """``node`` combines its part for the groups, then fails to answer its own group (a member leaving
+    mid-round); ``then_everything``: and every answer after that (it left: nobody gets a slice from it)."""
+    send_result, gone = node._send_result, []
+
+    async def failing(writer, spec, part, outcome, report=None, **kwargs):
+        if spec.combine or (then_everything and gone):  # its group's round (the second level has no combine)
+            gone.append(True)
+            raise ConnectionResetError("left mid-round")
+        return await send_result(writer, spec, part, outcome, report, **kwargs)
+
+    node._send_result = failing
+
+
 @pytest.mark.slow
 def test_a_group_whose_reducer_fails_after_combining_assembles_its_part_from_the_second_level():
     """The reducer of part k of one group combines (the other groups get part k from the second level)
@@ -222,15 +236,7 @@ def test_a_group_whose_reducer_fails_after_combining_assembles_its_part_from_the
         layout = hierarchy.two_level_layout(ids, 0, nbytes, max_size=4)
         group = next(g for g in layout.groups if len(g) == 3)
         failing = ids.index(group[1])  # reduces part 1 of its group, and combines part 1's round
-        node = swarm.nodes[failing]
-        send_result = node._send_result
-
-        async def fail_its_own_group(writer, spec, part, outcome, report=None, **kwargs):
-            if spec.combine:  # its group's round (the second level has no combine)
-                raise ConnectionResetError("left mid-round")
-            return await send_result(writer, spec, part, outcome, report, **kwargs)
-
-        node._send_result = fail_its_own_group
+        _fail_its_own_group(swarm.nodes[failing])
         results = swarm.two_level(list(stack), max_size=4, step=7, seed=5)
         reports = list(swarm.reports)
     members = [ids.index(pid) for pid in group if ids.index(pid) != failing]
@@ -260,17 +266,7 @@ def test_members_of_other_groups_fetch_second_level_slices_as_members_not_strang
             node.in_run = set(ids).__contains__
         layout = hierarchy.two_level_layout(ids, 0, nbytes, max_size=4)
         group = next(g for g in layout.groups if len(g) == 3)
-        node = swarm.nodes[ids.index(group[1])]
-
-        gone = []
-
-        async def fail_its_own_group(writer, spec, part, outcome, report=None, send=node._send_result, **kwargs):
-            if spec.combine or gone:  # its group's round, and everything after: it left (no slice from it)
-                gone.append(True)
-                raise ConnectionResetError("left mid-round")
-            return await send(writer, spec, part, outcome, report, **kwargs)
-
-        node._send_result = fail_its_own_group
+        _fail_its_own_group(swarm.nodes[ids.index(group[1])], then_everything=True)
         results = swarm.two_level(list(stack), max_size=4, step=8, seed=5)
         reports = list(swarm.reports)
     members = [ids.index(pid) for pid in group if pid != group[1]]
