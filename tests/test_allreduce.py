@@ -12,6 +12,7 @@ from lioncub_p2p import ops
 from lioncub_p2p.allreduce import AllReduceConfig, PeerSpec, VOTE_PROTOCOL
 from lioncub_p2p.allreduce.commit import build_header, check_header
 from lioncub_p2p.allreduce.deadline import AdaptiveDeadline
+from lioncub_p2p.allreduce.punctuality import PROBE_EVERY
 from lioncub_p2p.allreduce.result_delta import encode_for
 from lioncub_p2p.allreduce.round import RoundSpec
 from lioncub_p2p.codecs import result_codec, upload_codec
@@ -674,6 +675,46 @@ def test_a_follower_gets_each_part_once_without_voting_and_late_voters_stop_bein
         assert report.missing_parts == [0, 1, 2] and FollowRule.fell_out(report), [p.note for p in report.parts]
         _, report = swarm.run(swarm.nodes[3].follow_round(failed))
         assert report.missing_parts == [0, 1, 2] and not FollowRule.fell_out(report)
+
+
+def test_a_follower_still_reducing_a_part_counts_the_votes_that_come_after_it_started():
+    """Peer 2 follows (it announced it, but the leader has not yet taken its part away) and starts the
+    round before the others' votes reach it (0.3 s later). It reduces its part from those votes as any
+    reducer, so every peer applies the majority of peers 0 and 1 on every part (closing its part at
+    once, as for a follower behind the group, left that part out for everyone)."""
+    numel = 8 * 4000
+    with LocalSwarm(3) as swarm:
+        codes = _codes("sign", 3, numel, seed=43)
+        results = swarm.allreduce(codes, step=1, follow={2: 0.0}, delays={0: 0.3, 1: 0.3})
+        expected = numpy_vote(codes[:2], "sign", "majority", numel, seed=0, step=1)
+        for update in results:
+            np.testing.assert_array_equal(as_values(update, numel), expected)
+        assert swarm.reports[2].parts[2].counted == [0, 1]
+
+
+def test_a_probe_round_waits_for_a_follower_that_the_other_rounds_leave_out():
+    """Peer 3 follows three rounds, so the reducers stop waiting for it. Its vote 0.4 s behind the
+    others' is then left out of a plain round (closed as soon as peers 0-2 are in), but counted in a
+    probe round (a multiple of PROBE_EVERY, when followers vote): reducers wait for the excused as long
+    as they would for anyone at the group's pace (here 1 s). Counted once, it is waited for again."""
+    numel = 8 * 4000
+    with LocalSwarm(4, weights=[1, 1, 1, 0]) as swarm:
+        for node in swarm.nodes:  # a learned state: votes 10 ms apart, quorums 2 s apart
+            node.deadline = AdaptiveDeadline(min_grace=0.05, max_grace=2.0)
+            node.deadline.spreads.extend([0.01] * 30)
+            node.deadline.intervals.extend([2.0] * 30)
+            assert node.deadline.grace() == 0.05 and node.deadline.probe_grace() == 1.0
+        codes = _codes("sign", 4, numel, seed=41)
+        for step in (1, 2, 3):
+            swarm.allreduce(codes, step=step, follow={3: 0.1})
+        assert swarm.nodes[0].punctuality.late() == {swarm.nodes[3].peer_id}
+        for step, counted in ((5, [0, 1, 2]), (PROBE_EVERY * 2, [0, 1, 2, 3])):
+            results = swarm.allreduce(codes, step=step, delays={3: 0.4})
+            expected = numpy_vote([codes[i] for i in counted], "sign", "majority", numel, seed=0, step=step)
+            for update in results:
+                np.testing.assert_array_equal(as_values(update, numel), expected)
+            assert all(p.counted == counted for p in swarm.reports[0].parts if p.status == "ok"), step
+        assert not swarm.nodes[0].punctuality.late()
 
 
 @pytest.mark.slow

@@ -101,17 +101,17 @@ def test_follow_rule_follows_after_rounds_in_a_row_of_votes_that_did_not_count()
 
 
 def test_follow_rule_follows_when_votes_stop_counting_and_probes_back():
-    rule = FollowRule(late_after=1, probe_every=4)
+    rule = FollowRule(late_after=1)
     rule.after(_report(2, [[0, 1, 2], [0, 1], [0, 1, 2]]))  # counted in 2 of the others' 2 parts
-    assert not rule.following and not rule.follow_next()
+    assert not rule.following and not rule.follow_next(5)
     rule.after(_report(2, [[0, 1, 2], [0, 1], [0, 1]]))  # counted in 1 of 2: half still counts
     assert not rule.following
     rule.after(_report(2, [[0, 1], [0, 1], [0, 1, 2]]))  # counted in 0 of 2 (its own part 2 does not count)
     assert rule.following
-    for _ in range(3):
-        assert rule.follow_next()
+    for step in (5, 6, 7):
+        assert rule.follow_next(step)
         rule.after(_report(2, [[0, 1], [0, 1], []], followed=True))
-    assert not rule.follow_next()  # every 4th round: vote once
+    assert not rule.follow_next(8)  # the group's probe round (a multiple of PROBE_EVERY): vote once
     rule.after(_report(2, [[0, 1, 2], [0, 1, 2], [0, 1]]))  # the probe counted: a voter again
     assert not rule.following and rule.rounds_followed == 3
     rule.after(_report(2, [[0], [1]], status="missing"))  # no result at all says nothing

@@ -48,6 +48,14 @@ class AdaptiveDeadline:
             grace = min(grace, max(self.pace_share * statistics.median(self.intervals), self.pace_floor))
         return min(max(grace, self.min_grace), self.max_grace)
 
+    def probe_grace(self) -> float:
+        """The longest this deadline waits for anyone at the group's pace: a probe round's wait for
+        members not otherwise waited for (``punctuality.py``)."""
+        if len(self.intervals) < 3:
+            return self.grace()
+        pace = max(self.pace_share * statistics.median(self.intervals), self.pace_floor)
+        return min(max(self.grace(), pace), self.max_grace)
+
     def observe(self, spread: float | None, quorum_at: float | None = None) -> None:
         """Record a round: the quorum-to-last-vote time, or None if some vote never came; and when
         its quorum was in (``time.perf_counter``), for the group's pace."""

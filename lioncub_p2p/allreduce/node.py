@@ -73,7 +73,7 @@ from .audit import MAX_AUDIT_LEAVES, check_statements, decoded, judge, make_evid
 from .commit import (DIGEST_BYTES, MAX_HEADER_BYTES, MAX_TAG_BYTES, build_header, check_header, leaf_bytes, leaf_count,
                      leaf_of, parse_header, result_signed_bytes, root_of, statement_signed_bytes)
 from .deadline import AdaptiveDeadline
-from .punctuality import Punctuality
+from .punctuality import Punctuality, probe_round
 from .reducer import PartReduction
 from .result_delta import ResultBases, check_declared, decode_from, encode_for
 from .round import (AUDIT_MIN_RATE, MAX_FAMILY_CHARS, MAX_FIRST_FRAME_BYTES, AllReduceConfig, Caught, PartReport, PartResult,
@@ -322,7 +322,9 @@ class VoteNode:
         self._ran(state.spec)
         state.report.started, state.report.followed = started, True
         red = state.reduction
-        if red is not None and not red.closed and not red.next_offset:  # nobody sent this peer votes: no result
+        # still a reducer (the leader has not taken its part away yet): a follower on time reduces its part
+        # as any reducer; one behind finds the votes in, or nobody will send any: no result
+        if red is not None and not red.closed and not await _set_within(red.first_in, self.deadline.probe_grace()):
             state.reducing.cancel()
             outcome = red.close()
             for future in (red.result, state.direct[state.me]):
@@ -447,12 +449,15 @@ class VoteNode:
             # flat round nobody else would: the late voters get the whole upload timeout
             hinge = red.only_excused_left if state.spec.combine else asyncio.Event()
             await _first_of(red.quorum_in, hinge, max(deadline - time.perf_counter(), 0.0))
+            # a probe round waits for the excused too (followers vote in it), as long as the deadline
+            # waits for anyone at this group's pace: a follower that caught up is counted, and votes again
+            probe = probe_round(state.spec.step) and bool(red.excused)
+            grace = self.deadline.probe_grace() if probe else self.deadline.grace()
             if not red.quorum_in.is_set():
-                await asyncio.wait_for(red.quorum_in.wait(),
-                                       min(self.deadline.grace(), max(deadline - time.perf_counter(), 0.0)))
-            if not red.all_in.is_set():
-                grace = min(self.deadline.grace(), max(deadline - time.perf_counter(), 0.0))
-                await asyncio.wait_for(red.all_in.wait(), grace)
+                await asyncio.wait_for(red.quorum_in.wait(), min(grace, max(deadline - time.perf_counter(), 0.0)))
+            awaited = red.everyone_in if probe else red.all_in
+            if not awaited.is_set():
+                await asyncio.wait_for(awaited.wait(), min(grace, max(deadline - time.perf_counter(), 0.0)))
             everyone = red.complete >= set(range(len(state.spec.group))) - red.excused
             self.deadline.observe(red.last_arrival - red.quorum_time if everyone else None, red.quorum_time)
         except asyncio.TimeoutError:

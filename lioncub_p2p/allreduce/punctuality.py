@@ -9,11 +9,26 @@ is complete before the part closes); it is waited for again once it was counted 
 the others, so a caught-up peer must not need a run of such luck to be waited for again). Such a
 peer soon stops voting and follows (``swarm/follow.py``).
 
+Every ``PROBE_EVERY``-th step is a **probe round**: followers vote in it, and reducers wait for the
+excused too, as long as their deadline ever waits for anyone at the group's pace (half its step,
+``AdaptiveDeadline.probe_grace``). Without it an excused follower was counted only when its vote beat
+every awaited voter's, which a follower a sequential fetch behind the voters rarely does: a caught-up
+peer followed for tens of steps, or for the rest of the run. The price: a member that really is too
+slow (or gone, until the group drops it) costs that wait once every ``PROBE_EVERY`` rounds.
+
 Pure bookkeeping, owned by the event loop's thread: no network, bounded by the group's size.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+
+PROBE_EVERY = 4
+
+
+def probe_round(step: int) -> bool:
+    """Whether every member is waited for in this step's round (followers vote in it)."""
+    return step % PROBE_EVERY == 0
 
 
 class Punctuality:

@@ -38,6 +38,7 @@ class PartReduction:
         self.dropped: dict[int, str] = {}
         self.first_in = asyncio.Event()  # a first chunk arrived: the upload timeout runs from here
         self.all_in = asyncio.Event()
+        self.everyone_in = asyncio.Event()  # the excused too: a probe round waits for them a while
         self.quorum_in = asyncio.Event()
         # every voter not excused is counted (a dropped one does not count: a member cutting its stream must
         # not bring the close forward), the quorum is not: it can only come from the excused
@@ -115,7 +116,9 @@ class PartReduction:
             self.quorum_time = time.perf_counter()
             self.quorum_in.set()
         n = len(self.spec.group)
-        if len(self.complete) + len(self.dropped) >= n or (self.awaited_in() and len(self.complete) >= self.quorum):
+        if len(self.complete) + len(self.dropped) >= n:
+            self.everyone_in.set()
+        if self.everyone_in.is_set() or (self.awaited_in() and len(self.complete) >= self.quorum):
             self.all_in.set()
             if not self.quorum_in.is_set():
                 self.quorum_time = time.perf_counter()

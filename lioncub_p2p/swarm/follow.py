@@ -9,9 +9,10 @@ its parameters stay bitwise equal to the group's, checked by the same state dige
 It announces ``following`` in its peer record: the leader keeps it in the group but gives it no part
 to reduce, and reducers stop waiting for its votes (``allreduce/punctuality.py``).
 
-Every ``probe_every``-th round it votes once: counted in at least half of the parts, it is a voter
-again. A probe is cheap when the follower is still behind: reducers refuse a vote for a round they
-closed at its first chunk. When it falls so far behind that nobody keeps its round any more (every
+In the group's probe rounds (every ``PROBE_EVERY``-th step, ``allreduce/punctuality.py``) it votes,
+and the reducers wait for its vote as for anyone's: counted in at least half of the parts, it is a
+voter again. A probe is cheap when the follower is still behind: reducers refuse a vote for a round
+they closed at its first chunk. When it falls so far behind that nobody keeps its round any more (every
 part missing, and members say they no longer keep the round), it **skips ahead**: it downloads the state of a peer past its step, as a repair does;
 after three failed tries it stops with one line rather than train on zeros (``VotePipeline.skip_ahead``).
 
@@ -22,29 +23,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..allreduce import RoundReport
+from ..allreduce.punctuality import probe_round
 
 
 class FollowRule:
-    def __init__(self, *, late_after: int = 2, probe_every: int = 4):
-        if probe_every < 1 or late_after < 1:
-            raise ValueError("late_after and probe_every must be at least 1")
-        self.late_after, self.probe_every = late_after, probe_every
+    def __init__(self, *, late_after: int = 2):
+        if late_after < 1:
+            raise ValueError("late_after must be at least 1")
+        self.late_after = late_after
         self.following = False
         self.late = 0  # voted rounds in a row in which this peer's votes did not count
-        self.followed = 0  # rounds followed since this peer last voted
         self.rounds_followed = 0  # in all (metrics)
 
-    def follow_next(self) -> bool:
-        """Whether the next round is received without voting (else this peer votes, maybe as a probe)."""
-        return self.following and (self.followed + 1) % self.probe_every != 0
+    def follow_next(self, step: int) -> bool:
+        """Whether this step's round is received without voting (else this peer votes, maybe as a probe)."""
+        return self.following and not probe_round(step)
 
     def after(self, report: RoundReport) -> None:
         """Learn from one finished vote round of this peer."""
         if report.followed:
-            self.followed += 1
             self.rounds_followed += 1
             return
-        self.followed = 0
         others = [p for p in report.parts if p.reducer != report.peer and p.status != "empty"]
         if others and all(p.status in ("ok", "recovered") for p in others):  # a disturbed round (a reducer
             # gone, a group change) says nothing about this peer's pace

@@ -170,7 +170,7 @@ class VotePipeline:
         started = time.perf_counter()
         if self.gather is not None:  # the D-Lion baseline: everyone votes
             coro = self.gather.run_round(spec, upload, tag)
-        elif self.follow.follow_next():
+        elif self.follow.follow_next(step):
             coro = self.node.follow_round(spec, tag)
         else:  # a follower's probe vote recovers what it misses as it follows: each part once
             coro = self.node.run_round(spec, upload, tag, one_at_a_time=self.follow.following)
