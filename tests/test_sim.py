@@ -80,11 +80,16 @@ def test_short_comparison_writes_report_and_plot(tmp_path):
 def test_l1_and_hivemind_fp32_methods_train_and_move_the_bits_their_formulas_say(tmp_path):
     """The two methods no other test runs, on two peers through the user-space proxy at 1 Gbit/s (no
     shaping to speak of; its counters measure what each peer sends and receives above TCP). A fixed
-    step count, so both peers stop at the same step and their parameters can be compared."""
+    step count, so both peers stop at the same step and their parameters can be compared.
+
+    A round here takes ~0.1 s, so the timeouts are 2 s (upload) and 5 s (result), not 10 and 30:
+    hivemind's matchmaking now and then fails to pair the two peers and retries over the DHT until the
+    result timeout (seen: two 30 s stalls in 40 steps added a third to fp32's traffic); at 5 s such a
+    stall adds a few percent."""
     n, share, steps = 2, 1 / 2, 40  # the butterfly: a peer exchanges all but its own 1/n part
     results = sim_run(["--links", "1000,1000", "--shaping", "proxy", "--methods", "lioncub-l1", "hivemind-fp32",
                        "--hidden", "256", "--steps", str(steps), "--seconds", "120", "--eval-every", "0",
-                       "--out", str(tmp_path)])
+                       "--upload-timeout", "2", "--result-timeout", "5", "--out", str(tmp_path)])
     by = {r.method: r for r in results}
     l1, fp32 = by["lioncub-l1"], by["hivemind-fp32"]
     for r in (l1, fp32):
