@@ -36,6 +36,25 @@ def test_punctuality_excuses_after_rounds_in_a_row_and_takes_back_after_more():
         Punctuality(late_after=0)
 
 
+def test_probe_rounds_wait_for_a_late_member_four_times_then_at_powers_of_two_of_its_misses():
+    """A member that lags and catches up is counted within a few probes; one that never comes costs
+    the group a probe's wait a handful of times a run, not every probe round."""
+    p = Punctuality(late_after=1)
+    members = {"a", "b"}
+    p.observe({"a"}, members)
+    waited = []
+    for probe in range(1, 40):
+        waited.append("b" in p.probed())
+        p.observe({"a"}, members)  # a plain round says nothing about probes
+        p.observe({"a"}, members, probe=True)
+    assert [m for m, w in enumerate(waited) if w] == [0, 1, 2, 3, 4, 8, 16, 32]
+    assert p.late() == {"b"} and "b" not in p.probed()
+    p.observe(members, members, probe=True)  # its probe counted: waited for again, its misses forgotten
+    assert p.late() == set()
+    p.observe({"a"}, members)
+    assert p.probed() == {"b"}
+
+
 def _spec(n: int, nbytes: int = 64) -> RoundSpec:
     return RoundSpec(b"r", 1, tuple(PeerSpec(f"p{i}") for i in range(n)), nbytes, upload_codec("sign"),
                      result_codec("majority"))

@@ -242,8 +242,10 @@ class VoteNode:
                            {j: loop.create_future() for j, (a, b) in enumerate(spec.bounds) if b > a})
         if me in state.direct:
             state.reduction = self.reduction_factory(spec, me)
-            late = self._punctuality(spec).late()
-            state.reduction.excuse(frozenset(i for i, p in enumerate(spec.group) if p.peer_id in late and i != me))
+            punctuality = self._punctuality(spec)
+            late, probed = punctuality.late(), punctuality.probed() if probe_round(spec.step) else frozenset()
+            state.reduction.excuse(frozenset(i for i, p in enumerate(spec.group) if p.peer_id in late and i != me),
+                                   frozenset(i for i, p in enumerate(spec.group) if p.peer_id in probed and i != me))
             state.reducing = asyncio.create_task(self._reduce_part(state, state.reduction, state.direct[me]))
             if spec.combine and spec.combine[me] is not None:  # count other groups' margins as they come
                 self._second_level[spec.combine[me].round_id] = None
@@ -449,15 +451,12 @@ class VoteNode:
             # flat round nobody else would: the late voters get the whole upload timeout
             hinge = red.only_excused_left if state.spec.combine else asyncio.Event()
             await _first_of(red.quorum_in, hinge, max(deadline - time.perf_counter(), 0.0))
-            # a probe round waits for the excused too (followers vote in it), as long as the deadline
-            # waits for anyone at this group's pace: a follower that caught up is counted, and votes again
-            probe = probe_round(state.spec.step) and bool(red.excused)
-            grace = self.deadline.probe_grace() if probe else self.deadline.grace()
-            if not red.quorum_in.is_set():
-                await asyncio.wait_for(red.quorum_in.wait(), min(grace, max(deadline - time.perf_counter(), 0.0)))
-            awaited = red.everyone_in if probe else red.all_in
-            if not awaited.is_set():
-                await asyncio.wait_for(awaited.wait(), min(grace, max(deadline - time.perf_counter(), 0.0)))
+            # a probe round waits for excused voters too (followers vote in it), as long as the deadline waits
+            # for anyone at this group's pace: a follower lagging the group gains that much, and votes again
+            grace = self.deadline.probe_grace() if red.probed else self.deadline.grace()
+            for awaited in (red.quorum_in, red.all_in, red.probed_in):
+                if not awaited.is_set():
+                    await asyncio.wait_for(awaited.wait(), min(grace, max(deadline - time.perf_counter(), 0.0)))
             everyone = red.complete >= set(range(len(state.spec.group))) - red.excused
             self.deadline.observe(red.last_arrival - red.quorum_time if everyone else None, red.quorum_time)
         except asyncio.TimeoutError:
@@ -468,7 +467,8 @@ class VoteNode:
             outcome = await self._combine(state, red, outcome)
         group = state.spec.group
         self._punctuality(state.spec).observe({group[v].peer_id for v in red.complete},
-                                              {p.peer_id for i, p in enumerate(group) if i != state.me})
+                                              {p.peer_id for i, p in enumerate(group) if i != state.me},
+                                              probe=probe_round(state.spec.step))
         if outcome is not None and self.identity is not None:
             outcome = dataclasses.replace(outcome, signature=self.identity.sign(result_signed_bytes(outcome.header)),
                                           public_key=self.identity.public_key)

@@ -12,9 +12,11 @@ peer soon stops voting and follows (``swarm/follow.py``).
 Every ``PROBE_EVERY``-th step is a **probe round**: followers vote in it, and reducers wait for the
 excused too, as long as their deadline ever waits for anyone at the group's pace (half its step,
 ``AdaptiveDeadline.probe_grace``). Without it an excused follower was counted only when its vote beat
-every awaited voter's, which a follower a sequential fetch behind the voters rarely does: a caught-up
-peer followed for tens of steps, or for the rest of the run. The price: a member that really is too
-slow (or gone, until the group drops it) costs that wait once every ``PROBE_EVERY`` rounds.
+every awaited voter's: a follower that lags the group by a fraction of a second at the group's own
+pace never does, and followed for the rest of the run. Each wait lets it gain that much; the group
+pays about the follower's lag once. A member that really is too slow (or gone, until the group drops
+it) would cost that wait every ``PROBE_EVERY`` rounds, so after 4 probes in a row without its vote it
+is waited for only when its count of missed probes is a power of two: a handful of waits per run.
 
 Pure bookkeeping, owned by the event loop's thread: no network, bounded by the group's size.
 """
@@ -39,14 +41,19 @@ class Punctuality:
         self._missed: dict[str, int] = {}  # rounds in a row not counted
         self._counted: dict[str, int] = {}  # rounds in a row counted
         self._late: set[str] = set()
+        self._probes_missed: dict[str, int] = {}  # probe rounds in a row a late member was not counted in
 
-    def observe(self, counted: Iterable[str], expected: Iterable[str]) -> None:
+    def observe(self, counted: Iterable[str], expected: Iterable[str], *, probe: bool = False) -> None:
         """One finalized part: ``expected`` the members it could have counted (not the reducer
-        itself), ``counted`` those whose whole vote was in. Members not expected are forgotten."""
+        itself), ``counted`` those whose whole vote was in; ``probe``: a probe round. Members not
+        expected are forgotten."""
         counted, expected = set(counted), set(expected)
-        for table in (self._missed, self._counted):
+        for table in (self._missed, self._counted, self._probes_missed):
             for pid in [p for p in table if p not in expected]:
                 del table[pid]
+        if probe:
+            for pid in self._late:
+                self._probes_missed[pid] = 0 if pid in counted else self._probes_missed.get(pid, 0) + 1
         self._late &= expected
         for pid in expected:
             if pid in counted:
@@ -54,6 +61,7 @@ class Punctuality:
                 self._counted[pid] = self._counted.get(pid, 0) + 1
                 if self._counted[pid] >= self.on_time_after:
                     self._late.discard(pid)
+                    self._probes_missed.pop(pid, None)
             else:
                 self._counted[pid] = 0
                 self._missed[pid] = self._missed.get(pid, 0) + 1
@@ -63,3 +71,8 @@ class Punctuality:
     def late(self) -> frozenset[str]:
         """Members not waited for."""
         return frozenset(self._late)
+
+    def probed(self) -> frozenset[str]:
+        """Late members a probe round waits for: each until it missed 4 probes in a row, then only when
+        its count of missed probes is a power of two."""
+        return frozenset(p for p in self._late if (m := self._probes_missed.get(p, 0)) < 4 or not m & (m - 1))

@@ -38,7 +38,8 @@ class PartReduction:
         self.dropped: dict[int, str] = {}
         self.first_in = asyncio.Event()  # a first chunk arrived: the upload timeout runs from here
         self.all_in = asyncio.Event()
-        self.everyone_in = asyncio.Event()  # the excused too: a probe round waits for them a while
+        self.probed = frozenset()  # excused voters a probe round waits for a while (``punctuality.py``)
+        self.probed_in = asyncio.Event()
         self.quorum_in = asyncio.Event()
         # every voter not excused is counted (a dropped one does not count: a member cutting its stream must
         # not bring the close forward), the quorum is not: it can only come from the excused
@@ -116,9 +117,9 @@ class PartReduction:
             self.quorum_time = time.perf_counter()
             self.quorum_in.set()
         n = len(self.spec.group)
-        if len(self.complete) + len(self.dropped) >= n:
-            self.everyone_in.set()
-        if self.everyone_in.is_set() or (self.awaited_in() and len(self.complete) >= self.quorum):
+        if not self.probed - self.complete - self.dropped.keys():
+            self.probed_in.set()
+        if len(self.complete) + len(self.dropped) >= n or (self.awaited_in() and len(self.complete) >= self.quorum):
             self.all_in.set()
             if not self.quorum_in.is_set():
                 self.quorum_time = time.perf_counter()
@@ -128,9 +129,11 @@ class PartReduction:
         """Every voter not excused is counted or dropped."""
         return len(self.complete | self.dropped.keys() | self.excused) >= len(self.spec.group)
 
-    def excuse(self, voters: frozenset[int]) -> None:
-        """Stop waiting for ``voters`` (still counted if their vote completes before ``close``)."""
-        self.excused = frozenset(voters)
+    def excuse(self, voters: frozenset[int], probed: frozenset[int] = frozenset()) -> None:
+        """Stop waiting for ``voters`` (still counted if their vote completes before ``close``), except
+        a while for ``probed`` (a subset) once the others are in."""
+        self.excused, self.probed = frozenset(voters), frozenset(probed) & frozenset(voters)
+        self.probed_in.clear()
         self._check_all_in()
 
     def close(self) -> PartResult | None:
