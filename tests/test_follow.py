@@ -1,11 +1,12 @@
 """Slow peers off the critical path, without a network: punctuality, excused voters, the follow rule."""
 import asyncio
+import dataclasses
 
 import pytest
 import torch
 
 from lioncub_p2p.allreduce import PartReport, PeerSpec, RoundReport, RoundSpec
-from lioncub_p2p.allreduce.punctuality import Punctuality
+from lioncub_p2p.allreduce.punctuality import Punctuality, probe_round
 from lioncub_p2p.allreduce.reducer import PartReduction
 from lioncub_p2p.codecs import result_codec, upload_codec
 from lioncub_p2p.swarm.follow import FollowRule, link_role
@@ -53,6 +54,9 @@ def test_probe_rounds_wait_for_a_late_member_four_times_then_at_powers_of_two_of
     assert p.late() == set()
     p.observe({"a"}, members)
     assert p.probed() == {"b"}
+    vote = _spec(3)
+    assert [probe_round(dataclasses.replace(vote, step=s, family=f)) for s, f in
+            ((8, "vote"), (8, ""), (9, "vote"), (8, "momentum"), (8, "combine"))] == [True, True, False, False, False]
 
 
 def _spec(n: int, nbytes: int = 64) -> RoundSpec:

@@ -243,7 +243,7 @@ class VoteNode:
         if me in state.direct:
             state.reduction = self.reduction_factory(spec, me)
             punctuality = self._punctuality(spec)
-            late, probed = punctuality.late(), punctuality.probed() if probe_round(spec.step) else frozenset()
+            late, probed = punctuality.late(), punctuality.probed() if probe_round(spec) else frozenset()
             state.reduction.excuse(frozenset(i for i, p in enumerate(spec.group) if p.peer_id in late and i != me),
                                    frozenset(i for i, p in enumerate(spec.group) if p.peer_id in probed and i != me))
             state.reducing = asyncio.create_task(self._reduce_part(state, state.reduction, state.direct[me]))
@@ -451,16 +451,20 @@ class VoteNode:
             # flat round nobody else would: the late voters get the whole upload timeout
             hinge = red.only_excused_left if state.spec.combine else asyncio.Event()
             await _first_of(red.quorum_in, hinge, max(deadline - time.perf_counter(), 0.0))
-            # a probe round waits for excused voters too (followers vote in it), as long as the deadline waits
-            # for anyone at this group's pace: a follower lagging the group gains that much, and votes again
-            grace = self.deadline.probe_grace() if red.probed else self.deadline.grace()
-            for awaited in (red.quorum_in, red.all_in, red.probed_in):
+            for awaited in (red.quorum_in, red.all_in):
                 if not awaited.is_set():
-                    await asyncio.wait_for(awaited.wait(), min(grace, max(deadline - time.perf_counter(), 0.0)))
+                    await asyncio.wait_for(awaited.wait(), min(self.deadline.grace(),
+                                                               max(deadline - time.perf_counter(), 0.0)))
             everyone = red.complete >= set(range(len(state.spec.group))) - red.excused
+            # the spread before a probe's wait: a follower's lag must not teach the grace (the pace cap's point)
             self.deadline.observe(red.last_arrival - red.quorum_time if everyone else None, red.quorum_time)
         except asyncio.TimeoutError:
             self.deadline.observe(None)
+        if red.probed and red.quorum_in.is_set() and not red.probed_in.is_set():
+            # a probe round: excused voters (followers vote in it) get until the quorum's time plus the longest
+            # the deadline waits for anyone at this group's pace; a follower lagging the group gains that much
+            until = min(red.quorum_time + self.deadline.probe_grace(), deadline) - time.perf_counter()
+            await _set_within(red.probed_in, max(until, 0.0))
         self._emit("finalize")
         outcome = red.close()
         if outcome is not None and state.spec.combine:
@@ -468,7 +472,7 @@ class VoteNode:
         group = state.spec.group
         self._punctuality(state.spec).observe({group[v].peer_id for v in red.complete},
                                               {p.peer_id for i, p in enumerate(group) if i != state.me},
-                                              probe=probe_round(state.spec.step))
+                                              probe=probe_round(state.spec))
         if outcome is not None and self.identity is not None:
             outcome = dataclasses.replace(outcome, signature=self.identity.sign(result_signed_bytes(outcome.header)),
                                           public_key=self.identity.public_key)

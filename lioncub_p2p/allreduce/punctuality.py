@@ -9,14 +9,17 @@ is complete before the part closes); it is waited for again once it was counted 
 the others, so a caught-up peer must not need a run of such luck to be waited for again). Such a
 peer soon stops voting and follows (``swarm/follow.py``).
 
-Every ``PROBE_EVERY``-th step is a **probe round**: followers vote in it, and reducers wait for the
-excused too, as long as their deadline ever waits for anyone at the group's pace (half its step,
+Every ``PROBE_EVERY``-th step's vote round is a **probe round**: followers vote in it, and once the
+others are in, reducers wait for the excused a while longer: until the quorum's time plus the
+longest their deadline ever waits for anyone at the group's pace (half its step,
 ``AdaptiveDeadline.probe_grace``). Without it an excused follower was counted only when its vote beat
 every awaited voter's: a follower that lags the group by a fraction of a second at the group's own
 pace never does, and followed for the rest of the run. Each wait lets it gain that much; the group
 pays about the follower's lag once. A member that really is too slow (or gone, until the group drops
-it) would cost that wait every ``PROBE_EVERY`` rounds, so after 4 probes in a row without its vote it
-is waited for only when its count of missed probes is a power of two: a handful of waits per run.
+it) would cost that wait every ``PROBE_EVERY`` rounds, so after 4 probes in a row without its vote a
+reducer waits for it only when its count of missed probes is a power of two (4, 8, 16, ...): a
+handful of waits a run. A probe's late arrivals do not teach the deadline's spreads (they are the
+lateness the pace cap keeps out).
 
 Pure bookkeeping, owned by the event loop's thread: no network, bounded by the group's size.
 """
@@ -24,13 +27,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from .round import RoundSpec
+
 
 PROBE_EVERY = 4
 
 
-def probe_round(step: int) -> bool:
-    """Whether every member is waited for in this step's round (followers vote in it)."""
+def probe_step(step: int) -> bool:
+    """Whether followers vote in this step's vote round."""
     return step % PROBE_EVERY == 0
+
+
+def probe_round(spec: RoundSpec) -> bool:
+    """Whether this round waits a while for excused members: a probe step's vote round (not its
+    momentum or second-level rounds: followers never vote in those)."""
+    return probe_step(spec.step) and spec.family in ("vote", "")
 
 
 class Punctuality:
@@ -51,10 +62,10 @@ class Punctuality:
         for table in (self._missed, self._counted, self._probes_missed):
             for pid in [p for p in table if p not in expected]:
                 del table[pid]
+        self._late &= expected
         if probe:
             for pid in self._late:
                 self._probes_missed[pid] = 0 if pid in counted else self._probes_missed.get(pid, 0) + 1
-        self._late &= expected
         for pid in expected:
             if pid in counted:
                 self._missed[pid] = 0

@@ -10,8 +10,9 @@ It announces ``following`` in its peer record: the leader keeps it in the group 
 to reduce, and reducers stop waiting for its votes (``allreduce/punctuality.py``).
 
 In the group's probe rounds (every ``PROBE_EVERY``-th step, ``allreduce/punctuality.py``) it votes,
-and the reducers wait for its vote as for anyone's: counted in at least half of the parts, it is a
-voter again. A probe is cheap when the follower is still behind: reducers refuse a vote for a round
+and the reducers wait a while for its vote (up to half the group's step after the quorum, with a
+back-off for a member that never makes it): counted in at least half of the parts, it is a voter
+again. A probe is cheap when the follower is still behind: reducers refuse a vote for a round
 they closed at its first chunk. When it falls so far behind that nobody keeps its round any more (every
 part missing, and members say they no longer keep the round), it **skips ahead**: it downloads the state of a peer past its step, as a repair does;
 after three failed tries it stops with one line rather than train on zeros (``VotePipeline.skip_ahead``).
@@ -23,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..allreduce import RoundReport
-from ..allreduce.punctuality import probe_round
+from ..allreduce.punctuality import probe_step
 
 
 class FollowRule:
@@ -37,7 +38,7 @@ class FollowRule:
 
     def follow_next(self, step: int) -> bool:
         """Whether this step's round is received without voting (else this peer votes, maybe as a probe)."""
-        return self.following and not probe_round(step)
+        return self.following and not probe_step(step)
 
     def after(self, report: RoundReport) -> None:
         """Learn from one finished vote round of this peer."""
