@@ -692,6 +692,29 @@ def test_a_follower_still_reducing_a_part_counts_the_votes_that_come_after_it_st
         assert swarm.reports[2].parts[2].counted == [0, 1]
 
 
+@pytest.mark.slow  # ~10 s: the absent peers' parts are asked for until the join timeout
+def test_a_follower_behind_still_holding_a_part_waits_only_briefly_for_votes_nobody_sends():
+    """Peer 2 follows while it still reduces part 2, and no vote comes (peers 0 and 1 are past this
+    round). On time, it waits up to the probe's half step for a first vote; once a member asked it for a
+    later step (it is behind: votes for this round were held for it, or will never come) only the short
+    grace: a follower behind must not fall further behind each round until the leader takes its part."""
+    async def absent(node, spec, codes):
+        pass
+
+    with LocalSwarm(3) as swarm:
+        follower = swarm.nodes[2]
+        follower.deadline = AdaptiveDeadline(min_grace=0.05, max_grace=2.0)
+        follower.deadline.spreads.extend([0.01] * 30)
+        follower.deadline.intervals.extend([2.0] * 30)
+        codes = _codes("sign", 3, 8 * 512, seed=45)
+        waited = []
+        for step, asked in ((1, 1), (2, 5)):
+            follower.asked_step["vote"] = asked
+            swarm.allreduce(codes, step=step, family="vote", follow={2: 0.0}, behaviors={0: absent, 1: absent})
+            waited.append(swarm.reports[2].timings["results"])
+        assert waited[0] > 0.9 and waited[1] < 0.5, waited
+
+
 def test_a_probe_round_waits_for_a_follower_that_the_other_rounds_leave_out():
     """Peer 3 follows three rounds, so the reducers stop waiting for it. Its vote 0.4 s behind the
     others' is then left out of a plain round (closed as soon as peers 0-2 are in), but counted in a

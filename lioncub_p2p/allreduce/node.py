@@ -325,8 +325,11 @@ class VoteNode:
         state.report.started, state.report.followed = started, True
         red = state.reduction
         # still a reducer (the leader has not taken its part away yet): a follower on time reduces its part
-        # as any reducer; one behind finds the votes in, or nobody will send any: no result
-        if red is not None and not red.closed and not await _set_within(red.first_in, self.deadline.probe_grace()):
+        # as any reducer. One behind (a member already asked it for a later step) finds the votes in, held
+        # for it since, or nobody will send any: a short wait, then no result
+        behind = self.asked_step.get(spec.family, -1) > spec.step
+        wait = self.deadline.grace() if behind else self.deadline.probe_grace()
+        if red is not None and not red.closed and not await _set_within(red.first_in, wait):
             state.reducing.cancel()
             outcome = red.close()
             for future in (red.result, state.direct[state.me]):
