@@ -44,17 +44,22 @@ class AdaptiveDeadline:
             return min(max(self.initial_grace, self.min_grace), self.max_grace)
         p90 = statistics.quantiles(self.spreads, n=10)[-1] if len(self.spreads) >= 2 else self.spreads[0]
         grace = self.margin * p90
-        if len(self.intervals) >= 3:
-            grace = min(grace, max(self.pace_share * statistics.median(self.intervals), self.pace_floor))
+        cap = self._pace_cap()
+        if cap is not None:
+            grace = min(grace, cap)
         return min(max(grace, self.min_grace), self.max_grace)
 
     def probe_grace(self) -> float:
         """The longest this deadline waits for anyone at the group's pace: a probe round's wait for
         members not otherwise waited for (``punctuality.py``)."""
+        cap = self._pace_cap()
+        return self.grace() if cap is None else min(max(self.grace(), cap), self.max_grace)
+
+    def _pace_cap(self) -> float | None:
+        """``pace_share`` of the group's pace, at least ``pace_floor``; None before 3 intervals."""
         if len(self.intervals) < 3:
-            return self.grace()
-        pace = max(self.pace_share * statistics.median(self.intervals), self.pace_floor)
-        return min(max(self.grace(), pace), self.max_grace)
+            return None
+        return max(self.pace_share * statistics.median(self.intervals), self.pace_floor)
 
     def observe(self, spread: float | None, quorum_at: float | None = None) -> None:
         """Record a round: the quorum-to-last-vote time, or None if some vote never came; and when

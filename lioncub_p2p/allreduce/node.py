@@ -243,9 +243,12 @@ class VoteNode:
         if me in state.direct:
             state.reduction = self.reduction_factory(spec, me)
             punctuality = self._punctuality(spec)
-            late, probed = punctuality.late(), punctuality.probed() if probe_round(spec) else frozenset()
-            state.reduction.excuse(frozenset(i for i, p in enumerate(spec.group) if p.peer_id in late and i != me),
-                                   frozenset(i for i, p in enumerate(spec.group) if p.peer_id in probed and i != me))
+
+            def others(ids: frozenset[str]) -> frozenset[int]:
+                return frozenset(i for i, p in enumerate(spec.group) if p.peer_id in ids and i != me)
+
+            state.reduction.excuse(others(punctuality.late()),
+                                   others(punctuality.probed()) if probe_round(spec) else frozenset())
             state.reducing = asyncio.create_task(self._reduce_part(state, state.reduction, state.direct[me]))
             if spec.combine and spec.combine[me] is not None:  # count other groups' margins as they come
                 self._second_level[spec.combine[me].round_id] = None
