@@ -377,6 +377,76 @@ def test_a_reducer_that_sends_its_group_another_result_than_the_second_levels_is
                    for i in catchers)
 
 
+def test_owed_margins_recounts_opened_votes_as_numpy_does_and_refuses_a_bad_opening():
+    """``audit.owed_margins`` against numpy: the codes of 2c - v + s for a byte range of a part, from
+    counted voters' leaves opened against the roots a reducer signed (what a group's voter holds its
+    reducer to in a two-level vote); a code that does not open its root is no recount."""
+    from lioncub_p2p.allreduce import PeerSpec, RoundSpec
+    from lioncub_p2p.allreduce.audit import first_level_leaves, owed_margins
+    from lioncub_p2p.allreduce.commit import MerkleTree, build_header, leaf_of, parse_header
+    from lioncub_p2p.wire import WireError, pb
+
+    n, bits = 7, 4
+    spec = RoundSpec(b"r" * 16, 3, tuple(PeerSpec(f"p{i}") for i in range(n)), 7 * 4096)
+    a, b = spec.bounds[0]
+    votes = np.random.default_rng(31).integers(0, 256, (n, b - a), dtype=np.uint8)  # the voters' codes of part 0
+    counted = [0, 1, 2, 4, 5, 6]  # voter 3 missed the round
+    leaf = parse_header(build_header(spec, 0, counted, [b"x" * 16] * len(counted), b"", 0, b"")).leaf_bytes
+    trees = {v: MerkleTree(votes[v][None, :], leaf) for v in counted}
+    header = parse_header(build_header(spec, 0, counted, [trees[v].root for v in counted], b"", 0, b""))
+    x, y = 2 * leaf + 8, 4 * leaf - 8  # straddles two leaves
+    leaves = first_level_leaves(header, x, y)
+    assert leaf >= 16 and leaves == [2, 3]
+    openings = {k: [pb.AuditAnswer(leaf=k, voter=v, codes=leaf_of(votes[v][None, :], leaf, k), path=trees[v].path(k))
+                    for v in counted] for k in leaves}
+    got = owed_margins(header, openings, bits, x, y)
+    c = np.unpackbits(votes[counted][:, x:y], axis=1, bitorder="little").sum(axis=0).astype(np.int64)
+    margin = 2 * c - len(counted) + (1 << (bits - 1)) - 1
+    want = np.stack([np.packbits((margin >> b) & 1, bitorder="little") for b in range(bits)])
+    assert got == want.tobytes()
+    openings[3][1].codes = bytes([openings[3][1].codes[0] ^ 1]) + openings[3][1].codes[1:]
+    with pytest.raises(WireError, match="do not open"):
+        owed_margins(header, openings, bits, x, y)
+
+
+@pytest.mark.slow
+def test_a_reducer_that_sends_the_second_level_other_margins_than_its_groups_counts_is_caught_by_its_voters():
+    """A group's reducer that votes other margins at the second level than its group's counts (here:
+    every position all for), while it gives its group the second level's true result, passes the slice
+    comparison; its group's voters open one margin leaf at the slice's combiner (signed by the reducer
+    in its statement) and the votes behind it at the reducer, recount, and report it. In the honest
+    round before, nobody is reported."""
+    from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
+
+    n, nbytes = 13, 4096
+    stack = _votes(n, nbytes, seed=25)
+    config = dataclasses.replace(FAST_CONFIG, audits_per_round=2, slice_audit_rate=1.0)
+    with LocalSwarm(n, config=config) as swarm:
+        ids = [p.peer_id for p in swarm.group]
+        layout = hierarchy.two_level_layout(ids, 0, nbytes, max_size=4)
+        group = next(g for g in layout.groups if len(g) == 3)
+        liar = swarm.nodes[ids.index(group[1])]
+        swarm.two_level(list(stack), max_size=4, step=1, seed=5)
+        swarm.settle_audits()
+        assert not any(node.caught for node in swarm.nodes)  # honest margins: every recount agrees...
+        assert sum(node.margins_checked for node in swarm.nodes) >= n  # ...and there were recounts (2 per voter here)
+        run_round = liar.run_round
+
+        async def lying_run_round(spec, upload, tag=b"", **kwargs):
+            if spec.second_level:
+                s = (1 << (spec.upload.bits - 1)) - 1
+                upload = codecs.pack_planes(torch.full((8 * spec.nbytes,), 2 * s), spec.upload.bits)
+            return await run_round(spec, upload, tag, **kwargs)
+
+        liar.run_round = lying_run_round
+        swarm.two_level(list(stack), max_size=4, step=2, seed=5)
+        swarm.settle_audits()
+        catchers = {i for i, node in enumerate(swarm.nodes) if node.caught}
+        assert catchers == {ids.index(pid) for pid in group if pid != group[1]}
+        assert all(set(swarm.nodes[i].caught) == {group[1]} and swarm.nodes[i].caught[group[1]].kind == "misrepresented"
+                   and "margins" in swarm.nodes[i].caught[group[1]].reason for i in catchers)
+
+
 @pytest.mark.slow
 def test_a_combiner_serving_auditors_another_slice_gets_no_honest_reducer_accused(caplog):
     """A combiner that signs a second version of its slice and serves it to auditors (not to the other

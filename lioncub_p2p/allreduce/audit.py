@@ -30,6 +30,7 @@ from ..codecs import (FP8_BLOCK, AverageResult, Bf16Upload, Fp8Upload, L1Upload,
 from ..identity import Verifier, peer_id_of
 from ..ops import unpack_signs
 from ..wire import PROTOCOL_VERSION, WireError, pb
+from .hierarchy import margin_codes
 from .commit import leaf_count, parse_header, result_signed_bytes, statement_signed_bytes, verify_path
 
 MAX_AUDIT_LEAVES = 8
@@ -115,19 +116,53 @@ def agrees(upload: UploadCodec, got: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.equal(got, want)
 
 
-def judge(header: pb.ResultHeader, wire: bytes, k: int, answers: list[pb.AuditAnswer]) -> str | None:
-    """Why the opened leaf k convicts the reducer (a recount that differs from its result), or None if it
-    agrees. Raises WireError when the answers do not open the leaf against the signed roots."""
-    upload, result = codecs_of(header)
+def check_openings(header: pb.ResultHeader, planes: int, k: int, answers: list[pb.AuditAnswer]) -> None:
+    """Raises WireError unless ``answers`` open leaf k of every counted voter against the signed roots."""
     count = leaf_count(header.stop - header.start, header.leaf_bytes)
     a, b = leaf_span(header, k)
     if not 0 <= k < count or len(answers) != len(header.counted):
         raise WireError(f"audit answer for leaf {k} of {count} with {len(answers)} of {len(header.counted)} voters")
     for answer, voter, root in zip(answers, header.counted, header.roots):
-        if answer.voter != voter or answer.leaf != k or len(answer.codes) != upload.planes * (b - a):
+        if answer.voter != voter or answer.leaf != k or len(answer.codes) != planes * (b - a):
             raise WireError(f"audit answer for voter {answer.voter}, leaf {answer.leaf} is not the one asked")
         if not verify_path(root, answer.codes, k, count, list(answer.path)):
             raise WireError(f"voter {voter}'s codes in leaf {k} do not open its signed root")
+
+
+def first_level_leaves(first: pb.ResultHeader, x: int, y: int) -> list[int]:
+    """The leaves of a group's round that hold bytes [x, y) of its part."""
+    return list(range(x // first.leaf_bytes, (y - 1) // first.leaf_bytes + 1))
+
+
+def owed_margins(first: pb.ResultHeader, openings: dict[int, list[pb.AuditAnswer]], bits: int, x: int,
+                 y: int) -> bytes:
+    """The margin codes (``hierarchy.margin_codes``, plane-major, ``bits`` planes of y - x bytes) that a
+    group's reducer owes the second level for bytes [x, y) of its part, recounted from its counted voters'
+    codes in the leaves ``first_level_leaves(first, x, y)``, each checked against the roots it signed in
+    its group's result header ``first``. Raises WireError when an opening does not verify."""
+    leaves = first_level_leaves(first, x, y)
+    if sorted(openings) != leaves:
+        raise WireError(f"openings of leaves {sorted(openings)[:8]}, not {leaves[:8]}")
+    upload, _ = codecs_of(first)
+    if not isinstance(upload, SignUpload):
+        raise WireError("a two-level vote's groups vote signs")
+    for k in leaves:
+        check_openings(first, 1, k, openings[k])
+    lo, hi = leaf_span(first, leaves[0])[0], leaf_span(first, leaves[-1])[1]
+    tally = upload.tally(hi - lo, first.group_size)
+    for i, voter in enumerate(first.counted):
+        codes = b"".join(openings[k][i].codes for k in leaves)
+        tally.add(voter, torch.frombuffer(bytearray(codes), dtype=torch.uint8).view(1, hi - lo), 0)
+    margins = margin_codes(tally.tally.planes(), len(first.counted), bits)
+    return np.ascontiguousarray(margins.numpy()[:, x - lo : y - lo]).tobytes()
+
+
+def judge(header: pb.ResultHeader, wire: bytes, k: int, answers: list[pb.AuditAnswer]) -> str | None:
+    """Why the opened leaf k convicts the reducer (a recount that differs from its result), or None if it
+    agrees. Raises WireError when the answers do not open the leaf against the signed roots."""
+    upload, result = codecs_of(header)
+    a, b = leaf_span(header, k)
+    check_openings(header, upload.planes, k, answers)
     want = recount(header, upload, result, k, [answer.codes for answer in answers])
     got = decoded(header, result, upload, wire)[_element_span(upload, a, b)]
     if agrees(upload, got, want):

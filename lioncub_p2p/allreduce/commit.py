@@ -22,7 +22,6 @@ from typing import Sequence
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from ..codecs import is_values
 from ..wire import WireError, pb
 from .partition import quorum
 from .round import RoundSpec, result_wire, upload_wire
@@ -178,9 +177,9 @@ def check_header(spec: RoundSpec, part: int, raw: bytes) -> pb.ResultHeader:
         raise WireError("result header describes another round, part or encoding")
     if spec.result.name == "trimmed_mean" and header.trim != np.float32(spec.result.trim):
         raise WireError("result header has another trim fraction")
-    if is_values(spec.upload):
+    if spec.signs_votes:
         if header.statements and len(header.statements) != len(header.counted):
-            raise WireError("momentum result without a statement for each counted voter")
+            raise WireError("result without a statement for each counted voter")
     elif header.statements:
         raise WireError("statements in a vote round's result")
     return header

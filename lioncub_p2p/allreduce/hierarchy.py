@@ -49,8 +49,9 @@ A run votes two-level when its manifest sets ``max_group`` (``Swarm._two_level_s
 the group record's members and epoch). Each group's reducer votes its group's state tag at the second
 level, and ``group_tag`` tells a group that diverged as a whole (``docs/protocol.md``).
 A voter audits a first-level result by comparing a slice of it with the combiners' signed slice
-(``VoteNode._compare_with_second_level``); not built: a check that a reducer's margins are its
-group's counts.
+(``VoteNode._compare_with_second_level``), then the margins its reducer sent up with a recount of
+the group's votes at the same positions (``VoteNode._check_margins``; each reducer signs its margins'
+root in the second-level round, ``RoundSpec.second_level``).
 ``benchmarks/two_level_wire.py`` times both kinds of round side by side on loopback.
 """
 from __future__ import annotations
@@ -138,7 +139,7 @@ def two_level_specs(round_id: bytes, step: int, layout: TwoLevelLayout, nbytes: 
     bits = margin_bits(max(len(g) for g in layout.groups))
     combine = tuple(RoundSpec(derived("part", k), step, tuple(PeerSpec(g[k]) for g in layout.groups), b - a,
                               codecs.L1Upload(bits), codecs.MajorityResult(), seed, family=family and "combine",
-                              tie_offset=a) for k, (a, b) in enumerate(layout.parts))
+                              tie_offset=a, second_level=True) for k, (a, b) in enumerate(layout.parts))
     specs = {}
     for q, group_ids in enumerate(layout.groups):
         flags = [members[pid] if members is not None else PeerSpec(pid) for pid in group_ids]

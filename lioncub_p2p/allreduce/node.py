@@ -69,7 +69,8 @@ from ..wire.gate import StreamGate, guard
 from . import hierarchy
 from .admission import OPEN, Admission
 from .archive import FORGOTTEN, RoundArchive
-from .audit import MAX_AUDIT_LEAVES, check_statements, decoded, judge, make_evidence, value_bound
+from .audit import (MAX_AUDIT_LEAVES, check_openings, check_statements, decoded, first_level_leaves, judge, leaf_span,
+                    make_evidence, owed_margins, value_bound)
 from .commit import (DIGEST_BYTES, MAX_HEADER_BYTES, MAX_TAG_BYTES, build_header, check_header, leaf_bytes, leaf_count,
                      leaf_of, parse_header, result_signed_bytes, root_of, statement_signed_bytes)
 from .deadline import AdaptiveDeadline
@@ -100,6 +101,10 @@ class BadOpening(WireError):
 
 class Unreachable(Exception):
     """The reducer to audit cannot be dialed (it left or died): no verdict."""
+
+
+class TurnMissed(Exception):
+    """An audit whose turn (one at a time per audited peer) did not come in time: not asked."""
 
 
 @dataclass
@@ -165,6 +170,7 @@ class VoteNode:
         self._audit_turns: dict[str, asyncio.Lock] = {}  # one audit at a time per reducer (its stream cap is 2)
         self._audit_users: Counter[str] = Counter()
         self.audits_expired = 0  # audits not asked within half the window (a slow queue): not counted against anyone
+        self.margins_checked = 0  # two-level: reducers' margins recounted from their group's votes (``_check_margins``)
         self.archive = RoundArchive(self.config.audit_window_s, self.config.audit_keep_bytes)
         self.bases = ResultBases()  # complete majority results, for results sent as deltas
         self.caught: dict[str, Caught] = {}  # every reducer this peer caught, by peer id (the first proof)
@@ -293,7 +299,7 @@ class VoteNode:
         roots = {j: root_of(codes[:, a:b], leaf_bytes(b - a, spec.upload.planes))
                  for j, (a, b) in enumerate(spec.bounds) if b > a}
         statements = {j: self._statement(spec, j, upload, roots[j]) for j in roots} \
-            if is_values(spec.upload) and self.identity is not None else {}
+            if spec.signs_votes and self.identity is not None else {}
         red = state.reduction
         if red is not None and not red.closed:
             a, b = spec.bounds[me]
@@ -386,8 +392,10 @@ class VoteNode:
 
     def _statement(self, spec: RoundSpec, j: int, upload: torch.Tensor, root: bytes) -> pb.VoterStatement:
         a, b = spec.bounds[j]
-        values = spec.upload.decode(upload[0, a:b])
-        max_abs = float(values.abs().max()) if values.numel() else 0.0
+        max_abs = 0.0  # a second level's margins are bounded by their codec
+        if is_values(spec.upload):
+            values = spec.upload.decode(upload[0, a:b])
+            max_abs = float(values.abs().max()) if values.numel() else 0.0
         signature = self.identity.sign(statement_signed_bytes(spec.round_id, j, root, max_abs))
         return pb.VoterStatement(root=root, max_abs=max_abs, signature=signature, public_key=self.identity.public_key)
 
@@ -678,6 +686,8 @@ class VoteNode:
                                     f"bound {bound:.3g} its counted voters signed")
             elif self.identity is not None:
                 raise WireError("momentum result without its voters' signed statements")
+        elif spec.second_level and self.identity is not None and not header.statements:
+            raise WireError("second-level result without its voters' signed statements")
 
     def _outcome_for(self, state: RoundState, voter: int, outcome: PartResult) -> PartResult:
         """The result sent to ``voter``: the same for everyone (simulations override it to lie to one)."""
@@ -965,6 +975,78 @@ class VoteNode:
             got = None
         if got is None:
             self.audits_expired += 1
+            return
+        try:
+            await asyncio.wait_for(self._check_margins(state, j, outcome, q, got[1]), self.config.audit_window_s / 2)
+        except asyncio.TimeoutError:
+            self.audits_expired += 1
+
+    async def _check_margins(self, state: RoundState, j: int, outcome: PartResult, q: int, piece: PartResult) -> None:
+        """After a slice compared equal: do the margins part j's reducer sent the second level match its
+        group's votes? Slice q's combiner committed to each counted reducer's margin codes, each signed by
+        that reducer (its statement in the slice's header: a combiner cannot put other margins in its
+        name). One margin leaf, chosen privately, is opened by the combiner; the reducer opens its
+        counted voters' codes for the same positions against the roots it signed for its group; the
+        recount (``audit.owed_margins``: 2c - v + s) must equal what it sent. A mismatch or an opening
+        that does not verify is reported (a suspicion); a reducer that does not answer counts as in
+        ``_audit``; a combiner that does not open is no verdict on the reducer."""
+        spec, combine = state.spec, state.spec.combine[j]
+        reducer = spec.group[j].peer_id
+        first, second = parse_header(outcome.header), parse_header(piece.header)
+        r = combine.index_of(reducer)
+        if r not in second.counted:
+            return  # its group's margins were not counted in this slice: nothing of them to check
+        pos = list(second.counted).index(r)
+        statement = second.statements[pos] if len(second.statements) == len(second.counted) else None
+        if statement is None or statement.root != second.roots[pos] or not self.verifier.verify(
+                reducer, statement.public_key, statement_signed_bytes(second.round_id, second.part, statement.root,
+                                                                      statement.max_abs), statement.signature):
+            logger.warning("round %s part %d: slice %d's header does not carry reducer %s's signed margins: no "
+                           "margins check", spec.round_id.hex()[:12], j, q, reducer)
+            return
+        k2 = self.audit_rng.randrange(leaf_count(second.stop - second.start, second.leaf_bytes))
+        a2, b2 = leaf_span(second, k2)
+        x, y = second.start + a2, second.start + b2  # the leaf's bytes of part j
+        leaves = first_level_leaves(first, x, y)
+        if len(leaves) > MAX_AUDIT_LEAVES:  # more than one audit may ask (never with the leaf sizes of commit.py)
+            return
+        combiner = combine.group[q].peer_id
+        try:
+            async with self._audit_turn(combiner, self.config.audit_window_s / 4):
+                opened = await asyncio.wait_for(self._ask_audit(combine, q, [k2], len(second.counted)),
+                                                self._audit_deadline(combine, second, 1))
+            check_openings(second, combine.upload.planes, k2, opened[k2])
+        except (TurnMissed, Unreachable, asyncio.TimeoutError, WireError, *NETWORK_ERRORS) as e:
+            logger.info("round %s part %d: combiner %s did not open slice %d's margins (%s): no margins check",
+                        spec.round_id.hex()[:12], j, combiner, q, type(e).__name__)
+            return
+        sent = opened[k2][pos].codes
+        direct = state.received.get(j, (0.0, False))[1]
+        try:
+            async with self._audit_turn(reducer, self.config.audit_window_s / 4):
+                votes = await asyncio.wait_for(self._ask_audit(spec, j, leaves, len(first.counted)),
+                                               self._audit_deadline(spec, first, len(leaves)))
+            try:
+                owed = owed_margins(first, votes, second.upload_bits, x, y)
+            except WireError as e:
+                raise BadOpening(str(e)) from e
+        except (TurnMissed, Unreachable) as e:
+            logger.info("round %s part %d: reducer %s not asked for its votes: %s", spec.round_id.hex()[:12], j,
+                        reducer, type(e).__name__)
+            return
+        except (asyncio.TimeoutError, WireError, *NETWORK_ERRORS) as e:
+            if direct or isinstance(e, BadOpening):
+                self._convict(Caught(reducer, spec.round_id, j, "unanswered",
+                                     f"round {spec.round_id.hex()[:12]} part {j}: did not open the votes behind its "
+                                     f"margins ({type(e).__name__}: {e})"))
+            return
+        self.margins_checked += 1
+        if owed != sent:
+            differ = int(np.count_nonzero(np.frombuffer(owed, np.uint8) != np.frombuffer(sent, np.uint8)))
+            self._convict(Caught(reducer, spec.round_id, j, "misrepresented",
+                                 f"round {spec.round_id.hex()[:12]} part {j}: the margins it sent slice {q} of the "
+                                 f"second level differ from its counted votes in {differ} of {len(owed)} bytes "
+                                 f"of leaf {k2}"))
 
     async def _audit(self, state: RoundState, j: int, outcome: PartResult, header: pb.ResultHeader,
                      leaves: list[int]) -> None:
@@ -978,23 +1060,11 @@ class VoteNode:
         reducer = spec.group[j].peer_id
         received_at, direct = state.received.get(j, (time.monotonic(), False))
         ask_by = received_at + self.config.audit_window_s / 2
-        turn = self._audit_turns.setdefault(reducer, asyncio.Lock())
-        self._audit_users[reducer] += 1
         verdict = "ok"
         try:
-            try:
-                await asyncio.wait_for(turn.acquire(), max(ask_by - time.monotonic(), 0.0))
-            except asyncio.TimeoutError:
-                self.audits_expired += 1
-                logger.info("round %s part %d: audit not asked within %.0f s of the result: dropped",
-                            spec.round_id.hex()[:12], j, self.config.audit_window_s / 2)
-                state.report.audit = (j, j, "expired")
-                return
-            try:
+            async with self._audit_turn(reducer, ask_by - time.monotonic()):
                 answers = await asyncio.wait_for(self._ask_audit(spec, j, leaves, len(header.counted)),
                                                  self._audit_deadline(spec, header, len(leaves)))
-            finally:
-                turn.release()
             for k in leaves:
                 try:
                     reason = judge(header, outcome.wire, k, answers[k])
@@ -1007,6 +1077,12 @@ class VoteNode:
                                          f"round {spec.round_id.hex()[:12]} part {j}: {reason}", evidence))
                     verdict = "lie"
                     break
+        except TurnMissed:
+            self.audits_expired += 1
+            logger.info("round %s part %d: audit not asked within %.0f s of the result: dropped",
+                        spec.round_id.hex()[:12], j, self.config.audit_window_s / 2)
+            state.report.audit = (j, j, "expired")
+            return
         except asyncio.CancelledError:
             return
         except Unreachable as e:
@@ -1025,12 +1101,28 @@ class VoteNode:
         except Exception as e:  # a bug here must not look like a lie
             logger.warning("audit of part %d failed: %s: %s", j, type(e).__name__, e)
             return
-        finally:
-            self._audit_users[reducer] -= 1
-            if self._audit_users[reducer] <= 0:
-                del self._audit_users[reducer]
-                self._audit_turns.pop(reducer, None)
         state.report.audit = (j, j, verdict)
+
+    @contextlib.asynccontextmanager
+    async def _audit_turn(self, peer: str, wait_s: float):
+        """One audit of ``peer`` at a time (its audit stream cap is 2): enters once this one's turn came,
+        raises ``TurnMissed`` when it did not come within ``wait_s``."""
+        turn = self._audit_turns.setdefault(peer, asyncio.Lock())
+        self._audit_users[peer] += 1
+        try:
+            try:
+                await asyncio.wait_for(turn.acquire(), max(wait_s, 0.0))
+            except asyncio.TimeoutError:
+                raise TurnMissed(peer) from None
+            try:
+                yield
+            finally:
+                turn.release()
+        finally:
+            self._audit_users[peer] -= 1
+            if self._audit_users[peer] <= 0:
+                del self._audit_users[peer]
+                self._audit_turns.pop(peer, None)
 
     def _audit_deadline(self, spec: RoundSpec, header: pb.ResultHeader, leaves: int) -> float:
         """``audit_timeout`` plus the answer's transfer at ``AUDIT_MIN_RATE`` (a slow link is no lie)."""
@@ -1197,14 +1289,15 @@ class VoteNode:
 
     def _take_statement(self, state: RoundState, red: PartReduction, voter: int, peer: str,
                         chunk: pb.VoteChunk) -> None:
-        """Momentum rounds: the voter's signed root and bound (required from everyone when this peer signs)."""
-        if not is_values(state.spec.upload):
+        """Momentum and second-level rounds: the voter's signed root (and bound; required from everyone when
+        this peer signs)."""
+        if not state.spec.signs_votes:
             if chunk.HasField("statement"):
                 raise WireError("a statement in a vote round")
             return
         if not chunk.HasField("statement"):
             if self.identity is not None:
-                raise WireError("momentum votes without the voter's signed statement")
+                raise WireError("votes without the voter's signed statement")
             return
         st = chunk.statement
         if not np.isfinite(st.max_abs) or st.max_abs < 0 or len(st.root) != DIGEST_BYTES:
@@ -1318,8 +1411,9 @@ class VoteNode:
             await close_after_reply(reader, writer)
 
     def _check_asker(self, spec: RoundSpec, peer: str) -> None:
-        """Members ask for their round's results; a second-level round's slices go to any admitted peer
-        (the voters of a group whose reducer failed assemble their part from them, ``_recover_combined``)."""
+        """Members ask for their round's results and audits; a second-level round's slices and openings go
+        to any admitted peer (the voters of a group whose reducer failed assemble their part from them,
+        ``_recover_combined``; a group's voters open their reducer's margins, ``_check_margins``)."""
         if spec.round_id not in self._second_level:
             spec.index_of(peer)
 
@@ -1346,7 +1440,7 @@ class VoteNode:
             if found is None:
                 raise WireError("unknown or forgotten round")
             spec, red = found
-            spec.index_of(peer)
+            self._check_asker(spec, peer)
             if red is None or req.part != red.part or red.outcome is None or not red.trees:
                 raise WireError(f"no result of part {req.part} here")
             leaf = leaf_bytes(red.nbytes, spec.upload.planes)

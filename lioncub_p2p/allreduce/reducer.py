@@ -79,7 +79,7 @@ class PartReduction:
             raise WireError(f"chunk ends at {offset + length} of {self.nbytes} bytes but last={last}")
         if not last and length % 8:
             raise WireError(f"a non-final chunk of {length} bytes is not a multiple of 8")
-        if voter in self.statements and length % self.spec.upload.align == 0:
+        if voter in self.statements and is_values(self.spec.upload) and length % self.spec.upload.align == 0:
             values = self.spec.upload.decode(codes)
             if values.numel() and float(values.abs().max()) > self.statements[voter].max_abs:
                 raise WireError(f"values above the bound {self.statements[voter].max_abs} the voter signed")
@@ -150,8 +150,7 @@ class PartReduction:
             self.votes[voter] = self._codes_of(voter)
             self.trees[voter] = MerkleTree(self.votes[voter], leaf)
             statement = self.statements.get(voter)
-            if is_values(self.spec.upload) and statement is not None \
-                    and statement.root != self.trees[voter].root:
+            if statement is not None and statement.root != self.trees[voter].root:
                 self._remove(voter, "codes do not match the root it signed")
                 del self.votes[voter], self.trees[voter]
         self.closed = True

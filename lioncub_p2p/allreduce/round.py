@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..codecs import Bf16Upload, Fp8Upload, MajorityResult, ResultCodec, SignUpload, UploadCodec
+from ..codecs import Bf16Upload, Fp8Upload, MajorityResult, ResultCodec, SignUpload, UploadCodec, is_values
 from ..wire import MAX_CHUNK_BYTES, WireError, pb
 from .partition import PeerSpec, part_bounds, quorum
 
@@ -145,6 +145,9 @@ class RoundSpec:
     # k runs with its group's counts, whose result it returns as part k's; () for a one-level round.
     combine: tuple["RoundSpec | None", ...] = ()
     tie_offset: int = 0  # where this buffer starts in the (seed, step) tie stream: a part of a larger one
+    # a two-level vote's second-level round (``hierarchy.two_level_specs``): its voters are the groups'
+    # reducers, and each signs the root of its margins (``signs_votes``), which binds them to it
+    second_level: bool = False
 
     def __post_init__(self) -> None:
         ids = [p.peer_id for p in self.group]
@@ -165,6 +168,13 @@ class RoundSpec:
     @property
     def bounds(self) -> list[tuple[int, int]]:
         return self._bounds  # type: ignore[attr-defined]
+
+    @property
+    def signs_votes(self) -> bool:
+        """Each voter signs a statement of its codes' root (``pb.VoterStatement``): in momentum rounds with
+        the bound of its values; in a second-level round so that a group's voters can hold its reducer
+        to the margins it sent (``VoteNode._check_margins``)."""
+        return is_values(self.upload) or self.second_level
 
     @property
     def quorum(self) -> int:
