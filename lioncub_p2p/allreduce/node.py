@@ -980,6 +980,8 @@ class VoteNode:
             await asyncio.wait_for(self._check_margins(state, j, outcome, q, got[1]), self.config.audit_window_s / 2)
         except asyncio.TimeoutError:
             self.audits_expired += 1
+        except Exception as e:  # a bug here must not look like a lie
+            logger.warning("margins check of part %d failed: %s: %s", j, type(e).__name__, e)
 
     async def _check_margins(self, state: RoundState, j: int, outcome: PartResult, q: int, piece: PartResult) -> None:
         """After a slice compared equal: do the margins part j's reducer sent the second level match its
@@ -989,13 +991,18 @@ class VoteNode:
         counted voters' codes for the same positions against the roots it signed for its group; the
         recount (``audit.owed_margins``: 2c - v + s) must equal what it sent. A mismatch or an opening
         that does not verify is reported (a suspicion); a reducer that does not answer counts as in
-        ``_audit``; a combiner that does not open is no verdict on the reducer."""
+        ``_audit``; a combiner that does not open is no verdict on the reducer, unless it is the reducer
+        itself (it combines its own group's slice of the part). Both are asked within half the audit
+        window from the result's arrival, as ``_audit`` asks (later, an honest peer may have forgotten
+        the round)."""
         spec, combine = state.spec, state.spec.combine[j]
         reducer = spec.group[j].peer_id
         first, second = parse_header(outcome.header), parse_header(piece.header)
         r = combine.index_of(reducer)
         if r not in second.counted:
             return  # its group's margins were not counted in this slice: nothing of them to check
+        if not second.statements:
+            return  # an unsigned swarm's (a node with an identity refuses such a slice, ``_check_result``)
         pos = list(second.counted).index(r)
         statement = second.statements[pos] if len(second.statements) == len(second.counted) else None
         if statement is None or statement.root != second.roots[pos] or not self.verifier.verify(
@@ -1011,19 +1018,32 @@ class VoteNode:
         if len(leaves) > MAX_AUDIT_LEAVES:  # more than one audit may ask (never with the leaf sizes of commit.py)
             return
         combiner = combine.group[q].peer_id
+        received_at, direct = state.received.get(j, (time.monotonic(), False))
+        ask_by = received_at + self.config.audit_window_s / 2
+
+        def unanswered(what: str, e: BaseException) -> None:
+            if direct or isinstance(e, BadOpening):
+                self._convict(Caught(reducer, spec.round_id, j, "unanswered",
+                                     f"round {spec.round_id.hex()[:12]} part {j}: did not open {what} "
+                                     f"({type(e).__name__}: {e})"))
+
         try:
-            async with self._audit_turn(combiner, self.config.audit_window_s / 4):
+            async with self._audit_turn(combiner, ask_by - time.monotonic()):
                 opened = await asyncio.wait_for(self._ask_audit(combine, q, [k2], len(second.counted)),
                                                 self._audit_deadline(combine, second, 1))
-            check_openings(second, combine.upload.planes, k2, opened[k2])
+            try:
+                check_openings(second, combine.upload.planes, k2, opened[k2])
+            except WireError as e:
+                raise BadOpening(str(e)) from e
         except (TurnMissed, Unreachable, asyncio.TimeoutError, WireError, *NETWORK_ERRORS) as e:
             logger.info("round %s part %d: combiner %s did not open slice %d's margins (%s): no margins check",
                         spec.round_id.hex()[:12], j, combiner, q, type(e).__name__)
+            if combiner == reducer and not isinstance(e, (TurnMissed, Unreachable)):
+                unanswered("its own margins in its slice", e)
             return
         sent = opened[k2][pos].codes
-        direct = state.received.get(j, (0.0, False))[1]
         try:
-            async with self._audit_turn(reducer, self.config.audit_window_s / 4):
+            async with self._audit_turn(reducer, ask_by - time.monotonic()):
                 votes = await asyncio.wait_for(self._ask_audit(spec, j, leaves, len(first.counted)),
                                                self._audit_deadline(spec, first, len(leaves)))
             try:
@@ -1035,10 +1055,7 @@ class VoteNode:
                         reducer, type(e).__name__)
             return
         except (asyncio.TimeoutError, WireError, *NETWORK_ERRORS) as e:
-            if direct or isinstance(e, BadOpening):
-                self._convict(Caught(reducer, spec.round_id, j, "unanswered",
-                                     f"round {spec.round_id.hex()[:12]} part {j}: did not open the votes behind its "
-                                     f"margins ({type(e).__name__}: {e})"))
+            unanswered("the votes behind its margins", e)
             return
         self.margins_checked += 1
         if owed != sent:

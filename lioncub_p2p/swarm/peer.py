@@ -656,27 +656,31 @@ class Swarm:
         """The round of ``step`` with ``group``; ``own``: this peer takes part (the training thread's, named
         later when reporting what its audits caught), else another's round read on the loop."""
         rid = self._round_id(kind, step, group.epoch)
-        if own:
-            self._round_steps[rid] = step
-            while len(self._round_steps) > 256:
-                self._round_steps.popitem(last=False)
+        spec = None
         if kind == "vote":
-            two_level = self._two_level_spec(group, step, rid)
-            return two_level or RoundSpec(rid, step, group.members, self.optimizer.buffer_bytes, self.upload,
-                                          self.result, self.config.seed, family="vote")
-        return self._momentum_sync().spec(rid, step, group.members)
+            spec = self._two_level_spec(group, step, rid) or RoundSpec(
+                rid, step, group.members, self.optimizer.buffer_bytes, self.upload, self.result, self.config.seed,
+                family="vote")
+        if own:  # under both ids: what this peer's audits catch names its group's round of a two-level vote
+            self._round_steps.update(dict.fromkeys({rid, spec.round_id if spec is not None else rid}, step))
+            while len(self._round_steps) > 512:
+                self._round_steps.popitem(last=False)
+        return spec or self._momentum_sync().spec(rid, step, group.members)
 
     def _two_level_spec(self, group: GroupRecord, step: int, rid: bytes) -> RoundSpec | None:
-        """This peer's round of a two-level vote, when the run asks for one (``max_group``) and the group
+        """This peer's round of a two-level vote (``_two_level_specs``); None: a flat round, or not its own."""
+        specs = self._two_level_specs(group, step, rid)
+        return specs.get(self.peer_id) if specs is not None else None
+
+    def _two_level_specs(self, group: GroupRecord, step: int, rid: bytes) -> dict[str, RoundSpec] | None:
+        """Every member's round of a two-level vote, when the run asks for one (``max_group``) and the group
         makes at least ``MIN_GROUPS`` groups: groups from the record's members and epoch
         (``hierarchy.two_level_layout``, the same on every peer: no matchmaking), reducers among its
         reducing members. None: a flat round."""
         max_group = self.config.max_group or 0
-        if not max_group or len(group.members) <= max_group:
+        if not max_group or len(group.members) <= max_group or self.optimizer is None:
             return None
         members = {m.peer_id: m for m in group.members}
-        if self.peer_id not in members:
-            return None  # not this peer's round: only its own rounds are two-level specs
         reducers = {pid for pid, m in members.items() if m.reduces}
         if not reducers:
             return None  # nobody reduces yet (all syncing): missed as a flat round would be
@@ -685,7 +689,7 @@ class Swarm:
         if len(layout.groups) < MIN_GROUPS:
             return None
         return hierarchy.two_level_specs(rid, step, layout, nbytes, seed=self.config.seed, family="vote",
-                                         members=members)[self.peer_id]
+                                         members=members)
 
     def before_step(self) -> None:
         """Called by LionCub before the step touches any state: snapshots wait from here on."""
@@ -830,13 +834,23 @@ class Swarm:
         future.add_done_callback(self._background.discard)
 
     def _round_of(self, round_id: bytes, step: int, part: int, reducer: str) -> tuple[GroupRecord, str] | None:
-        """The group and kind of one of this peer's recent rounds, if ``reducer`` reduced ``part`` in it."""
+        """The group and kind of one of this peer's recent rounds, if ``reducer`` reduced ``part`` in it;
+        in a two-level vote, a round of any of the run's groups (``_group_round``)."""
         for group in list(self.history.by_epoch.values()):
             for kind in ROUND_KINDS:
                 if self._round_id(kind, step, group.epoch) == round_id:
                     ok = 0 <= part < len(group.members) and group.members[part].peer_id == reducer
                     return (group, kind) if ok else None
+            spec = self._group_round(group, step, round_id)
+            if spec is not None:
+                ok = 0 <= part < len(spec.group) and spec.group[part].peer_id == reducer and spec.combine[part] is not None
+                return (group, "vote") if ok else None
         return None
+
+    def _group_round(self, group: GroupRecord, step: int, round_id: bytes) -> RoundSpec | None:
+        """The round of one of the groups of ``group``'s two-level vote at ``step`` named ``round_id``."""
+        specs = self._two_level_specs(group, step, self._round_id("vote", step, group.epoch))
+        return next((spec for spec in (specs or {}).values() if spec.round_id == round_id), None)
 
     def _is_member(self, peer_id: str) -> bool:
         return any(peer_id in g.member_ids() for g in list(self.history.by_epoch.values()))
@@ -853,15 +867,17 @@ class Swarm:
         if found is None:
             raise Refused("not a recent round of this peer's groups, or the accused did not reduce that part")
         group, kind = found
-        if accuser not in group.member_ids() or accuser == accusation.accused:
+        in_round = self._group_round(group, accusation.step, accusation.round_id)  # one group of a two-level vote
+        members = [m.peer_id for m in in_round.group] if in_round is not None else group.member_ids()
+        if accuser not in members or accuser == accusation.accused:
             raise Refused("the accuser is not another member of that round's group")
         if accusation.kind != "lie":
             return 0
         if self.optimizer is None:
             raise Refused("this peer has not joined yet")
-        spec = self._spec(group, accusation.step, kind, own=False)
+        spec = in_round or self._spec(group, accusation.step, kind, own=False)
         start, stop = spec.bounds[accusation.part]
-        n, planes = len(group.members), spec.upload.planes
+        n, planes = len(spec.group), spec.upload.planes
         leaf = min(leaf_bytes(stop - start, planes) * planes, MAX_LEAF_BYTES)
         return min(MAX_EVIDENCE_BYTES, spec.result_size(accusation.part, n) + MAX_HEADER_BYTES + 8192 + n * (leaf + 1024))
 

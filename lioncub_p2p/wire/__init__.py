@@ -26,8 +26,9 @@ from . import lioncub_pb2 as pb
 
 # 2: signed results, audits, voter statements, admission before resources; 3: the run setting "delay"
 # (overlapped rounds) and snapshots that carry the vote in flight; 4: the quorum of a group's expected
-# voters (group records mark followers, result headers carry the quorum)
-PROTOCOL_VERSION = 4
+# voters (group records mark followers, result headers carry the quorum); 5: a two-level vote's reducers
+# sign their margins' root in the second-level round (voter statements there)
+PROTOCOL_VERSION = 5
 HEADER_BYTES = 4
 LINGER_S = 5.0  # the longest a writer waits for its reader to close after the last reply
 LINGER_BYTES = 4 << 20  # ...reading and dropping at most this much meanwhile
