@@ -409,13 +409,73 @@ def test_owed_margins_recounts_opened_votes_as_numpy_does_and_refuses_a_bad_open
         owed_margins(header, openings, bits, x, y)
 
 
+def test_a_margins_proof_convicts_margins_other_than_the_signed_votes_and_never_honest_ones(tmp_path):
+    """``audit.check_evidence`` with a ``MarginsProof``: a reducer's signed group-round header (its votes'
+    roots, the second level's slices and bits), its signed statement of a slice's margins, one margin
+    leaf and its group's votes under it. Margins from numpy's 2c - v + s prove nothing; margins that
+    differ prove a lie of exactly that reducer, round and part; a proof whose pieces do not tie
+    together (another group, another slice, a statement not the reducer's) proves nothing."""
+    from lioncub_p2p.allreduce.audit import check_evidence, first_level_leaves
+    from lioncub_p2p.allreduce.commit import (MerkleTree, build_header, leaf_bytes, leaf_of, parse_header,
+                                              result_signed_bytes, statement_signed_bytes)
+    from lioncub_p2p.identity import Identity
+    from lioncub_p2p.wire import PROTOCOL_VERSION, pb
+
+    reducer, other = Identity.load_or_create(tmp_path / "r.key"), Identity.load_or_create(tmp_path / "o.key")
+    ids = [reducer.peer_id] + [f"peer{i}" for i in range(8)]
+    nbytes, flat = 3 * 2048, b"f" * 16
+    layout = hierarchy.two_level_layout(ids, 0, nbytes, max_size=3)
+    spec = hierarchy.two_level_specs(flat, 9, layout, nbytes)[reducer.peer_id]
+    j = [m.peer_id for m in spec.group].index(reducer.peer_id)
+    combine, (a, b) = spec.combine[j], spec.bounds[j]
+    bits, v = combine.upload.bits, len(spec.group)
+    votes = np.random.default_rng(5).integers(0, 256, (v, b - a), dtype=np.uint8)  # its group's codes of part j
+    leaf = leaf_bytes(b - a, 1)
+    trees = [MerkleTree(votes[i][None, :], leaf) for i in range(v)]
+    raw = build_header(spec, j, list(range(v)), [t.root for t in trees], b"", 0, b"result")
+    header = parse_header(raw)
+    assert (header.second_level_groups, header.margin_bits) == (len(combine.group), bits)
+    c = np.unpackbits(votes, axis=1, bitorder="little").sum(axis=0).astype(np.int64)
+    honest = 2 * c - v + (1 << (bits - 1)) - 1
+
+    def evidence(margin: np.ndarray, *, q: int = 1, k: int = 2, group: int = spec.group_index,
+                 signer: Identity = reducer) -> bytes:
+        qa, qb = combine.bounds[q]
+        codes = np.stack([np.packbits((margin[8 * qa:8 * qb] >> p) & 1, bitorder="little") for p in range(bits)])
+        lb = leaf_bytes(qb - qa, bits)
+        tree = MerkleTree(codes, lb)
+        statement = pb.VoterStatement(root=tree.root, max_abs=0.0, public_key=signer.public_key,
+                                      signature=signer.sign(statement_signed_bytes(combine.round_id, q, tree.root, 0.0)))
+        x, y = qa + k * lb, min(qa + (k + 1) * lb, qb)
+        opened = [pb.AuditAnswer(leaf=k1, voter=i, codes=leaf_of(votes[i][None, :], leaf, k1), path=trees[i].path(k1))
+                  for k1 in first_level_leaves(header, x, y) for i in range(v)]
+        proof = pb.MarginsProof(flat_round=flat, group=group, slice=q, statement=statement,
+                                margins=pb.AuditAnswer(leaf=k, voter=0, codes=leaf_of(codes, lb, k), path=tree.path(k)))
+        return pb.Evidence(version=PROTOCOL_VERSION, header=raw, signature=reducer.sign(result_signed_bytes(raw)),
+                           public_key=reducer.public_key, wire=b"result", leaf=0, votes=opened,
+                           margins=proof).SerializeToString()
+
+    for q in range(len(combine.group)):  # honest margins, in every slice: nothing to prove
+        assert check_evidence(evidence(honest, q=q, k=0)) is None
+    lying = honest.copy()
+    lying[:] = 2 * ((1 << (bits - 1)) - 1)  # every position all for
+    got = check_evidence(evidence(lying))
+    assert got is not None and got[:3] == (reducer.peer_id, spec.round_id, j) and "margins" in got[3], got
+    assert check_evidence(evidence(lying, group=spec.group_index + 1)) is None  # another group's round id
+    assert check_evidence(evidence(lying, signer=other)) is None  # a statement the reducer did not sign
+    one_off = honest.copy()
+    one_off[8 * combine.bounds[1][0] + 8 * 2 * leaf_bytes(combine.bounds[1][1] - combine.bounds[1][0], bits)] += 2
+    assert check_evidence(evidence(one_off)) is not None  # one margin off by one vote, in the opened leaf
+
+
 @pytest.mark.slow
 def test_a_reducer_that_sends_the_second_level_other_margins_than_its_groups_counts_is_caught_by_its_voters():
     """A group's reducer that votes other margins at the second level than its group's counts (here:
     every position all for), while it gives its group the second level's true result, passes the slice
     comparison; its group's voters open one margin leaf at the slice's combiner (signed by the reducer
-    in its statement) and the votes behind it at the reducer, recount, and report it. In the honest
-    round before, nobody is reported."""
+    in its statement) and the votes behind it at the reducer, recount, and convict it with evidence
+    anyone can check. In the honest round before, nobody is reported."""
+    from lioncub_p2p.allreduce.audit import check_evidence
     from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
 
     n, nbytes = 13, 4096
@@ -443,8 +503,11 @@ def test_a_reducer_that_sends_the_second_level_other_margins_than_its_groups_cou
         swarm.settle_audits()
         catchers = {i for i, node in enumerate(swarm.nodes) if node.caught}
         assert catchers == {ids.index(pid) for pid in group if pid != group[1]}
-        assert all(set(swarm.nodes[i].caught) == {group[1]} and swarm.nodes[i].caught[group[1]].kind == "misrepresented"
-                   and "margins" in swarm.nodes[i].caught[group[1]].reason for i in catchers)
+        for i in catchers:  # a lie, with evidence that convicts exactly that reducer of that round and part
+            caught = swarm.nodes[i].caught
+            assert set(caught) == {group[1]} and caught[group[1]].kind == "lie" and "margins" in caught[group[1]].reason
+            proved = check_evidence(caught[group[1]].evidence)
+            assert proved is not None and proved[:3] == (group[1], caught[group[1]].round_id, caught[group[1]].part)
 
 
 @pytest.mark.slow

@@ -1266,9 +1266,9 @@ def test_a_reducer_that_sends_up_other_margins_than_its_groups_counts_is_dropped
     """Nine members, max_group 3: three groups of three. The member with the largest peer id (never
     the leader) votes every position "for" at the second level instead of its group's margins, while
     it gives its group the second level's true result. Its two group-mates recount its margins from
-    its group's votes (``VoteNode._check_margins``, every round here) and report it in the same round;
-    the leader (in another group, unless a group change under load regrouped them) makes it a suspect
-    and drops it. Nobody honest is suspected or
+    its group's votes (``VoteNode._check_margins``, every round here) and send the leader (in another
+    group, unless a group change under load regrouped them) the evidence (``audit.judge_margins``),
+    which convicts it: it is dropped and refused for the run. Nobody honest is suspected or
     caught, and the honest members end bitwise equal at the same step."""
     allreduce = replace(FAST, audits_per_round=2, slice_audit_rate=1.0)
     config = lambda **kw: _config("margins", max_group=3, allreduce=allreduce,  # noqa: E731
@@ -1329,8 +1329,9 @@ def test_a_reducer_that_sends_up_other_margins_than_its_groups_counts_is_dropped
         assert dropped_at is not None, (f"liar not dropped; suspects {leader.suspects()}; caught by "
                                         f"{[s.peer_id[:8] for s in catchers]}; members "
                                         f"{leader.history.latest.member_ids()}; errors {errors}")
-        assert catchers and all(s.node.caught[liar.peer_id].kind == "misrepresented"
+        assert catchers and all(s.node.caught[liar.peer_id].kind == "lie"
                                 and "margins" in s.node.caught[liar.peer_id].reason for s in catchers)
+        assert "margins" in leader.liars[liar.peer_id]  # convicted on evidence it checked, refused for the run
         steps["final"] = max(steps.get(swarms.index(s), 0) for s in honest) + 10
         for t, s in zip(threads, swarms):
             if s is not liar:

@@ -30,8 +30,9 @@ from ..codecs import (FP8_BLOCK, AverageResult, Bf16Upload, Fp8Upload, L1Upload,
 from ..identity import Verifier, peer_id_of
 from ..ops import unpack_signs
 from ..wire import PROTOCOL_VERSION, WireError, pb
-from .hierarchy import margin_codes
-from .commit import leaf_count, parse_header, result_signed_bytes, statement_signed_bytes, verify_path
+from .commit import leaf_bytes, leaf_count, parse_header, result_signed_bytes, statement_signed_bytes, verify_path
+from .hierarchy import derived_round_id, margin_codes
+from .partition import PeerSpec, part_bounds
 
 MAX_AUDIT_LEAVES = 8
 MAX_EVIDENCE_BYTES = 64 << 20
@@ -157,6 +158,52 @@ def owed_margins(first: pb.ResultHeader, openings: dict[int, list[pb.AuditAnswer
     return np.ascontiguousarray(margins.numpy()[:, x - lo : y - lo]).tobytes()
 
 
+MAX_SECOND_LEVEL_GROUPS = 4096  # a proof's slices, bounded before any work
+
+
+def judge_margins(header: pb.ResultHeader, proof: pb.MarginsProof, votes: list[pb.AuditAnswer],
+                  verifier: Verifier, reducer: str) -> str | None:
+    """Why ``proof`` convicts ``reducer``, whose signed group-round header is ``header``: the margins it
+    signed for one leaf of one slice of its part's second-level round differ from the recount of its
+    group's votes at the same positions (``votes``: every counted voter's codes in each first-level leaf
+    under that leaf, leaf by leaf). None if they agree. Raises WireError when a piece does not check
+    out: the ids do not derive from ``flat_round``, the statement is not the reducer's, an opening does
+    not verify. Everything it reads is bound by the reducer's signatures (its header fixes the slices
+    and the margins' bits), so a proof cannot be made against an honest reducer."""
+    groups, bits = header.second_level_groups, header.margin_bits
+    if not 1 <= groups <= MAX_SECOND_LEVEL_GROUPS or not 2 <= bits <= 8 or not proof.slice < groups:
+        raise WireError(f"margins of slice {proof.slice} of {groups} in {bits} bits: not a two-level group round")
+    if derived_round_id(proof.flat_round, "group", proof.group) != header.round_id:
+        raise WireError("the group's round does not derive from the flat round named")
+    statement, answer = proof.statement, proof.margins
+    combine_round = derived_round_id(proof.flat_round, "part", header.part)
+    if not verifier.verify(reducer, statement.public_key, statement_signed_bytes(combine_round, proof.slice,
+                                                                                 statement.root, statement.max_abs),
+                           statement.signature):
+        raise WireError("the margins' statement is not signed by the reducer")
+    a, b = part_bounds(header.stop - header.start, [PeerSpec(str(q)) for q in range(groups)])[proof.slice]
+    leaf = leaf_bytes(b - a, bits)
+    k, count = answer.leaf, leaf_count(b - a, leaf)
+    a2 = k * leaf
+    b2 = min(a2 + leaf, b - a)
+    if not 0 <= k < count or len(answer.codes) != bits * (b2 - a2):
+        raise WireError(f"margin leaf {k} of {count} with {len(answer.codes)} bytes")
+    if not verify_path(statement.root, answer.codes, k, count, list(answer.path)):
+        raise WireError("the margin codes do not open the reducer's signed root")
+    x, y = a + a2, a + b2
+    leaves = first_level_leaves(header, x, y)
+    voters = len(header.counted)
+    if len(votes) != voters * len(leaves):
+        raise WireError(f"{len(votes)} openings for {len(leaves)} leaves of {voters} voters")
+    openings = {k1: votes[i * voters:(i + 1) * voters] for i, k1 in enumerate(leaves)}
+    owed = owed_margins(header, openings, bits, x, y)
+    if owed == answer.codes:
+        return None
+    differ = int(np.count_nonzero(np.frombuffer(owed, np.uint8) != np.frombuffer(answer.codes, np.uint8)))
+    return (f"the margins it signed for slice {proof.slice} of the second level differ from its counted votes in "
+            f"{differ} of {len(owed)} bytes of leaf {k}")
+
+
 def judge(header: pb.ResultHeader, wire: bytes, k: int, answers: list[pb.AuditAnswer]) -> str | None:
     """Why the opened leaf k convicts the reducer (a recount that differs from its result), or None if it
     agrees. Raises WireError when the answers do not open the leaf against the signed roots."""
@@ -205,7 +252,8 @@ def check_evidence(blob: bytes, verifier: Verifier | None = None) -> tuple[str, 
     """(reducer peer id, round id, part, reason) if ``blob`` proves that reducer lied, else None.
 
     Checks the reducer's signature on the header, the result bytes against the signed digest, the
-    opened codes against the signed roots, and recounts. The caller checks that the reducer is the
+    opened codes against the signed roots, and recounts: the result (``judge``), or, in a two-level
+    group round, the margins it sent up (``judge_margins``). The caller checks that the reducer is the
     one of that part in the round it knows under that round id."""
     if len(blob) > MAX_EVIDENCE_BYTES:
         return None
@@ -218,7 +266,10 @@ def check_evidence(blob: bytes, verifier: Verifier | None = None) -> tuple[str, 
             return None
         if hashlib.sha256(evidence.wire).digest() != header.wire_digest:
             return None
-        reason = judge(header, evidence.wire, evidence.leaf, list(evidence.votes))
+        if evidence.HasField("margins"):
+            reason = judge_margins(header, evidence.margins, list(evidence.votes), verifier or Verifier(), reducer)
+        else:
+            reason = judge(header, evidence.wire, evidence.leaf, list(evidence.votes))
     except (DecodeError, WireError, ValueError, TypeError, RuntimeError):
         return None
     return (reducer, header.round_id, header.part, reason) if reason else None

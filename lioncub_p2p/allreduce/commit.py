@@ -130,8 +130,16 @@ def build_header(spec: RoundSpec, part: int, counted: Sequence[int], roots: Sequ
         else 0.0, seed=spec.seed, group_size=len(spec.group), counted=list(counted), roots=list(roots), tag=tag,
         tag_votes=tag_votes, wire_digest=hashlib.sha256(wire).digest(),
         leaf_bytes=leaf_bytes(stop - start, spec.upload.planes), statements=list(statements),
-        tie_offset=spec.tie_offset, quorum=spec.quorum)
+        tie_offset=spec.tie_offset, quorum=spec.quorum, **second_level_reading(spec, part))
     return header.SerializeToString(deterministic=True)
+
+
+def second_level_reading(spec: RoundSpec, part: int) -> dict[str, int]:
+    """How part ``part``'s second-level round reads its reducer's margins (a two-level vote's group round)."""
+    combine = spec.combine[part] if spec.combine else None
+    if combine is None:
+        return {}
+    return {"second_level_groups": len(combine.group), "margin_bits": combine.upload.bits}
 
 
 def header_quorum(header: pb.ResultHeader) -> int:
@@ -169,10 +177,13 @@ def check_header(spec: RoundSpec, part: int, raw: bytes) -> pb.ResultHeader:
     header = parse_header(raw)
     start, stop = spec.bounds[part]
     upload, bits = upload_wire(spec.upload)
+    reading = second_level_reading(spec, part)
     expected = (spec.round_id, spec.step, part, start, stop, upload, bits, result_wire(spec.result), spec.seed,
-                len(spec.group), leaf_bytes(stop - start, spec.upload.planes), spec.tie_offset, spec.quorum)
+                len(spec.group), leaf_bytes(stop - start, spec.upload.planes), spec.tie_offset, spec.quorum,
+                reading.get("second_level_groups", 0), reading.get("margin_bits", 0))
     got = (header.round_id, header.step, header.part, header.start, header.stop, header.upload, header.upload_bits,
-           header.result, header.seed, header.group_size, header.leaf_bytes, header.tie_offset, header_quorum(header))
+           header.result, header.seed, header.group_size, header.leaf_bytes, header.tie_offset, header_quorum(header),
+           header.second_level_groups, header.margin_bits)
     if got != expected:
         raise WireError("result header describes another round, part or encoding")
     if spec.result.name == "trimmed_mean" and header.trim != np.float32(spec.result.trim):

@@ -51,7 +51,8 @@ level, and ``group_tag`` tells a group that diverged as a whole (``docs/protocol
 A voter audits a first-level result by comparing a slice of it with the combiners' signed slice
 (``VoteNode._compare_with_second_level``), then the margins its reducer sent up with a recount of
 the group's votes at the same positions (``VoteNode._check_margins``; each reducer signs its margins'
-root in the second-level round, ``RoundSpec.second_level``).
+root in the second-level round, ``RoundSpec.second_level``): a mismatch is a lie proven by pieces the
+reducer signed (``audit.judge_margins``).
 ``benchmarks/two_level_wire.py`` times both kinds of round side by side on loopback.
 """
 from __future__ import annotations
@@ -123,6 +124,12 @@ def two_level_layout(peer_ids: Sequence[str], epoch: int, nbytes: int, max_size:
     return TwoLevelLayout(groups, parts, slices)
 
 
+def derived_round_id(round_id: bytes, *what: object) -> bytes:
+    """The id of a round of a two-level vote: ``("group", q)`` for group q's round, ``("part", k)`` for
+    part k's second-level round, both from the flat round's id (so a proof can tie them together)."""
+    return hashlib.blake2b(repr((round_id, *what)).encode(), digest_size=16).digest()
+
+
 def two_level_specs(round_id: bytes, step: int, layout: TwoLevelLayout, nbytes: int, *, seed: int = 0,
                     family: str = "", members: Mapping[str, PeerSpec] | None = None) -> dict[str, RoundSpec]:
     """Each peer's first-level round of a two-level vote at ``layout``: its group's round, in which member k
@@ -133,7 +140,7 @@ def two_level_specs(round_id: bytes, step: int, layout: TwoLevelLayout, nbytes: 
     ``members``: each peer's spec in the swarm's group (client mode, voter), kept in its group's round;
     the layout alone says who reduces."""
     def derived(*what: object) -> bytes:
-        return hashlib.blake2b(repr((round_id, *what)).encode(), digest_size=16).digest()
+        return derived_round_id(round_id, *what)
 
     size = len(layout.parts)
     bits = margin_bits(max(len(g) for g in layout.groups))
@@ -146,7 +153,7 @@ def two_level_specs(round_id: bytes, step: int, layout: TwoLevelLayout, nbytes: 
         group = tuple(PeerSpec(pid, 1.0 if k < size else 0.0, m.client_mode, m.voter)
                       for k, (pid, m) in enumerate(zip(group_ids, flags)))
         spec = RoundSpec(derived("group", q), step, group, nbytes, seed=seed, family=family,
-                         combine=combine + (None,) * (len(group_ids) - size))
+                         combine=combine + (None,) * (len(group_ids) - size), flat_round=round_id, group_index=q)
         assert spec.bounds[:size] == list(layout.parts), "a group's parts are the layout's"
         specs.update(dict.fromkeys(group_ids, spec))
     return specs

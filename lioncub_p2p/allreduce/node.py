@@ -989,8 +989,9 @@ class VoteNode:
         that reducer (its statement in the slice's header: a combiner cannot put other margins in its
         name). One margin leaf, chosen privately, is opened by the combiner; the reducer opens its
         counted voters' codes for the same positions against the roots it signed for its group; the
-        recount (``audit.owed_margins``: 2c - v + s) must equal what it sent. A mismatch or an opening
-        that does not verify is reported (a suspicion); a reducer that does not answer counts as in
+        recount (``audit.owed_margins``: 2c - v + s) must equal what it sent. A mismatch convicts it with
+        evidence that every piece of is signed by it (``audit.judge_margins``); an opening that does not
+        verify is reported (a suspicion); a reducer that does not answer counts as in
         ``_audit``; a combiner that does not open is no verdict on the reducer, unless it is the reducer
         itself (it combines its own group's slice of the part). Both are asked within half the audit
         window from the result's arrival, as ``_audit`` asks (later, an honest peer may have forgotten
@@ -1058,12 +1059,20 @@ class VoteNode:
             unanswered("the votes behind its margins", e)
             return
         self.margins_checked += 1
-        if owed != sent:
-            differ = int(np.count_nonzero(np.frombuffer(owed, np.uint8) != np.frombuffer(sent, np.uint8)))
-            self._convict(Caught(reducer, spec.round_id, j, "misrepresented",
-                                 f"round {spec.round_id.hex()[:12]} part {j}: the margins it sent slice {q} of the "
-                                 f"second level differ from its counted votes in {differ} of {len(owed)} bytes "
-                                 f"of leaf {k2}"))
+        if owed == sent:
+            return
+        differ = int(np.count_nonzero(np.frombuffer(owed, np.uint8) != np.frombuffer(sent, np.uint8)))
+        reason = (f"round {spec.round_id.hex()[:12]} part {j}: the margins it sent slice {q} of the second level "
+                  f"differ from its counted votes in {differ} of {len(owed)} bytes of leaf {k2}")
+        if not outcome.signature:  # an unsigned swarm's: nothing to prove it with
+            self._convict(Caught(reducer, spec.round_id, j, "misrepresented", reason))
+            return
+        proof = pb.MarginsProof(flat_round=spec.flat_round, group=spec.group_index, slice=q, statement=statement,
+                                margins=opened[k2][pos])
+        evidence = pb.Evidence(version=PROTOCOL_VERSION, header=outcome.header, signature=outcome.signature,
+                               public_key=outcome.public_key, wire=outcome.wire, leaf=leaves[0],
+                               votes=[answer for k in leaves for answer in votes[k]], margins=proof)
+        self._convict(Caught(reducer, spec.round_id, j, "lie", reason, evidence.SerializeToString()))
 
     async def _audit(self, state: RoundState, j: int, outcome: PartResult, header: pb.ResultHeader,
                      leaves: list[int]) -> None:

@@ -148,6 +148,10 @@ class RoundSpec:
     # a two-level vote's second-level round (``hierarchy.two_level_specs``): its voters are the groups'
     # reducers, and each signs the root of its margins (``signs_votes``), which binds them to it
     second_level: bool = False
+    # a group's round of a two-level vote: the flat round both levels' ids derive from, and its group
+    # (``hierarchy.derived_round_id``): a proof that its reducer sent up false margins names them
+    flat_round: bytes = b""
+    group_index: int = 0
 
     def __post_init__(self) -> None:
         ids = [p.peer_id for p in self.group]

@@ -879,7 +879,10 @@ class Swarm:
         start, stop = spec.bounds[accusation.part]
         n, planes = len(spec.group), spec.upload.planes
         leaf = min(leaf_bytes(stop - start, planes) * planes, MAX_LEAF_BYTES)
-        return min(MAX_EVIDENCE_BYTES, spec.result_size(accusation.part, n) + MAX_HEADER_BYTES + 8192 + n * (leaf + 1024))
+        openings = n * (leaf + 1024)
+        if in_round is not None:  # a margins proof: the votes of two leaves, and a leaf of margins (≤ 8 bits)
+            openings = 2 * openings + 8 * leaf + 1024
+        return min(MAX_EVIDENCE_BYTES, spec.result_size(accusation.part, n) + MAX_HEADER_BYTES + 8192 + openings)
 
     # -- membership upkeep (``upkeep.py``, on the loop) ------------------------------------------------
 
