@@ -414,7 +414,8 @@ def test_a_margins_proof_convicts_margins_other_than_the_signed_votes_and_never_
     roots, the second level's slices and bits), its signed statement of a slice's margins, one margin
     leaf and its group's votes under it. Margins from numpy's 2c - v + s prove nothing; margins that
     differ prove a lie of exactly that reducer, round and part; a proof whose pieces do not tie
-    together (another group, another slice, a statement not the reducer's) proves nothing."""
+    together (another group, a statement not the reducer's) proves nothing, nor does a plain recount
+    of the group's votes against the result it signed (the second level's majority)."""
     from lioncub_p2p.allreduce.audit import check_evidence, first_level_leaves
     from lioncub_p2p.allreduce.commit import (MerkleTree, build_header, leaf_bytes, leaf_of, parse_header,
                                               result_signed_bytes, statement_signed_bytes)
@@ -463,6 +464,17 @@ def test_a_margins_proof_convicts_margins_other_than_the_signed_votes_and_never_
     assert got is not None and got[:3] == (reducer.peer_id, spec.round_id, j) and "margins" in got[3], got
     assert check_evidence(evidence(lying, group=spec.group_index + 1)) is None  # another group's round id
     assert check_evidence(evidence(lying, signer=other)) is None  # a statement the reducer did not sign
+    # the result a group round's reducer signs is the second level's majority: a plain recount of its
+    # group's votes differs wherever other groups tipped the vote, and must prove nothing
+    group_majority = np.packbits(2 * c > v, bitorder="little")
+    tipped = group_majority.copy()
+    tipped[:4] ^= 0xFF
+    tipped_raw = build_header(spec, j, list(range(v)), [t.root for t in trees], b"", 0, tipped.tobytes())
+    plain = pb.Evidence(version=PROTOCOL_VERSION, header=tipped_raw, signature=reducer.sign(result_signed_bytes(tipped_raw)),
+                        public_key=reducer.public_key, wire=tipped.tobytes(), leaf=0,
+                        votes=[pb.AuditAnswer(leaf=0, voter=i, codes=leaf_of(votes[i][None, :], leaf, 0),
+                                              path=trees[i].path(0)) for i in range(v)]).SerializeToString()
+    assert check_evidence(plain) is None
     one_off = honest.copy()
     one_off[8 * combine.bounds[1][0] + 8 * 2 * leaf_bytes(combine.bounds[1][1] - combine.bounds[1][0], bits)] += 2
     assert check_evidence(evidence(one_off)) is not None  # one margin off by one vote, in the opened leaf

@@ -182,6 +182,8 @@ def judge_margins(header: pb.ResultHeader, proof: pb.MarginsProof, votes: list[p
                            statement.signature):
         raise WireError("the margins' statement is not signed by the reducer")
     a, b = part_bounds(header.stop - header.start, [PeerSpec(str(q)) for q in range(groups)])[proof.slice]
+    if b <= a:
+        raise WireError(f"slice {proof.slice} of the part is empty")
     leaf = leaf_bytes(b - a, bits)
     k, count = answer.leaf, leaf_count(b - a, leaf)
     a2 = k * leaf
@@ -268,8 +270,12 @@ def check_evidence(blob: bytes, verifier: Verifier | None = None) -> tuple[str, 
             return None
         if evidence.HasField("margins"):
             reason = judge_margins(header, evidence.margins, list(evidence.votes), verifier or Verifier(), reducer)
+        elif header.second_level_groups or header.margin_bits:
+            # a two-level group round's result is the second level's majority, not its group's: a recount of
+            # the group's votes differs from it wherever the other groups tipped the vote, honest or not
+            return None
         else:
             reason = judge(header, evidence.wire, evidence.leaf, list(evidence.votes))
-    except (DecodeError, WireError, ValueError, TypeError, RuntimeError):
+    except (DecodeError, WireError, ValueError, TypeError, RuntimeError, ArithmeticError, IndexError):
         return None
     return (reducer, header.round_id, header.part, reason) if reason else None

@@ -167,8 +167,8 @@ def parse_header(raw: bytes) -> pb.ResultHeader:
         raise WireError("result header has no root for each counted voter")
     if len(header.tag) > MAX_TAG_BYTES or header.tag_votes > len(counted):
         raise WireError(f"result claims a tag of {len(header.tag)} bytes with {header.tag_votes} votes")
-    if len(header.wire_digest) != 32 or header.stop < header.start:
-        raise WireError("result header has a bad digest or part bounds")
+    if len(header.wire_digest) != 32 or header.stop < header.start or header.leaf_bytes < 8:
+        raise WireError("result header has a bad digest, part bounds or leaf size")
     return header
 
 
