@@ -1132,6 +1132,36 @@ def test_suspicion_needs_two_members_for_the_same_round_and_wears_off():
     assert len(small._reports["r"]) == 2  # bounded memory per accused
 
 
+def _member_thread(task, n: int, stop: threading.Event, steps: dict, states: dict, errors: list,
+                   all_in: threading.Event, *, after_join=None):
+    """The training thread of member i of n: join, wait for all n (then ``all_in``), ``after_join(swarm)``,
+    step until ``stop`` or ``steps["final"]``, keeping ``steps[i]``; at the end ``states[i]`` is (step,
+    parameter digest); an exception goes to ``errors`` as "i: ..."."""
+    def run(i: int, swarm: Swarm) -> None:
+        try:
+            model = task.make_model(seed=0)
+            opt = LionCub(model.named_parameters(), lr=1e-3, weight_decay=0.1, aggregator=swarm)
+            swarm.join(opt)
+            swarm.wait_for_peers(n, timeout=90)
+            all_in.set()
+            if after_join is not None:
+                after_join(swarm)
+            x, y = task.shard(i, n)
+            gen = torch.Generator().manual_seed(i)
+            while not stop.is_set() and opt.step_count < steps.get("final", 10**9):
+                idx = torch.randint(0, len(x), (32,), generator=gen)
+                nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+                opt.step()
+                opt.zero_grad()
+                steps[i] = opt.step_count
+                time.sleep(0.02)
+            states[i] = (opt.step_count, snapshot.params_digest(opt))
+        except Exception as e:
+            errors.append(f"{i}: {type(e).__name__}: {e}")
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("role", ["member", "leader"])
 def test_a_lying_reducer_is_dropped_by_the_leader_on_evidence_and_nobody_honest_is_ever_dropped(role):
@@ -1164,27 +1194,11 @@ def test_a_lying_reducer_is_dropped_by_the_leader_on_evidence_and_nobody_honest_
     all_in = threading.Event()
     honest_dropped: list[tuple[int, list[str]]] = []  # (epoch, members) of any group without an honest peer
 
-    def run(i: int, swarm: Swarm) -> None:
-        try:
-            model = task.make_model(seed=0)
-            opt = LionCub(model.named_parameters(), lr=1e-3, weight_decay=0.1, aggregator=swarm)
-            swarm.join(opt)
-            swarm.wait_for_peers(4, timeout=90)
-            all_in.set()
-            if swarm is liar:
-                swarm.node.reduction_factory = lying
-            x, y = task.shard(i, 4)
-            gen = torch.Generator().manual_seed(i)
-            while not stop.is_set() and opt.step_count < steps.get("final", 10**9):
-                idx = torch.randint(0, len(x), (32,), generator=gen)
-                nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-                opt.step()
-                opt.zero_grad()
-                steps[i] = opt.step_count
-                time.sleep(0.02)
-            states[i] = (opt.step_count, snapshot.params_digest(opt))
-        except Exception as e:
-            errors.append(f"{i}: {type(e).__name__}: {e}")
+    def lie(swarm: Swarm) -> None:
+        if swarm is liar:
+            swarm.node.reduction_factory = lying
+
+    run = _member_thread(task, 4, stop, steps, states, errors, all_in, after_join=lie)
 
     threads = [threading.Thread(target=run, args=(i, s), daemon=True) for i, s in enumerate(swarms)]
     honest_ids = {s.peer_id for s in honest}
@@ -1289,27 +1303,11 @@ def test_a_reducer_that_sends_up_other_margins_than_its_groups_counts_is_dropped
             upload = codecs.pack_planes(torch.full((8 * spec.nbytes,), 2 * s), spec.upload.bits)
         return await run_round(spec, upload, tag, **kwargs)
 
-    def run(i: int, swarm: Swarm) -> None:
-        try:
-            model = task.make_model(seed=0)
-            opt = LionCub(model.named_parameters(), lr=1e-3, weight_decay=0.1, aggregator=swarm)
-            swarm.join(opt)
-            swarm.wait_for_peers(9, timeout=90)
-            all_in.set()
-            if swarm is liar:
-                swarm.node.run_round = lying_run_round
-            x, y = task.shard(i, 9)
-            gen = torch.Generator().manual_seed(i)
-            while not stop.is_set() and opt.step_count < steps.get("final", 10**9):
-                idx = torch.randint(0, len(x), (32,), generator=gen)
-                nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-                opt.step()
-                opt.zero_grad()
-                steps[i] = opt.step_count
-                time.sleep(0.02)
-            states[i] = (opt.step_count, snapshot.params_digest(opt))
-        except Exception as e:
-            errors.append(f"{i}: {type(e).__name__}: {e}")
+    def lie(swarm: Swarm) -> None:
+        if swarm is liar:
+            swarm.node.run_round = lying_run_round
+
+    run = _member_thread(task, 9, stop, steps, states, errors, all_in, after_join=lie)
 
     threads = [threading.Thread(target=run, args=(i, s), daemon=True) for i, s in enumerate(swarms)]
     try:

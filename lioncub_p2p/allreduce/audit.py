@@ -176,10 +176,7 @@ def judge_margins(header: pb.ResultHeader, proof: pb.MarginsProof, votes: list[p
     if derived_round_id(proof.flat_round, "group", proof.group) != header.round_id:
         raise WireError("the group's round does not derive from the flat round named")
     statement, answer = proof.statement, proof.margins
-    combine_round = derived_round_id(proof.flat_round, "part", header.part)
-    if not verifier.verify(reducer, statement.public_key, statement_signed_bytes(combine_round, proof.slice,
-                                                                                 statement.root, statement.max_abs),
-                           statement.signature):
+    if not signed_by(statement, reducer, derived_round_id(proof.flat_round, "part", header.part), proof.slice, verifier):
         raise WireError("the margins' statement is not signed by the reducer")
     a, b = part_bounds(header.stop - header.start, [PeerSpec(str(q)) for q in range(groups)])[proof.slice]
     if b <= a:
@@ -233,14 +230,19 @@ def value_bound(header: pb.ResultHeader, result: ResultCodec, upload: UploadCode
     return bounds[drop] * (1 + BF16_RTOL) + upload.rounding(bounds[drop])
 
 
+def signed_by(statement: pb.VoterStatement, peer_id: str, round_id: bytes, part: int, verifier: Verifier) -> bool:
+    """Whether ``peer_id`` signed ``statement`` (its root and bound) for part ``part`` of round ``round_id``."""
+    return verifier.verify(peer_id, statement.public_key,
+                           statement_signed_bytes(round_id, part, statement.root, statement.max_abs),
+                           statement.signature)
+
+
 def check_statements(header: pb.ResultHeader, group_ids: list[str], verifier: Verifier) -> None:
     """Every counted voter signed its root and bound (momentum rounds)."""
     for voter, root, statement in zip(header.counted, header.roots, header.statements):
         if statement.root != root or not np.isfinite(statement.max_abs) or statement.max_abs < 0:
             raise WireError(f"voter {voter}'s statement does not match its root or has a bad bound")
-        if not verifier.verify(group_ids[voter], statement.public_key,
-                               statement_signed_bytes(header.round_id, header.part, root, statement.max_abs),
-                               statement.signature):
+        if not signed_by(statement, group_ids[voter], header.round_id, header.part, verifier):
             raise WireError(f"voter {voter}'s statement is not signed by it")
 
 

@@ -70,7 +70,7 @@ from . import hierarchy
 from .admission import OPEN, Admission
 from .archive import FORGOTTEN, RoundArchive
 from .audit import (MAX_AUDIT_LEAVES, check_openings, check_statements, decoded, first_level_leaves, judge, leaf_span,
-                    make_evidence, owed_margins, value_bound)
+                    make_evidence, owed_margins, signed_by, value_bound)
 from .commit import (DIGEST_BYTES, MAX_HEADER_BYTES, MAX_TAG_BYTES, build_header, check_header, leaf_bytes, leaf_count,
                      leaf_of, parse_header, result_signed_bytes, root_of, statement_signed_bytes)
 from .deadline import AdaptiveDeadline
@@ -1006,9 +1006,8 @@ class VoteNode:
             return  # an unsigned swarm's (a node with an identity refuses such a slice, ``_check_result``)
         pos = list(second.counted).index(r)
         statement = second.statements[pos] if len(second.statements) == len(second.counted) else None
-        if statement is None or statement.root != second.roots[pos] or not self.verifier.verify(
-                reducer, statement.public_key, statement_signed_bytes(second.round_id, second.part, statement.root,
-                                                                      statement.max_abs), statement.signature):
+        if statement is None or statement.root != second.roots[pos] \
+                or not signed_by(statement, reducer, second.round_id, second.part, self.verifier):
             logger.warning("round %s part %d: slice %d's header does not carry reducer %s's signed margins: no "
                            "margins check", spec.round_id.hex()[:12], j, q, reducer)
             return
@@ -1328,8 +1327,7 @@ class VoteNode:
         st = chunk.statement
         if not np.isfinite(st.max_abs) or st.max_abs < 0 or len(st.root) != DIGEST_BYTES:
             raise WireError("statement with a bad bound or root")
-        if not self.verifier.verify(peer, st.public_key, statement_signed_bytes(state.spec.round_id, red.part, st.root,
-                                                                                st.max_abs), st.signature):
+        if not signed_by(st, peer, state.spec.round_id, red.part, self.verifier):
             raise WireError("statement not signed by the voter")
         red.statements.setdefault(voter, st)
 

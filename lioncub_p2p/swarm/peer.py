@@ -836,15 +836,21 @@ class Swarm:
     def _round_of(self, round_id: bytes, step: int, part: int, reducer: str) -> tuple[GroupRecord, str] | None:
         """The group and kind of one of this peer's recent rounds, if ``reducer`` reduced ``part`` in it;
         in a two-level vote, a round of any of the run's groups (``_group_round``)."""
+        found = self._find_round(round_id, step, part, reducer)
+        return found[:2] if found is not None else None
+
+    def _find_round(self, round_id: bytes, step: int, part: int,
+                    reducer: str) -> tuple[GroupRecord, str, RoundSpec | None] | None:
+        """``_round_of``, and the group's round of a two-level vote it is (None: a flat round)."""
         for group in list(self.history.by_epoch.values()):
             for kind in ROUND_KINDS:
                 if self._round_id(kind, step, group.epoch) == round_id:
                     ok = 0 <= part < len(group.members) and group.members[part].peer_id == reducer
-                    return (group, kind) if ok else None
+                    return (group, kind, None) if ok else None
             spec = self._group_round(group, step, round_id)
             if spec is not None:
                 ok = 0 <= part < len(spec.group) and spec.group[part].peer_id == reducer and spec.combine[part] is not None
-                return (group, "vote") if ok else None
+                return (group, "vote", spec) if ok else None
         return None
 
     def _group_round(self, group: GroupRecord, step: int, round_id: bytes) -> RoundSpec | None:
@@ -863,11 +869,10 @@ class Swarm:
     def _accusation_header(self, accuser: str, accusation: Accusation, evidence_bytes: int) -> int:
         """Before any evidence is read: a round of this peer's groups, its reducer accused by another of its
         members. Returns the most evidence bytes such a round can produce."""
-        found = self._round_of(accusation.round_id, accusation.step, accusation.part, accusation.accused)
+        found = self._find_round(accusation.round_id, accusation.step, accusation.part, accusation.accused)
         if found is None:
             raise Refused("not a recent round of this peer's groups, or the accused did not reduce that part")
-        group, kind = found
-        in_round = self._group_round(group, accusation.step, accusation.round_id)  # one group of a two-level vote
+        group, kind, in_round = found  # in_round: one group's round of a two-level vote
         members = [m.peer_id for m in in_round.group] if in_round is not None else group.member_ids()
         if accuser not in members or accuser == accusation.accused:
             raise Refused("the accuser is not another member of that round's group")
