@@ -122,9 +122,7 @@ class Trainer:
         try:
             model = task.make_model(seed=0)
             opt = LionCub(model.named_parameters(), lr=1e-3, weight_decay=0.1, aggregator=self.swarm)
-            self.swarm.join(opt)
-            if self.wait_peers:
-                self.swarm.wait_for_peers(self.wait_peers, timeout=60)
+            self.swarm.join(opt, wait_peers=self.wait_peers, wait_timeout=60)
             x, y = task.shard(self.index % 4, 4)
             gen = torch.Generator().manual_seed(self.index)
             while opt.step_count < self.steps and not self.stop.is_set():

@@ -511,11 +511,11 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
                 deadline = time.monotonic() + 60
                 while progress.get(0, 0) < late[1] and time.monotonic() < deadline and not errors:
                     time.sleep(0.05)
-            out.setdefault("start", {})[i] = swarm.join(opt)
             swarm.final_step = steps
-            out.setdefault("joined_in_flight", {})[i] = opt.in_flight is not None
             expected = len(swarms) - (late is not None and late[0] != i)
-            swarm.wait_for_peers(expected, timeout=60)  # start together: repairs then count only faults
+            # start together: repairs then count only faults
+            out.setdefault("start", {})[i] = swarm.join(opt, wait_peers=expected, wait_timeout=60)
+            out.setdefault("joined_in_flight", {})[i] = opt.in_flight is not None
             x, y = task.shard(i, len(swarms))
             gen = torch.Generator().manual_seed(i)
             repairs_before, repair_steps = 0, out["repair_steps"].setdefault(i, [])
@@ -939,6 +939,58 @@ def test_state_tag_samples_and_full_digest_differ_only_in_coverage():
     assert snapshot.state_tag(opt, samples=7) != sampled and snapshot.state_tag(opt, full=True) != full
 
 
+def test_a_founder_slow_to_take_its_first_step_lists_a_newcomer_for_a_later_one():
+    """A founder whose first step comes late (a slow first forward pass, a compile) while a newcomer
+    already waits: it listed the newcomer from step 0 as if it were waiting for peers, then stepped in
+    that group, whose round waited for the newcomer's vote while the newcomer waited for the state of
+    step 0, which the founder had no snapshot of until the round ended (the 8 s upload timeout here,
+    10 s by default: every run whose peers started together without ``--wait-peers``). A peer that
+    left ``join`` is stepping: its groups take effect ``lead_steps`` ahead, and nobody waits."""
+    rounds = replace(FAST, upload_timeout=8.0, result_timeout=12.0)
+    task = digits_task(0, hidden=32)
+    first = Swarm(_config("together", allreduce=rounds))
+    second = Swarm(_config("together", allreduce=rounds, initial_peers=first.visible_maddrs()))
+    step_s: dict[int, list[float]] = {}
+    digests: dict[int, bytes] = {}
+    errors: list[Exception] = []
+
+    def run(i: int, swarm: Swarm) -> None:
+        try:
+            model = task.make_model(seed=0)
+            opt = LionCub(model.named_parameters(), lr=1e-3, aggregator=swarm)
+            swarm.join(opt)
+            swarm.final_step = 8
+            if i == 0:  # the founder's first step comes once its group lists the newcomer
+                second_thread.start()
+                deadline = time.monotonic() + 30
+                while second.peer_id not in swarm.history.latest.member_ids() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            x, y = task.shard(i, 2)
+            while opt.step_count < 8:
+                nn.functional.cross_entropy(model(x[:32]), y[:32]).backward()
+                started = time.monotonic()
+                opt.step()
+                opt.zero_grad()
+                step_s.setdefault(i, []).append(time.monotonic() - started)
+                time.sleep(0.02)
+            digests[i] = snapshot.params_digest(opt)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    first_thread = threading.Thread(target=run, args=(0, first))
+    second_thread = threading.Thread(target=run, args=(1, second))
+    try:
+        first_thread.start()
+        first_thread.join(90)
+        second_thread.join(90)
+        assert not errors, errors
+        assert len(step_s) == 2 and max(max(s) for s in step_s.values()) < 4.0, step_s
+        assert digests[0] == digests[1]
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
 @pytest.mark.slow
 def test_run_secret_keeps_outsiders_out():
     secret = dict(run_secret="s3cret", join_timeout=8.0)
@@ -1012,8 +1064,7 @@ def test_shutdown_tells_the_group_at_once_and_leaves_no_process(caplog):
         try:
             model = task.make_model(0)
             opt = LionCub(model.named_parameters(), lr=1e-3, aggregator=swarms[i])
-            swarms[i].join(opt)
-            swarms[i].wait_for_peers(2, timeout=60)
+            swarms[i].join(opt, wait_peers=2, wait_timeout=60)
             x, y = task.shard(i, 2)
             while not stop.is_set() and not (i == 1 and steps.get(1, 0) >= 10):
                 nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
@@ -1141,8 +1192,7 @@ def _member_thread(task, n: int, stop: threading.Event, steps: dict, states: dic
         try:
             model = task.make_model(seed=0)
             opt = LionCub(model.named_parameters(), lr=1e-3, weight_decay=0.1, aggregator=swarm)
-            swarm.join(opt)
-            swarm.wait_for_peers(n, timeout=90)
+            swarm.join(opt, wait_peers=n, wait_timeout=90)
             all_in.set()
             if after_join is not None:
                 after_join(swarm)
@@ -1397,7 +1447,7 @@ def test_a_client_whose_last_reducer_left_stops_with_one_line_instead_of_missing
             except Exception as e:
                 errors.append(e)
 
-        joined = [threading.Thread(target=lambda i=i, s=s: (s.join(opts[i]), s.wait_for_peers(2, timeout=60)))
+        joined = [threading.Thread(target=lambda i=i, s=s: s.join(opts[i], wait_peers=2, wait_timeout=60))
                   for i, s in enumerate((founder, client))]
         for t in joined:
             t.start()
@@ -1430,7 +1480,7 @@ def test_a_peer_too_slow_for_the_group_follows_without_holding_it_back_and_ends_
     applies every result (or skips ahead by downloading the state) and all four end bitwise equal.
     Overlapped, the slow peer is the founder and announces a tiny bandwidth weight: it leads alone
     until others are synced (the weight floor never leaves a group without a reducer), then gets no
-    part (below a tenth of the median), and the peers still start together (``wait_for_peers``)."""
+    part (below a tenth of the median), and the peers still start together (``join(wait_peers=...)``)."""
     seen, slow = {}, 0 if delay else 3
     # overlapped, with momentum streamed every step (the default) the others ran only 5-8 steps ahead of
     # the slow founder (not understood yet): this case keeps whole-buffer syncs every 20 steps

@@ -64,7 +64,7 @@ def box_rank(rank: int, ranks: int, workdir: str, maddrs: list[str], steps: int,
         model = task.make_model(0)
         aggregator = HybridAggregator(None, swarm, momentum=SCHEDULE)
         opt = LionCub(model.named_parameters(), lr=1e-3, weight_decay=0.1, aggregator=aggregator)
-        aggregator.join(opt)
+        aggregator.join(opt, wait_peers=shards)  # rank 0 waits with the volunteers; all ranks take its state
         Path(workdir, f"joined{rank}").touch()
         train(task, opt, model, steps, shard=(shards - 1) * ranks + rank, shards=shards * ranks)
         Path(workdir, f"box{rank}.digest").write_bytes(snapshot.params_digest(opt))
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 model = task.make_model(0)
                 opt = LionCub(model.named_parameters(), lr=1e-3, weight_decay=0.1, aggregator=swarms[i])
-                swarms[i].join(opt)
+                swarms[i].join(opt, wait_peers=args.peers + 1)  # start together: these and the box's rank 0
                 deadline = time.monotonic() + 300
                 while not all(Path(workdir, f"joined{r}").exists() for r in range(args.ranks)):  # start together
                     if time.monotonic() > deadline or not all(p.is_alive() or p.exitcode == 0 for p in box.processes):

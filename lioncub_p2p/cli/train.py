@@ -234,11 +234,8 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
         optimizer = LionCub(params, lr=settings.lr, weight_decay=settings.weight_decay, aggregator=swarm)
         metrics = open(args.metrics_jsonl, "a") if args.metrics_jsonl else None
         board = _tensorboard(args.tensorboard)
-        start_step = swarm.join(optimizer)
         swarm.final_step = args.steps
-        if args.wait_peers:
-            swarm.wait_for_peers(args.wait_peers)
-            start_step = optimizer.step_count
+        start_step = swarm.join(optimizer, wait_peers=args.wait_peers)
         logger.info("training %s from step %d as %s%s", task.name, start_step, swarm.peer_id,
                     " (client mode)" * swarm.config.client_mode)
         train(args, settings, task, batches_for, optimizer, swarm, stop, metrics, board)

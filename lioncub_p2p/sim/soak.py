@@ -39,11 +39,11 @@ class SoakReport:
 
 
 class _Peer:
-    def __init__(self, index: int, config: SwarmConfig, task, steps: int):
+    def __init__(self, index: int, config: SwarmConfig, task, steps: int, team: int = 0):
         self.index, self.task, self.steps, self.config = index, task, steps, config
+        self.team = team  # the founding team's size, whose members start together; 0: a newcomer
         self.swarm: Swarm | None = None
         self.joined = threading.Event()  # holds the run's state (or failed to)
-        self.go = threading.Event()  # may train: the founding team trains once all of it joined
         self.stop = threading.Event()
         self.stall_for = 0.0
         self.flip = False
@@ -59,11 +59,9 @@ class _Peer:
                     self.swarm = Swarm(self.config)
             model = self.task.make_model(seed=0)
             opt = LionCub(model.parameters(), lr=1e-3, weight_decay=0.1, aggregator=self.swarm)
-            self.swarm.join(opt)
-            self.joined.set()
-            while not self.go.wait(0.1) and not self.stop.is_set():
-                pass
             self.swarm.final_step = self.steps  # as lioncub-train: no group starts past the last step
+            self.swarm.join(opt, wait_peers=self.team, wait_timeout=60)
+            self.joined.set()
             x, y = self.task.shard(self.index % 4, 4)
             gen = torch.Generator().manual_seed(self.index)
             while opt.step_count < self.steps and not self.stop.is_set():
@@ -111,22 +109,21 @@ def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: i
     task = digits_task(0, hidden=hidden)
     base = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], allreduce=SWARM_ROUNDS, momentum=MomentumSchedule(every=10), record_ttl=6.0)
     report, started = SoakReport(), time.monotonic()
-    first = _Peer(0, SwarmConfig("soak", **base), task, rounds)
+    first = _Peer(0, SwarmConfig("soak", **base), task, rounds, team=peers)
     first.swarm = Swarm(first.config)
     maddrs = [str(m) for m in first.swarm.dht.get_visible_maddrs()]
     config = lambda: SwarmConfig("soak", initial_peers=maddrs, **base)  # noqa: E731
-    team = [first] + [_Peer(i, config(), task, rounds) for i in range(1, peers)]
+    team = [first] + [_Peer(i, config(), task, rounds, team=peers) for i in range(1, peers)]
     for p in team[1:]:
         p.swarm = Swarm(p.config)
-    for p in team:
+    for p in team:  # the first founds the run; the rest join it one by one, and all train once all joined
         p.thread.start()
-        if p is first:  # it founds the run; the rest of the team joins it one by one, then all train
-            first.joined.wait(60)
+        deadline = time.monotonic() + 60
+        while p is first and first.swarm.history.latest is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         time.sleep(0.2)
-    for p in team[1:]:
-        p.joined.wait(60)
     for p in team:
-        p.go.set()
+        p.joined.wait(60)
     next_index, next_fault, gone, leaving = peers, fault_every, [], []
     try:
         while time.monotonic() - started < timeout:
@@ -146,7 +143,6 @@ def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: i
                     team.remove(victim)
                     gone.append(victim)
                     newcomer = _Peer(next_index, config(), task, rounds)
-                    newcomer.go.set()
                     next_index += 1
                     team.append(newcomer)
                     newcomer.thread.start()

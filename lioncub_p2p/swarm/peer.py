@@ -214,7 +214,7 @@ class Swarm:
         self._closed = False
         self._joined = False
         self._momentum_in_flight: list[Sent] = []  # streamed momentum rounds still running, oldest first
-        self._idle = True  # not stepping yet (joining, waiting for peers): group changes can take effect at once
+        self._idle = True  # joining or waiting for peers, not stepping: group changes can take effect at once
         self.samples_per_step = 0  # set by the training loop, for monitors
         self.last_loss: float | None = None
         self.opinions = config.opinions()
@@ -422,10 +422,17 @@ class Swarm:
 
     # -- joining ---------------------------------------------------------------------------------
 
-    def join(self, optimizer: LionCub, timeout: float | None = None) -> int:
-        """Become a voting member: resume a checkpoint, then start the run or fetch the swarm's state.
-        Returns the step training continues from. Raises SwarmError (one line) for what the volunteer
-        must fix: a refused admission, a model or settings that differ from the run's, no group in time."""
+    def join(self, optimizer: LionCub, timeout: float | None = None, *, wait_peers: int = 0,
+             wait_timeout: float = 300.0) -> int:
+        """Become a voting member: resume a checkpoint, then start the run or fetch the swarm's state;
+        ``wait_peers``: then wait up to ``wait_timeout`` s until the group has that many members holding
+        the state, so that all start together (``_wait_for_peers``). Returns the step training continues
+        from. Raises SwarmError (one line) for what the volunteer must fix: a refused admission, a model
+        or settings that differ from the run's, no group in time.
+
+        Step right after it returns: from then on, the groups this peer leads start a few steps ahead
+        of its step, and a newcomer's state download waits for a donor to reach that step. To start
+        together with others, pass ``wait_peers`` rather than waiting on your own."""
         if optimizer.aggregator is not self:
             raise ValueError("create the optimizer with aggregator=<this swarm>")
         try:
@@ -470,9 +477,18 @@ class Swarm:
             self._sync_from_swarm(deadline)
         elif not founded:  # the leader may list a peer as soon as it announces: being listed is not holding the state
             self.state.download(min_step=latest.from_step, group=latest)
+        # Unless it waits for peers, the caller steps next: a group planned from here on must not start at
+        # its step. One that did (planned between founding and a slow first step) made the first round
+        # wait for a newcomer listed in it while the newcomer waited for the state of that step (10 s).
+        self._idle = wait_peers > 0
         self.state.synced = True
         self.loop.run(self.upkeep.announce(), timeout=30)
         self.rounds.prepare(optimizer.step_count)
+        if wait_peers:
+            try:
+                self._wait_for_peers(wait_peers, time.monotonic() + wait_timeout)
+            finally:
+                self._idle = False
         return optimizer.step_count
 
     def _settle_manifest(self, optimizer: LionCub) -> None:
@@ -512,12 +528,12 @@ class Swarm:
         if self.history.latest is None:  # this peer founds the run: its settings become the run's
             self.run_manifest = settled
 
-    def wait_for_peers(self, count: int, timeout: float = 300.0) -> None:
+    def _wait_for_peers(self, count: int, deadline: float) -> None:
         """Block until the group has ``count`` members holding the swarm's state (all start together).
+        This peer stays idle meanwhile, so the groups it leads take effect at once (``upkeep.lead``).
 
         Returns at once when others trained past the step this peer came in at: a peer that comes back
         to a run in progress must step with the group, not wait for a start that happened long ago."""
-        deadline = time.monotonic() + timeout
         self.records = self.loop.run(self.directory.peers(), timeout=30)
         while True:
             if any(r.step > self._start_step for pid, r in self.records.items() if pid != self.peer_id):
