@@ -124,6 +124,21 @@ def test_digits_task_is_the_mlp_on_digits():
     assert set(result) == {"loss", "accuracy"} and 0 <= result["accuracy"] <= 100
 
 
+def test_digits_are_read_from_scikit_learns_file_as_load_digits_gives_them(monkeypatch):
+    from sklearn.datasets import load_digits
+
+    from lioncub_p2p.tasks import digits
+
+    reference = load_digits()
+    pixels, labels = digits._load_digits()
+    np.testing.assert_array_equal(pixels, reference.data)
+    np.testing.assert_array_equal(labels, reference.target)
+    monkeypatch.setattr(digits.Path, "is_file", lambda self: False)  # the file moved: the import's way
+    moved_pixels, moved_labels = digits._load_digits()
+    np.testing.assert_array_equal(moved_pixels, reference.data)
+    np.testing.assert_array_equal(moved_labels, reference.target)
+
+
 def test_batches_restart_a_list_and_end_a_generator():
     model = nn.Linear(2, 1)
     loss = lambda m, b: m(b).sum()  # noqa: E731
