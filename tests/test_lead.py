@@ -2,6 +2,7 @@
 import asyncio
 import logging
 import time
+from dataclasses import replace
 
 from lioncub_p2p.allreduce import PartReport, PeerSpec, RoundSpec
 from lioncub_p2p.swarm import lead
@@ -284,6 +285,25 @@ def test_a_member_holding_the_later_listed_leaders_record_switches_to_the_first_
     late.trust(b_record)
     asyncio.run(late.refresh_group())
     assert late.history.latest.author == "b"  # too late to switch: the digest and a repair mend it
+
+
+def test_a_founder_alone_starts_a_group_that_adds_a_newcomer_as_far_ahead_as_its_pace_needs():
+    """Alone, a leader's new group needs nobody to read it first: ``lead_steps`` ahead. A group that adds
+    a newcomer does: the newcomer must ask for the state of its first step before the founder takes that
+    step (mid-step it has no snapshot, and the step's round waited the upload timeout for its vote)."""
+    def planned(records: dict) -> int:
+        directory = _Directory(True)
+        upkeep = _upkeep("a", directory)
+        upkeep.local = lambda: Local(joined=True, step=40, synced=True, idle=False, steps_per_s=60.0)
+        upkeep.trust(GroupRecord(1, 0, (PeerSpec("a"),)))
+        upkeep.records = records
+        upkeep.may_join = lambda record, manifest: True  # same version, manifest and admission
+        asyncio.run(upkeep.lead())
+        return directory.published[-1].from_step
+
+    alone = {"a": _records()["a"]}
+    assert planned({"a": replace(alone["a"], weight=2.0)}) == 40 + 2  # its own weight changed: lead_steps
+    assert planned({**alone, "b": replace(_records()["b"], synced=False)}) == 40 + 30  # 60 steps/s x 0.5 s
 
 
 def test_a_slow_dht_moves_a_new_group_further_ahead():

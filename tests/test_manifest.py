@@ -1,6 +1,7 @@
 """The run manifest: one-line errors for bad files, adoption and refusal by joiners, the leader's check."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -124,8 +125,13 @@ def _wait(condition, timeout: float) -> bool:
 def test_joiners_adopt_the_run_manifest_and_refuse_other_settings_and_models():
     founder = Swarm(_config("manifest", upload="l1:4", momentum_rule="average",
                             manifest=Manifest(task="mlp", task_args={"hidden": 16}, batch_size=8)))
+    # the founder waits for the joiner (without stepping, a group would list it from a step never reached)
+    waiting = threading.Thread(target=founder.join, args=(LionCub(_model().named_parameters(), lr=1e-3,
+                                                                  aggregator=founder),),
+                               kwargs=dict(wait_peers=2, wait_timeout=60), daemon=True)
     try:
-        founder.join(LionCub(_model().named_parameters(), lr=1e-3, aggregator=founder))
+        waiting.start()
+        assert _wait(lambda: founder.run_manifest is not None and founder.history.latest is not None, 30)
         published = founder.run_manifest
         assert published.layout_hash and published.param_count == sum(p.numel() for p in _model().parameters())
         assert (published.upload, published.lr, published.task) == ("l1:4", 1e-3, "mlp")
@@ -136,7 +142,9 @@ def test_joiners_adopt_the_run_manifest_and_refuse_other_settings_and_models():
             assert joiner.manifest.upload == "l1:4" and joiner.config.momentum_rule == "average"
             assert (joiner.manifest.task_args, joiner.manifest.batch_size, joiner.manifest.lr) == ({"hidden": 16}, 8, 1e-3)
             model = _model(joiner.manifest.task_args["hidden"])  # what a CLI does: build the run's model
-            joiner.join(LionCub(model.named_parameters(), lr=joiner.manifest.lr, aggregator=joiner))
+            joiner.join(LionCub(model.named_parameters(), lr=joiner.manifest.lr, aggregator=joiner), wait_peers=2,
+                        wait_timeout=60)
+            waiting.join(60)
             assert joiner.run_manifest.digest() == published.digest()
             assert _wait(lambda: joiner.peer_id in founder.history.latest.member_ids(), 10)
         finally:

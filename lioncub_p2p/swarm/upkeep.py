@@ -294,8 +294,10 @@ class Upkeep:
         # before records say it (announced every few seconds): a group from a step already passed splits it
         steps += [me.asked_step] if step <= me.asked_step <= step + STEP_WINDOW else []
         ahead = max([step] + steps)  # the fastest member (a step beyond the window is a lie, not progress)
-        # idle: at once; alone, nobody else must read the record first (a founder alone steps at any pace)
-        pace = me.steps_per_s if len(latest.members) > 1 else 0.0
+        # idle: at once; alone, nobody else must read the record first (a founder alone steps at any pace),
+        # unless it adds a newcomer, which must ask for the state of its first step before the leader takes
+        # it: mid-step there is no snapshot, and the round waited out the upload timeout for its vote
+        pace = me.steps_per_s if len(latest.members) > 1 or plan.joined else 0.0
         # the members must read the record before the group reaches its first step: a store and a read
         # take seconds on a loaded machine (a record stored in 3 s started at a step the group had
         # reached: the members that read it in time split from the rest, measured)

@@ -1,7 +1,7 @@
 """scikit-learn's digits (1,797 real 8x8 scans, shipped with scikit-learn, offline) and an MLP.
 
-scikit-learn is imported only when the data is loaded: it is an optional dependency
-(``pip install 'lioncub-p2p[sim]'``), and everything else in lioncub-p2p works without it.
+scikit-learn is an optional dependency (``pip install 'lioncub-p2p[sim]'``): the data is read from
+its file when the task is loaded, and everything else in lioncub-p2p works without it.
 """
 from __future__ import annotations
 
@@ -59,16 +59,22 @@ def _load_digits() -> tuple[np.ndarray, np.ndarray]:
     """(pixels, labels) as ``sklearn.datasets.load_digits`` gives them, read from the file it reads:
     importing scikit-learn takes ~1 s of CPU, a fifth of a trainer process's start; the import is the
     fallback if its data file moved."""
-    spec = importlib.util.find_spec("sklearn")
-    if spec is None or spec.origin is None:
-        raise TaskError("the digits task needs scikit-learn, which the core install leaves out: "
+    missing = TaskError("the digits task needs scikit-learn, which the core install leaves out: "
                         "pip install 'lioncub-p2p[sim]' (or train another task: --task byte-gpt)")
+    try:
+        spec = importlib.util.find_spec("sklearn")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or spec.origin is None:
+        raise missing
     path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
     if path.is_file():
         rows = np.loadtxt(path, delimiter=",")
         return rows[:, :-1], rows[:, -1].astype(np.int64)
-    from sklearn.datasets import load_digits
-
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise missing from None
     data = load_digits()
     return data.data, data.target
 
