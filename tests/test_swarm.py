@@ -939,6 +939,12 @@ def test_state_tag_samples_and_full_digest_differ_only_in_coverage():
     assert snapshot.state_tag(opt, samples=7) != sampled and snapshot.state_tag(opt, full=True) != full
 
 
+def test_the_old_wait_for_peers_names_its_replacement_in_one_line():
+    with pytest.raises(SwarmError, match=r"pass wait_peers=3 \(and wait_timeout=60\) to join\(\) instead") as gone:
+        Swarm.wait_for_peers(object.__new__(Swarm), 3, timeout=60)
+    assert "\n" not in str(gone.value)
+
+
 def test_a_founder_slow_to_take_its_first_step_lists_a_newcomer_for_a_later_one():
     """A founder whose first step comes late (a slow first forward pass, a compile) while a newcomer
     already waits: it listed the newcomer from step 0 as if it were waiting for peers, then stepped in

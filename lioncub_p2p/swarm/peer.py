@@ -528,6 +528,11 @@ class Swarm:
         if self.history.latest is None:  # this peer founds the run: its settings become the run's
             self.run_manifest = settled
 
+    def wait_for_peers(self, count: int, timeout: float = 300.0) -> None:
+        """Gone: waiting after ``join`` let the groups this peer leads start at a step it was not taking."""
+        raise SwarmError(f"Swarm.wait_for_peers is gone: pass wait_peers={count} (and wait_timeout={timeout:g}) to "
+                         f"join() instead, which waits before the first step")
+
     def _wait_for_peers(self, count: int, deadline: float) -> None:
         """Block until the group has ``count`` members holding the swarm's state (all start together).
         This peer stays idle meanwhile, so the groups it leads take effect at once (``upkeep.lead``).
