@@ -39,17 +39,22 @@ def run_once(tree: Path, peers: int, steps: int, step_delay: float) -> dict:
              str(work / "c.maddrs"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--task", "digits", "--quiet",
              "--steps", str(steps), "--step-delay", str(step_delay), "--metrics-jsonl", str(work / f"m{i}.jsonl"),
              "--final-state", str(work / f"s{i}.state")],
-            stdout=open(work / f"t{i}.log", "w"), stderr=subprocess.STDOUT, env=env, cwd=work) for i in range(peers)]
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env, cwd=work) for i in range(peers)]
         try:
             codes = [t.wait(300) for t in trainers]
         finally:
             for proc in trainers + [coordinator]:
                 if proc.poll() is None:
                     proc.terminate()
-                proc.wait(30)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(30)
         wall = time.monotonic() - started
-        rows = [[json.loads(line) for line in (work / f"m{i}.jsonl").read_text().splitlines() if line.strip()]
-                for i in range(peers)]
+        metrics = [work / f"m{i}.jsonl" for i in range(peers)]
+        rows = [[json.loads(line) for line in m.read_text().splitlines() if line.strip()] if m.exists() else []
+                for m in metrics]
         states = {snapshot.step_and_params_digest((work / f"s{i}.state").read_bytes())
                   for i in range(peers) if codes[i] == 0}
         return {"wall_s": wall, "slowest_step_s": max((r["step_s"] for peer in rows for r in peer), default=None),
@@ -70,7 +75,8 @@ def main() -> None:
             p.error(f"{tree} holds no lioncub_p2p/: pass a checkout (git worktree add /tmp/before <commit>)")
         for k in range(args.runs):
             r = run_once(tree, args.peers, args.steps, args.step_delay)
-            print(f"{tree}: run {k}: wall {r['wall_s']:.1f} s, slowest step {r['slowest_step_s']:.2f} s, "
+            slowest = "none" if r["slowest_step_s"] is None else f"{r['slowest_step_s']:.2f} s"
+            print(f"{tree}: run {k}: wall {r['wall_s']:.1f} s, slowest step {slowest}, "
                   f"exit codes {r['exit_codes']}, first steps {r['first_steps']}, equal parameters {r['equal']}",
                   flush=True)
 

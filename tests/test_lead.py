@@ -299,6 +299,7 @@ def test_a_founder_alone_starts_a_group_that_adds_a_newcomer_as_far_ahead_as_its
         upkeep.records = records
         upkeep.may_join = lambda record, manifest: True  # same version, manifest and admission
         asyncio.run(upkeep.lead())
+        assert directory.published[-1].member_ids() == sorted(records)
         return directory.published[-1].from_step
 
     alone = {"a": _records()["a"]}

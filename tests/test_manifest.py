@@ -126,9 +126,16 @@ def test_joiners_adopt_the_run_manifest_and_refuse_other_settings_and_models():
     founder = Swarm(_config("manifest", upload="l1:4", momentum_rule="average",
                             manifest=Manifest(task="mlp", task_args={"hidden": 16}, batch_size=8)))
     # the founder waits for the joiner (without stepping, a group would list it from a step never reached)
-    waiting = threading.Thread(target=founder.join, args=(LionCub(_model().named_parameters(), lr=1e-3,
-                                                                  aggregator=founder),),
-                               kwargs=dict(wait_peers=2, wait_timeout=60), daemon=True)
+    founder_errors: list[Exception] = []
+
+    def found() -> None:
+        try:
+            founder.join(LionCub(_model().named_parameters(), lr=1e-3, aggregator=founder), wait_peers=2,
+                         wait_timeout=60)
+        except Exception as e:  # asserted below
+            founder_errors.append(e)
+
+    waiting = threading.Thread(target=found, daemon=True)
     try:
         waiting.start()
         assert _wait(lambda: founder.run_manifest is not None and founder.history.latest is not None, 30)
@@ -145,6 +152,7 @@ def test_joiners_adopt_the_run_manifest_and_refuse_other_settings_and_models():
             joiner.join(LionCub(model.named_parameters(), lr=joiner.manifest.lr, aggregator=joiner), wait_peers=2,
                         wait_timeout=60)
             waiting.join(60)
+            assert not waiting.is_alive() and not founder_errors, founder_errors
             assert joiner.run_manifest.digest() == published.digest()
             assert _wait(lambda: joiner.peer_id in founder.history.latest.member_ids(), 10)
         finally:

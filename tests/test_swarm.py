@@ -945,17 +945,21 @@ def test_the_old_wait_for_peers_names_its_replacement_in_one_line():
     assert "\n" not in str(gone.value)
 
 
-def test_a_founder_slow_to_take_its_first_step_lists_a_newcomer_for_a_later_one():
+@pytest.mark.parametrize("newcomer_reads_every", [0.5, 2.0])
+def test_a_founder_slow_to_take_its_first_step_lists_a_newcomer_for_a_later_one(newcomer_reads_every):
     """A founder whose first step comes late (a slow first forward pass, a compile) while a newcomer
     already waits: it listed the newcomer from step 0 as if it were waiting for peers, then stepped in
     that group, whose round waited for the newcomer's vote while the newcomer waited for the state of
     step 0, which the founder had no snapshot of until the round ended (the 8 s upload timeout here,
-    10 s by default: every run whose peers started together without ``--wait-peers``). A peer that
-    left ``join`` is stepping: its groups take effect ``lead_steps`` ahead, and nobody waits."""
+    10 s by default: most runs whose peers started together without ``--wait-peers``). A peer that
+    left ``join`` is stepping: its groups take effect ahead, and nobody waits. A newcomer that reads
+    its group late (every 2 s) asks for the state of its first step after the founder took it: the
+    founder made a snapshot as it entered that step (``Swarm._adds_newcomers_at``)."""
     rounds = replace(FAST, upload_timeout=8.0, result_timeout=12.0)
     task = digits_task(0, hidden=32)
     first = Swarm(_config("together", allreduce=rounds))
-    second = Swarm(_config("together", allreduce=rounds, initial_peers=first.visible_maddrs()))
+    second = Swarm(_config("together", allreduce=rounds, initial_peers=first.visible_maddrs(),
+                           refresh_period=newcomer_reads_every))
     step_s: dict[int, list[float]] = {}
     digests: dict[int, bytes] = {}
     errors: list[Exception] = []

@@ -775,7 +775,7 @@ class Swarm:
                     self.log.warning("momentum", "step %d: momentum averaging failed, skipped: %s: %s", step,
                                      type(e).__name__, e)
             wanted = self.state.server.wanted_step()
-            if wanted is not None and wanted <= step:
+            if (wanted is not None and wanted <= step) or self._adds_newcomers_at(step):
                 try:
                     blob, digest = snapshot.encode(optimizer)
                     self.loop.run(self.state.server.offer(step, blob, digest), timeout=30)
@@ -789,6 +789,16 @@ class Swarm:
                                      self.config.checkpoint_dir, e)
         finally:
             self.state.exit_step()
+
+    def _adds_newcomers_at(self, step: int) -> bool:
+        """The group of ``step`` starts there and lists peers the one before did not. They download the
+        state of ``step`` and may ask for it only once this peer is in that step, when it has no snapshot
+        (its round waited out the upload timeout for their votes): make one now."""
+        group = self.history.for_step(step)
+        if group is None or group.from_step != step or not self.state.synced:
+            return False
+        before = self.history.for_step(step - 1)
+        return bool(set(group.member_ids()) - set(before.member_ids() if before is not None else ()))
 
     def _momentum_sync(self) -> MomentumSync:
         """The momentum rounds under the current settings (the run's manifest may change them at join)."""

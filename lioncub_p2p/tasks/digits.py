@@ -69,8 +69,11 @@ def _load_digits() -> tuple[np.ndarray, np.ndarray]:
         raise missing
     path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
     if path.is_file():
-        rows = np.loadtxt(path, delimiter=",")
-        return rows[:, :-1], rows[:, -1].astype(np.int64)
+        try:
+            rows = np.loadtxt(path, delimiter=",")
+            return rows[:, :-1], rows[:, -1].astype(np.int64)
+        except (OSError, ValueError):  # unreadable here: scikit-learn's own loader says why
+            pass
     try:
         from sklearn.datasets import load_digits
     except ImportError:
