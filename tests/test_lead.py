@@ -349,6 +349,23 @@ def test_a_leader_behind_its_group_starts_the_next_group_past_the_step_its_membe
     assert planned(asked=10_000) == 22 + 2  # far beyond the step window: not progress
 
 
+def test_a_waiting_leader_starts_a_group_at_once_unless_a_member_already_votes_at_its_step():
+    """While everyone waits for peers a group takes effect at the leader's step. A member that did not
+    wait and already asked the leader to count its votes of that step is stepping it: a group from
+    there would split that step (it ran in the older group), so this one starts ahead as usual."""
+    def planned(asked: int) -> int:
+        directory = _Directory(True)
+        upkeep = _upkeep("a", directory)
+        upkeep.local = lambda: Local(joined=True, step=0, synced=True, idle=True, steps_per_s=0.0, asked_step=asked)
+        upkeep.trust(GroupRecord(3, 0, tuple(PeerSpec(pid) for pid in "abcd")))
+        upkeep.records = {pid: replace(r, step=0) for pid, r in _records().items() if pid != "d"}  # d gone
+        asyncio.run(upkeep.lead())
+        return directory.published[-1].from_step
+
+    assert planned(asked=-1) == 0  # nobody votes yet: at once
+    assert planned(asked=0) == 0 + 2  # b votes step 0 already: lead_steps ahead
+
+
 def test_a_new_group_starts_past_the_step_the_group_reached_while_the_leader_stored_the_manifest():
     """The leader keeps the run's manifest alive before it plans; on a loaded machine that store takes
     seconds of steps, and a group planned from the step read before it took effect at a step already

@@ -943,7 +943,7 @@ class Swarm:
                      bytes_up_per_s=stats.bytes_up / seconds, bytes_down_per_s=stats.bytes_down / seconds,
                      samples_per_step=self.samples_per_step, loss=self.last_loss, run_manifest=self.run_manifest,
                      steps_per_s=1.0 / pace if (pace := self.rounds.pace.step_s) > 0 else 0.0,
-                     asked_step=node.asked_step.get("vote", 0) if (node := getattr(self, "node", None)) else 0)
+                     asked_step=node.asked_step.get("vote", -1) if (node := getattr(self, "node", None)) else -1)
 
     async def _store_manifest(self, manifest: Manifest) -> None:
         await manifests.store(self.dht, self.config.run_id, manifest, self.identity)

@@ -58,7 +58,7 @@ class Local:
     idle: bool = True  # not stepping yet: a group change may take effect at once
     final_step: int | None = None  # no group may start past it
     steps_per_s: float = 0.0  # this peer's recent pace (the group's, as it steps with it)
-    asked_step: int = 0  # the newest step of a vote round another member asked this peer for
+    asked_step: int = -1  # the newest step of a vote round another member asked this peer for (-1: none)
     bytes_up_per_s: float = 0.0
     bytes_down_per_s: float = 0.0
     samples_per_step: int = 0
@@ -302,7 +302,10 @@ class Upkeep:
         # take seconds on a loaded machine (a record stored in 3 s started at a step the group had
         # reached: the members that read it in time split from the rest, measured)
         notice = NOTICE_S + 2 * self.dht_s
-        lead = 0 if me.idle and ahead == step else steps_ahead(self.lead_steps, pace, notice)
+        # a waiting leader starts a group at once, unless a member already asked it to count votes of its
+        # step: that member did not wait and is stepping it, so a group from there would split that step
+        waiting = me.idle and ahead == step and me.asked_step < step
+        lead = 0 if waiting else steps_ahead(self.lead_steps, pace, notice)
         from_step = ahead + lead
         if me.final_step is not None:  # a group from past this peer's last step would never take effect
             from_step = max(latest.from_step, min(from_step, me.final_step))
