@@ -1223,6 +1223,30 @@ def _member_thread(task, n: int, stop: threading.Event, steps: dict, states: dic
     return run
 
 
+def _honest_to_final(steps: dict, swarms: list, threads: list, liar: Swarm) -> int:
+    """End the run of ``_member_thread``s 10 steps past the furthest honest member; wait for the honest."""
+    final = steps["final"] = max(steps.get(i, 0) for i, s in enumerate(swarms) if s is not liar) + 10
+    for t, s in zip(threads, swarms):
+        if s is not liar:
+            t.join(120)
+    return final
+
+
+def _stop_members(stop: threading.Event, swarms: list, threads: list) -> None:
+    stop.set()
+    for s in swarms:
+        s.shutdown()
+    for t in threads:
+        t.join(30)
+
+
+def _assert_honest_end_equal(errors: list, states: dict, swarms: list, liar: Swarm, final: int) -> None:
+    """Only the liar's thread may have failed; the honest ended bitwise equal at the final step."""
+    assert not [e for e in errors if not e.startswith(f"{swarms.index(liar)}:")], errors
+    digests = {states[i] for i, s in enumerate(swarms) if s is not liar}
+    assert len(digests) == 1 and next(iter(digests))[0] == final, digests
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("role", ["member", "leader"])
 def test_a_lying_reducer_is_dropped_by_the_leader_on_evidence_and_nobody_honest_is_ever_dropped(role):
@@ -1315,21 +1339,11 @@ def test_a_lying_reducer_is_dropped_by_the_leader_on_evidence_and_nobody_honest_
             outsider.shutdown()
         time.sleep(2.0)  # a leader refresh or more
 
-        final = max(steps.get(swarms.index(s), 0) for s in honest) + 10
-        steps["final"] = final
-        for t, s in zip(threads, swarms):
-            if s is not liar:
-                t.join(120)
+        final = _honest_to_final(steps, swarms, threads, liar)
     finally:
-        stop.set()
-        for s in swarms:
-            s.shutdown()
-        for t in threads:
-            t.join(30)
-    assert not [e for e in errors if not e.startswith(f"{swarms.index(liar)}:")], errors
+        _stop_members(stop, swarms, threads)
+    _assert_honest_end_equal(errors, states, swarms, liar, final)
     assert not honest_dropped, honest_dropped
-    digests = {states[swarms.index(s)] for s in honest}
-    assert len(digests) == 1 and next(iter(digests))[0] == final, digests  # bitwise equal, same final step
     for s in honest:  # nobody honest was ever accused of a proven lie, or dropped on suspicions
         assert set(s.liars) <= {liar.peer_id}, s.liars
         assert not (s.suspects() & honest_ids), s.suspicions
@@ -1391,19 +1405,10 @@ def test_a_reducer_that_sends_up_other_margins_than_its_groups_counts_is_dropped
         assert catchers and all(s.node.caught[liar.peer_id].kind == "lie"
                                 and "margins" in s.node.caught[liar.peer_id].reason for s in catchers)
         assert "margins" in leader.liars[liar.peer_id]  # convicted on evidence it checked, refused for the run
-        steps["final"] = max(steps.get(swarms.index(s), 0) for s in honest) + 10
-        for t, s in zip(threads, swarms):
-            if s is not liar:
-                t.join(120)
+        final = _honest_to_final(steps, swarms, threads, liar)
     finally:
-        stop.set()
-        for s in swarms:
-            s.shutdown()
-        for t in threads:
-            t.join(30)
-    assert not [e for e in errors if not e.startswith(f"{swarms.index(liar)}:")], errors
-    digests = {states[swarms.index(s)] for s in honest}
-    assert len(digests) == 1 and next(iter(digests))[0] == steps["final"], digests
+        _stop_members(stop, swarms, threads)
+    _assert_honest_end_equal(errors, states, swarms, liar, final)
     for s in honest:
         assert not (s.suspects() & honest_ids) and not set(s.node.caught) - {liar.peer_id}, s.suspicions
     assert liar.peer_id not in leader.history.latest.member_ids()  # (an honest one dropped for a slow round

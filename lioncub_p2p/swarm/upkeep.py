@@ -55,7 +55,7 @@ class Local:
     step: int = 0
     synced: bool = False  # holds the swarm's state
     following: bool = False  # receives results without voting (``follow.py``)
-    idle: bool = True  # not stepping yet: a group change may take effect at once
+    idle: bool = True  # waiting for peers or past its last step, not stepping: a group may start at once
     final_step: int | None = None  # no group may start past it
     steps_per_s: float = 0.0  # this peer's recent pace (the group's, as it steps with it)
     asked_step: int = -1  # the newest step of a vote round another member asked this peer for (-1: none)
@@ -294,7 +294,7 @@ class Upkeep:
         # before records say it (announced every few seconds): a group from a step already passed splits it
         steps += [me.asked_step] if step <= me.asked_step <= step + STEP_WINDOW else []
         ahead = max([step] + steps)  # the fastest member (a step beyond the window is a lie, not progress)
-        # idle: at once; alone, nobody else must read the record first (a founder alone steps at any pace),
+        # alone, nobody else must read the record first (a founder alone steps at any pace),
         # unless it adds a newcomer, which must ask for the state of its first step before the leader takes
         # it: mid-step there is no snapshot, and the round waited out the upload timeout for its vote
         pace = me.steps_per_s if len(latest.members) > 1 or plan.joined else 0.0
