@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -461,14 +462,15 @@ def _rank_entry(rank: int, target, world: int, workdir: str, args: tuple) -> Non
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's connections stay on the loopback interface
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
-    try:
-        result = target(rank, world, *args)
-        # every rank done before any tears down: gloo aborts a rank ("terminate called without an active
-        # exception") whose pair closes while it is still finishing (seen once in a fresh-clone CI run)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    result = target(rank, world, *args)  # an exception ends this rank with it (spawn reports it)
     torch.save(result, f"{workdir}/rank{rank}.pt")
+    dist.barrier()  # every rank done before any leaves
+    # and then no teardown: gloo aborts a rank ("terminate called without an active exception") whose
+    # pairs close while it tears down its own (seen in two fresh-clone CI runs, once after this barrier,
+    # with destroy_process_group); the OS closes the sockets of a process that exits at once
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_ranks(target, world: int, workdir: Path, *args, timeout: float = 240.0) -> list:

@@ -597,66 +597,11 @@ def test_a_two_level_run_keeps_every_peer_bitwise_equal_through_a_repair():
     swarms: dict[int, Swarm] = {}
     out = _train_swarm(configs, 30, perturb=(4, 15), instrument=swarms.__setitem__)
     assert {out[i][0] for i in range(6)} == {30}
-    assert all(s.node.in_run == s._in_run for s in swarms.values())  # the fetch gate knows the run's members
+    assert all(s.node.in_run == s.book.in_run for s in swarms.values())  # the fetch gate knows the run's members
     assert len({out[i][1] for i in range(6)}) == 1  # identical parameters at the end
     assert out[4][2] >= 1  # the perturbed peer repaired
     combined = out.get("combined", {})
     assert sum(len(steps) for steps in combined.values()) >= 3 * 20, combined  # second-level rounds ran
-
-
-def test_a_group_too_small_for_three_groups_votes_flat():
-    """Of two groups neither is a majority that could tell a diverged one (a member leaving mid-round
-    costs its group a part the other applies): with fewer than 3 groups the round is flat."""
-    swarm = Swarm.__new__(Swarm)
-    swarm.peer_id, swarm.optimizer = "a", SimpleNamespace(buffer_bytes=4096)
-    swarm.config = SimpleNamespace(max_group=3, seed=0)
-    group = GroupRecord(5, 0, tuple(PeerSpec(pid) for pid in "abcdef"))
-    assert swarm._two_level_spec(group, 0, b"r") is None  # 2 groups of 3
-    swarm.config.max_group = 2
-    spec = swarm._two_level_spec(group, 0, b"r")  # 3 groups of 2
-    assert spec is not None and len(spec.group) == 2 and len(spec.combine[0].group) == 3
-
-
-def test_reports_on_a_two_level_groups_round_are_resolved_by_any_member_and_only_from_that_groups_members():
-    """What a voter's audits catch in a two-level vote names its group's round (an id derived from the
-    flat round's): the peer finds it among its own rounds (``step_of``), and any member, the leader in
-    another group included, resolves it to the run's group (``_round_of``) when the accused reduces that
-    part there; only the accused's group-mates may report on it."""
-    from lioncub_p2p.swarm.accuse import Accusation, Refused
-
-    swarm = Swarm.__new__(Swarm)
-    swarm.peer_id, swarm.optimizer = "a", SimpleNamespace(buffer_bytes=4096)
-    swarm.config = SimpleNamespace(max_group=3, seed=0, run_id="run")
-    swarm.upkeep = SimpleNamespace(history=GroupHistory())
-    swarm._round_steps = {}
-    group = GroupRecord(5, 0, tuple(PeerSpec(pid) for pid in "abcdefghi"))
-    swarm.history.add(group)
-    mine = swarm._spec(group, 7)
-    assert swarm._round_steps[mine.round_id] == 7 and swarm._round_steps[swarm._round_id("vote", 7, 5)] == 7
-    flat = swarm._round_id("vote", 7, 5)
-    specs = hierarchy.two_level_specs(flat, 7, hierarchy.two_level_layout(list("abcdefghi"), 5, 4096, 3), 4096,
-                                      family="vote")
-    other = next(spec for pid, spec in specs.items() if "a" not in [m.peer_id for m in spec.group])
-    reducer, mate = other.group[1].peer_id, other.group[0].peer_id
-    stranger = next(pid for pid in "abcdefghi" if pid not in [m.peer_id for m in other.group])
-    assert swarm._round_of(other.round_id, 7, 1, reducer) == (group, "vote")
-    assert swarm._round_of(other.round_id, 7, 1, mate) is None  # it did not reduce that part
-    assert swarm._round_of(other.round_id, 8, 1, reducer) is None  # another step's round
-    report = Accusation("misrepresented", reducer, other.round_id, 1, 7, "margins")
-    assert swarm._accusation_header(mate, report, 0) == 0
-    with pytest.raises(Refused, match="not another member"):
-        swarm._accusation_header(stranger, report, 0)
-
-
-def test_the_runs_members_for_the_fetch_gate_are_the_current_groups_not_caught_lying():
-    """Other groups' members ask a combiner for second-level slices as members of the run, not as
-    strangers (``VoteNode.in_run``): the members of the newest group record, less proven liars."""
-    swarm = Swarm.__new__(Swarm)
-    swarm.upkeep = SimpleNamespace(history=GroupHistory())
-    older = GroupRecord(4, 0, tuple(PeerSpec(pid) for pid in "abcdxy"))
-    swarm.history.add(GroupRecord(5, 10, tuple(PeerSpec(pid) for pid in "abcdef"), previous=older))
-    swarm.verdicts = SimpleNamespace(liars={"c": "flipped a result"})
-    assert [pid for pid in "abcdefxyz" if swarm._in_run(pid)] == ["a", "b", "d", "e", "f"]
 
 
 @pytest.mark.slow
@@ -1128,19 +1073,19 @@ def test_an_error_in_the_round_path_is_a_missed_round_not_an_exception():
         opt = LionCub(model.named_parameters(), lr=1e-2, weight_decay=0.1, aggregator=swarm)
         swarm.join(opt)
         x, y = digits_task(0, hidden=8).shard(0, 1)
-        real_spec = swarm._spec
+        real_spec = swarm.book.spec
 
         def poisoned(*args, **kwargs):
             raise ValueError("cannot convert float NaN to integer")
 
-        swarm._spec = poisoned
+        swarm.book.spec = poisoned
         before = [p.detach().clone() for p in model.parameters()]
         nn.functional.cross_entropy(model(x[:8]), y[:8]).backward()
         opt.step()  # must not raise
         assert swarm.stats.missed and swarm.missed_rounds == 1 and opt.step_count == 1
         for b, p in zip(before, model.parameters()):
             assert torch.equal(p.detach(), b * (1 - 1e-2 * 0.1))  # decoupled weight decay, no update
-        swarm._spec = real_spec
+        swarm.book.spec = real_spec
         opt.zero_grad()
         nn.functional.cross_entropy(model(x[:8]), y[:8]).backward()
         opt.step()
@@ -1317,8 +1262,8 @@ def test_a_lying_reducer_is_dropped_by_the_leader_on_evidence_and_nobody_honest_
         # accusations that prove nothing: the liar (a member of that round) accuses an honest reducer of
         # the same round with its own evidence; a lone suspicion; an outsider
         proof = catcher.node.caught[liar.peer_id]
-        step = catcher._round_steps[proof.round_id]
-        group, _ = catcher._round_of(proof.round_id, step, proof.part, liar.peer_id)
+        step = catcher.book.steps[proof.round_id]
+        group, _ = catcher.book.round_of(proof.round_id, step, proof.part, liar.peer_id)
         victim = next(j for j, m in enumerate(group.members) if m.peer_id in honest_ids - {leader.peer_id}
                       and m.reduces)
         victim_id = group.members[victim].peer_id

@@ -45,7 +45,7 @@ group whose votes for part k fell below its quorum, its reducer included (its vo
 part k, which the other groups decide: a failed group does not split the run while the slices can
 be fetched).
 
-A run votes two-level when its manifest sets ``max_group`` (``Swarm._two_level_spec``: the layout from
+A run votes two-level when its manifest sets ``max_group`` (``RoundBook.two_level_spec``: the layout from
 the group record's members and epoch). Each group's reducer votes its group's state tag at the second
 level, and ``group_tag`` tells a group that diverged as a whole (``docs/protocol.md``).
 A voter audits a first-level result by comparing a slice of it with the combiners' signed slice

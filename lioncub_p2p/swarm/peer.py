@@ -31,39 +31,36 @@ per-step counters (``stats``, ``repairs``, ``follow``, ``failures``, ...: traini
 thread; the state server's worker thread only reads, under the lock); ``Upkeep`` (``upkeep.py``)
 keeps the run's records, this peer's record and the group it leads (event loop thread; it reads
 the training side only through ``upkeep.Local``); ``MomentumSync`` (``momentum_sync.py``) and
-``Verdicts`` (``verdicts.py``) are the momentum rounds and the judgement of liars. Shared across
-threads, written down where they are: the round counters of ``Upkeep.count_vote`` (counted by
-the training thread, reset by the leader on the loop, one key at a time) and ``records`` (replaced whole,
-never mutated).
+``Verdicts`` (``verdicts.py``) are the momentum rounds and the judgement of liars; ``RoundBook``
+(``round_book.py``) names every round from the group records and looks up the rounds others report
+on. Shared across threads, written down where they are: the round counters of ``Upkeep.count_vote``
+(counted by the training thread, reset by the leader on the loop, one key at a time), ``records``
+(replaced whole, never mutated) and the group history (written by ``Upkeep`` on the loop only).
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import contextlib
-import hashlib
 import logging
 import os
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from .. import failpoints
 from ..aio import BackgroundLoop
-from ..allreduce import AllReduceConfig, PeerSpec, RoundSpec, VoteNode, hierarchy
+from ..allreduce import AllReduceConfig, PeerSpec, VoteNode
 from ..allreduce.admission import Admission
 from ..allreduce.allgather import GatherNode
-from ..allreduce.audit import MAX_EVIDENCE_BYTES
-from ..allreduce.commit import MAX_HEADER_BYTES, MAX_LEAF_BYTES, leaf_bytes
 from ..codecs import result_codec, upload_codec
 from ..identity import Identity, Verifier
 from ..momentum import MomentumSchedule
 from ..optim import LionCub, Resolved
 from ..wire import PROTOCOL_VERSION
 from . import checkpoint, manifest as manifests, reachability, snapshot
-from .accuse import Accusation, AccuseServer, Refused, Suspicions, send_accusation
+from .accuse import AccuseServer, Suspicions, send_accusation
 from .admit import AdmitServer, ask_admission
 from .dht_process import start_dht, stop_dht
 from .manifest import DEFAULTS, Manifest, ManifestError, ManifestMismatch
@@ -73,6 +70,7 @@ from .probe import serve_probe
 from .records import RateLimitedLog, RunRecordValidator
 from .pipeline import PipelineSettings, RoundInFlight, VotePipeline
 from .state_sync import StateSync
+from .round_book import RoundBook, RoundShape
 from .state_transfer import download_bound
 from .upkeep import GROUP_TTL, Local, Upkeep
 from .verdicts import Verdicts
@@ -84,12 +82,6 @@ PORT_TRIES = 3  # daemon starts on a freshly picked port, when another process t
 
 MAX_CANDIDATES = 8  # group records a newcomer asks for admission, most populated first
 MAX_RECORD_TTL = 300.0
-# a two-level round needs this many groups, else the round is flat: a group can still miss a part the
-# others apply (a second-level slice that reached some combiners and not, in time, the others), and
-# only a majority of groups tells it so (hierarchy.group_tag);
-# of two groups neither is a majority (seen before slices were fetched: a run ending split)
-MIN_GROUPS = 3
-ROUND_KINDS = ("vote", "momentum")
 # TCP and QUIC on every interface, ports chosen by the OS. Over QUIC a stream closed right after its
 # last write loses that write, so every handler here that ends a stream with a reply waits (bounded)
 # for the reader to close first (wire.close_after_reply; tests/test_transfer.py)
@@ -205,7 +197,6 @@ class Swarm:
         self.config = config = config or SwarmConfig(**kwargs)
         self.loop = BackgroundLoop(f"swarm-{config.run_id}")
         self.log = RateLimitedLog(logger)
-        self._round_steps: OrderedDict[bytes, int] = OrderedDict()  # round id -> step, of this peer's recent rounds
         self._background: set[concurrent.futures.Future] = set()
         self._proved_to: set[str] = set()  # members that admitted this peer
         self.optimizer: LionCub | None = None
@@ -271,7 +262,9 @@ class Swarm:
     def _start(self, config: SwarmConfig) -> None:
         self.p2p = self.loop.run(self.dht.replicate_p2p(), timeout=30)
         self.peer_id = self.p2p.peer_id.to_base58()
-        self.verdicts = Verdicts(self.peer_id, _Rounds(self), lambda to, a: send_accusation(self.p2p, to, a),
+        history = GroupHistory()  # Upkeep writes it on the loop; the round book and this facade read it
+        self.book = RoundBook(config.run_id, self.peer_id, history, liars=lambda: self.liars)
+        self.verdicts = Verdicts(self.peer_id, self.book, lambda to, a: send_accusation(self.p2p, to, a),
                                  self._in_background, self.log)
         if self.peer_id != self.identity.peer_id:
             raise SwarmError("the DHT runs with another key than the identity file")
@@ -281,7 +274,8 @@ class Swarm:
         self.upkeep = Upkeep(peer_id=self.peer_id, spec=self._my_spec(), run_id=config.run_id,
                              directory=self.directory, store_manifest=self._store_manifest, admission=self.admission,
                              verdicts=self.verdicts, local=self._local, record_ttl=config.record_ttl,
-                             refresh_period=config.refresh_period, lead_steps=config.lead_steps, log=self.log)
+                             refresh_period=config.refresh_period, lead_steps=config.lead_steps, log=self.log,
+                             history=history)
         self.verifier = Verifier()
         self.anchors = _anchor_ids(config.initial_peers)
         self.run_manifest: Manifest | None = None  # the run's, as published by its leader (or a coordinator)
@@ -293,7 +287,7 @@ class Swarm:
         if self.history.latest is not None:
             self.node.group_epoch = self.history.latest.epoch
         self.upkeep.on_epoch = lambda epoch: setattr(self.node, "group_epoch", epoch)
-        self.node.in_run = self._in_run  # other groups' members ask for second-level slices as members
+        self.node.in_run = self.book.in_run  # other groups' members ask for second-level slices as members
         self.upkeep.stop_waiting_for = self.node.stop_waiting_for
         self.gather = GatherNode(self.p2p, config.allreduce, self.admission) \
             if self.config.transport == "allgather" else None
@@ -305,11 +299,11 @@ class Swarm:
                                     self._round_bound())
         self.rounds = VotePipeline(peer_id=self.peer_id, settings=settings, loop=self.loop, node=self.node,
                                    gather=self.gather, upkeep=self.upkeep, state=self.state, verdicts=self.verdicts,
-                                   spec=lambda group, step: self._spec(group, step), rejoin=self._rejoin,
+                                   spec=lambda group, step: self.book.spec(group, step), rejoin=self._rejoin,
                                    in_background=self._in_background, log=self.log)
         self.admit_server = AdmitServer(self.p2p, self.admission, self.upkeep.admitted.add)
-        self.accuse_server = AccuseServer(self.p2p, self._accusation_header, self.verdicts.on_accusation,
-                                          self._is_member)
+        self.accuse_server = AccuseServer(self.p2p, self.book.accusation_header, self.verdicts.on_accusation,
+                                          self.book.is_member)
         self.loop.run(self._start_services(), timeout=30)
         if failpoints.ARMED is not None:
             self.node.on_event.append(self._failpoint)
@@ -440,6 +434,10 @@ class Swarm:
         except ValueError as e:
             raise SwarmError(str(e)) from None
         self.optimizer = self.state.optimizer = self.rounds.optimizer = optimizer
+        config = self.config  # the run's settings, adopted at start (``_apply_settings``)
+        self.momentum_sync = MomentumSync(config.momentum, config.momentum_rule, optimizer.momentum_buffers, config.seed)
+        self.book.shape = RoundShape(optimizer.buffer_bytes, self.upload, self.result, config.seed,
+                                     config.max_group or 0, momentum=self.momentum_sync.spec)
         if self.config.checkpoint_dir:
             restored = checkpoint.restore(self.config.checkpoint_dir, optimizer)
             if restored is not None:
@@ -670,48 +668,6 @@ class Swarm:
 
     # -- rounds ------------------------------------------------------------------------------------
 
-    def _round_id(self, kind: str, step: int, epoch: int) -> bytes:
-        return hashlib.blake2b(f"{self.config.run_id}|{kind}|{step}|{epoch}".encode(), digest_size=16).digest()
-
-    def _spec(self, group: GroupRecord, step: int, kind: str = "vote", *, own: bool = True) -> RoundSpec:
-        """The round of ``step`` with ``group``; ``own``: this peer takes part (the training thread's, named
-        later when reporting what its audits caught), else another's round read on the loop."""
-        rid = self._round_id(kind, step, group.epoch)
-        spec = None
-        if kind == "vote":
-            spec = self._two_level_spec(group, step, rid) or RoundSpec(
-                rid, step, group.members, self.optimizer.buffer_bytes, self.upload, self.result, self.config.seed,
-                family="vote")
-        if own:  # under both ids: what this peer's audits catch names its group's round of a two-level vote
-            self._round_steps.update(dict.fromkeys({rid, spec.round_id if spec is not None else rid}, step))
-            while len(self._round_steps) > 512:
-                self._round_steps.popitem(last=False)
-        return spec or self._momentum_sync().spec(rid, step, group.members)
-
-    def _two_level_spec(self, group: GroupRecord, step: int, rid: bytes) -> RoundSpec | None:
-        """This peer's round of a two-level vote (``_two_level_specs``); None: a flat round, or not its own."""
-        specs = self._two_level_specs(group, step, rid)
-        return specs.get(self.peer_id) if specs is not None else None
-
-    def _two_level_specs(self, group: GroupRecord, step: int, rid: bytes) -> dict[str, RoundSpec] | None:
-        """Every member's round of a two-level vote, when the run asks for one (``max_group``) and the group
-        makes at least ``MIN_GROUPS`` groups: groups from the record's members and epoch
-        (``hierarchy.two_level_layout``, the same on every peer: no matchmaking), reducers among its
-        reducing members. None: a flat round."""
-        max_group = self.config.max_group or 0
-        if not max_group or len(group.members) <= max_group or self.optimizer is None:
-            return None
-        members = {m.peer_id: m for m in group.members}
-        reducers = {pid for pid, m in members.items() if m.reduces}
-        if not reducers:
-            return None  # nobody reduces yet (all syncing): missed as a flat round would be
-        nbytes = self.optimizer.buffer_bytes
-        layout = hierarchy.two_level_layout(list(members), group.epoch, nbytes, max_group, reducers=reducers)
-        if len(layout.groups) < MIN_GROUPS:
-            return None
-        return hierarchy.two_level_specs(rid, step, layout, nbytes, seed=self.config.seed, family="vote",
-                                         members=members)
-
     def before_step(self) -> None:
         """Called by LionCub before the step touches any state: snapshots wait from here on."""
         self.state.enter_step()
@@ -764,7 +720,7 @@ class Swarm:
         """Momentum averaging, snapshots for joiners, checkpoints: each failure is logged, never raised."""
         try:
             step = optimizer.step_count
-            sync = self._momentum_sync()
+            sync = self.momentum_sync
             if sync.due(step) or self._momentum_in_flight:
                 try:
                     if sync.schedule.slices:
@@ -800,22 +756,17 @@ class Swarm:
         before = self.history.for_step(step - 1)
         return bool(set(group.member_ids()) - set(before.member_ids() if before is not None else ()))
 
-    def _momentum_sync(self) -> MomentumSync:
-        """The momentum rounds under the current settings (the run's manifest may change them at join)."""
-        return MomentumSync(self.config.momentum, self.config.momentum_rule, self.optimizer.momentum_buffers,
-                            self.config.seed)
-
     def _average_momentum(self, step: int) -> bool:
         """One momentum round after ``step`` (``momentum_sync.py``); False if this peer had none or it failed."""
         group = self.history.for_step(step - 1)
         if group is None or self.peer_id not in group.member_ids():
             return False
-        spec = self._spec(group, step, kind="momentum")
+        spec = self.book.spec(group, step, kind="momentum")
         self.rounds.current = ("momentum", step)
         timeout = self.config.allreduce.result_timeout + 30
         follow = self.rounds.follow.following  # behind: the others' average only (this peer's values are late anyway)
         try:
-            return self._momentum_sync().average(
+            return self.momentum_sync.average(
                 spec, lambda spec, upload: self.loop.run(self.node.follow_round(spec) if follow
                                                          else self.node.run_round(spec, upload), timeout=timeout))
         except Exception as e:
@@ -846,7 +797,7 @@ class Swarm:
         group = self.history.for_step(step - 1)
         if group is None or self.peer_id not in group.member_ids():
             return
-        spec = self._spec(group, step, kind="momentum")  # not marked current: it runs beside the next vote
+        spec = self.book.spec(group, step, kind="momentum")  # not marked current: it runs beside the next vote
         node = self.node
         round_for = node.follow_round if self.rounds.follow.following else None
         sent = sync.start(spec, lambda spec, upload: asyncio.run_coroutine_threadsafe(
@@ -863,62 +814,6 @@ class Swarm:
         future = asyncio.run_coroutine_threadsafe(coro, self.loop.loop)
         self._background.add(future)
         future.add_done_callback(self._background.discard)
-
-    def _round_of(self, round_id: bytes, step: int, part: int, reducer: str) -> tuple[GroupRecord, str] | None:
-        """The group and kind of one of this peer's recent rounds, if ``reducer`` reduced ``part`` in it;
-        in a two-level vote, a round of any of the run's groups (``_group_round``)."""
-        found = self._find_round(round_id, step, part, reducer)
-        return found[:2] if found is not None else None
-
-    def _find_round(self, round_id: bytes, step: int, part: int,
-                    reducer: str) -> tuple[GroupRecord, str, RoundSpec | None] | None:
-        """``_round_of``, and the group's round of a two-level vote it is (None: a flat round)."""
-        for group in list(self.history.by_epoch.values()):
-            for kind in ROUND_KINDS:
-                if self._round_id(kind, step, group.epoch) == round_id:
-                    ok = 0 <= part < len(group.members) and group.members[part].peer_id == reducer
-                    return (group, kind, None) if ok else None
-            spec = self._group_round(group, step, round_id)
-            if spec is not None:
-                ok = 0 <= part < len(spec.group) and spec.group[part].peer_id == reducer and spec.combine[part] is not None
-                return (group, "vote", spec) if ok else None
-        return None
-
-    def _group_round(self, group: GroupRecord, step: int, round_id: bytes) -> RoundSpec | None:
-        """The round of one of the groups of ``group``'s two-level vote at ``step`` named ``round_id``."""
-        specs = self._two_level_specs(group, step, self._round_id("vote", step, group.epoch))
-        return next((spec for spec in (specs or {}).values() if spec.round_id == round_id), None)
-
-    def _is_member(self, peer_id: str) -> bool:
-        return any(peer_id in g.member_ids() for g in list(self.history.by_epoch.values()))
-
-    def _in_run(self, peer_id: str) -> bool:
-        """In the run's current group (every group of a two-level vote) and not proven to lie."""
-        latest = self.history.latest
-        return latest is not None and peer_id in latest.member_ids() and peer_id not in self.liars
-
-    def _accusation_header(self, accuser: str, accusation: Accusation, evidence_bytes: int) -> int:
-        """Before any evidence is read: a round of this peer's groups, its reducer accused by another of its
-        members. Returns the most evidence bytes such a round can produce."""
-        found = self._find_round(accusation.round_id, accusation.step, accusation.part, accusation.accused)
-        if found is None:
-            raise Refused("not a recent round of this peer's groups, or the accused did not reduce that part")
-        group, kind, in_round = found  # in_round: one group's round of a two-level vote
-        members = [m.peer_id for m in in_round.group] if in_round is not None else group.member_ids()
-        if accuser not in members or accuser == accusation.accused:
-            raise Refused("the accuser is not another member of that round's group")
-        if accusation.kind != "lie":
-            return 0
-        if self.optimizer is None:
-            raise Refused("this peer has not joined yet")
-        spec = in_round or self._spec(group, accusation.step, kind, own=False)
-        start, stop = spec.bounds[accusation.part]
-        n, planes = len(spec.group), spec.upload.planes
-        leaf = min(leaf_bytes(stop - start, planes) * planes, MAX_LEAF_BYTES)
-        openings = n * (leaf + 1024)
-        if in_round is not None:  # a margins proof: the votes of two leaves, and a leaf of margins (≤ 8 bits)
-            openings = 2 * openings + 8 * leaf + 1024
-        return min(MAX_EVIDENCE_BYTES, spec.result_size(accusation.part, n) + MAX_HEADER_BYTES + 8192 + openings)
 
     # -- membership upkeep (``upkeep.py``, on the loop) ------------------------------------------------
 
@@ -995,19 +890,3 @@ class Swarm:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-class _Rounds:
-    """A swarm's recent rounds, as its ``Verdicts`` sees them (``verdicts.RoundLookup``)."""
-
-    def __init__(self, swarm: Swarm):
-        self.swarm = swarm
-
-    def round_of(self, round_id: bytes, step: int, part: int, reducer: str) -> tuple[GroupRecord, str] | None:
-        return self.swarm._round_of(round_id, step, part, reducer)
-
-    def step_of(self, round_id: bytes) -> int | None:
-        return self.swarm._round_steps.get(round_id)
-
-    def latest(self) -> GroupRecord | None:
-        return self.swarm.history.latest

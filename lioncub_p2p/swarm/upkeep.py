@@ -69,13 +69,13 @@ class Local:
 class Upkeep:
     def __init__(self, *, peer_id: str, spec: PeerSpec, run_id: str, directory: Directory, store_manifest,
                  admission, verdicts, local: Callable[[], Local], record_ttl: float, refresh_period: float,
-                 lead_steps: int, log: RateLimitedLog):
+                 lead_steps: int, log: RateLimitedLog, history: GroupHistory | None = None):
         self.peer_id, self.spec, self.run_id = peer_id, spec, run_id
         self.directory, self.store_manifest = directory, store_manifest  # store_manifest(manifest): a coroutine
         self.admission, self.verdicts, self.local = admission, verdicts, local
         self.record_ttl, self.refresh_period, self.lead_steps = record_ttl, refresh_period, lead_steps
         self.log = log
-        self.history = GroupHistory()
+        self.history = history if history is not None else GroupHistory()  # written here only (others read it)
         self.records: dict[str, PeerRecord] = {}
         self.evicted: dict[str, float] = {}  # dropped peer -> expiry of its record when it was dropped
         self.admitted: set[str] = set()  # peers that proved the run key to this peer, or were members of its groups
