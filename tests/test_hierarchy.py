@@ -1,6 +1,7 @@
 """Two-level votes (allreduce/hierarchy.py) against numpy and the flat vote."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -15,6 +16,19 @@ from lioncub_p2p.allreduce.hierarchy import (assign_groups, combine_counts, grou
 
 def _votes(n: int, nbytes: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, (n, nbytes), dtype=np.uint8))
+
+
+@contextlib.contextmanager
+def _audited_two_level(seed: int):
+    """13 LocalSwarm peers voting two-level in groups of at most 4 (a group of 3 among them), every
+    voter auditing 2 parts and comparing a slice every round: (swarm, votes, ids, layout)."""
+    from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
+
+    n, nbytes = 13, 4096
+    config = dataclasses.replace(FAST_CONFIG, audits_per_round=2, slice_audit_rate=1.0)
+    with LocalSwarm(n, config=config) as swarm:
+        ids = [p.peer_id for p in swarm.group]
+        yield swarm, _votes(n, nbytes, seed=seed), ids, hierarchy.two_level_layout(ids, 0, nbytes, max_size=4)
 
 
 def _np_majority(stack: np.ndarray) -> np.ndarray:
@@ -350,15 +364,9 @@ def test_a_reducer_that_sends_its_group_another_result_than_the_second_levels_is
     it compares a slice of it, chosen privately, with the same slice fetched signed by its combiner. A
     reducer that flips its part's bits for its own group (validly signed) is caught by those voters;
     in the honest round before, nobody is."""
-    from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm, flipped
+    from lioncub_p2p.testing import flipped
 
-    n, nbytes = 13, 4096
-    stack = _votes(n, nbytes, seed=23)
-    # every round; groups of 3: both other parts compared
-    config = dataclasses.replace(FAST_CONFIG, audits_per_round=2, slice_audit_rate=1.0)
-    with LocalSwarm(n, config=config) as swarm:
-        ids = [p.peer_id for p in swarm.group]
-        layout = hierarchy.two_level_layout(ids, 0, nbytes, max_size=4)
+    with _audited_two_level(seed=23) as (swarm, stack, ids, layout):  # groups of 3: both other parts compared
         group = next(g for g in layout.groups if len(g) == 3)
         liar = ids.index(group[2])
         swarm.two_level(list(stack), max_size=4, step=1, seed=5)
@@ -488,20 +496,13 @@ def test_a_reducer_that_sends_the_second_level_other_margins_than_its_groups_cou
     in its statement) and the votes behind it at the reducer, recount, and convict it with evidence
     anyone can check. In the honest round before, nobody is reported."""
     from lioncub_p2p.allreduce.audit import check_evidence
-    from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
-
-    n, nbytes = 13, 4096
-    stack = _votes(n, nbytes, seed=25)
-    config = dataclasses.replace(FAST_CONFIG, audits_per_round=2, slice_audit_rate=1.0)
-    with LocalSwarm(n, config=config) as swarm:
-        ids = [p.peer_id for p in swarm.group]
-        layout = hierarchy.two_level_layout(ids, 0, nbytes, max_size=4)
+    with _audited_two_level(seed=25) as (swarm, stack, ids, layout):
         group = next(g for g in layout.groups if len(g) == 3)
         liar = swarm.nodes[ids.index(group[1])]
         swarm.two_level(list(stack), max_size=4, step=1, seed=5)
         swarm.settle_audits()
         assert not any(node.caught for node in swarm.nodes)  # honest margins: every recount agrees...
-        assert sum(node.margins_checked for node in swarm.nodes) >= n  # ...and there were recounts (2 per voter here)
+        assert sum(node.margins_checked for node in swarm.nodes) >= len(swarm.nodes)  # ...and there were recounts (2 per voter here)
         run_round = liar.run_round
 
         async def lying_run_round(spec, upload, tag=b"", **kwargs):
@@ -530,14 +531,9 @@ def test_a_combiner_serving_auditors_another_slice_gets_no_honest_reducer_accuse
     import contextvars
     import random
 
-    from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm, flipped
+    from lioncub_p2p.testing import flipped
 
-    n, nbytes = 13, 4096
-    stack = _votes(n, nbytes, seed=24)
-    config = dataclasses.replace(FAST_CONFIG, audits_per_round=2, slice_audit_rate=1.0)
-    with LocalSwarm(n, config=config) as swarm:
-        ids = [p.peer_id for p in swarm.group]
-        layout = hierarchy.two_level_layout(ids, 0, nbytes, max_size=4)
+    with _audited_two_level(seed=24) as (swarm, stack, ids, layout):
         forger = ids.index(layout.groups[0][1])  # combines part 1: slice 0 of part 1's round is its own
         node = swarm.nodes[forger]
         fetching = contextvars.ContextVar("fetching", default=False)  # copied into the tasks it starts

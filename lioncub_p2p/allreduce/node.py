@@ -1021,12 +1021,6 @@ class VoteNode:
         received_at, direct = state.received.get(j, (time.monotonic(), False))
         ask_by = received_at + self.config.audit_window_s / 2
 
-        def unanswered(what: str, e: BaseException) -> None:
-            if direct or isinstance(e, BadOpening):
-                self._convict(Caught(reducer, spec.round_id, j, "unanswered",
-                                     f"round {spec.round_id.hex()[:12]} part {j}: did not open {what} "
-                                     f"({type(e).__name__}: {e})"))
-
         try:
             async with self._audit_turn(combiner, ask_by - time.monotonic()):
                 opened = await asyncio.wait_for(self._ask_audit(combine, q, [k2], len(second.counted)),
@@ -1039,7 +1033,7 @@ class VoteNode:
             logger.info("round %s part %d: combiner %s did not open slice %d's margins (%s): no margins check",
                         spec.round_id.hex()[:12], j, combiner, q, type(e).__name__)
             if combiner == reducer and not isinstance(e, (TurnMissed, Unreachable)):
-                unanswered("its own margins in its slice", e)
+                self._unanswered(state, j, direct, "did not open its own margins in its slice", e)
             return
         sent = opened[k2][pos].codes
         try:
@@ -1055,7 +1049,7 @@ class VoteNode:
                         reducer, type(e).__name__)
             return
         except (asyncio.TimeoutError, WireError, *NETWORK_ERRORS) as e:
-            unanswered("the votes behind its margins", e)
+            self._unanswered(state, j, direct, "did not open the votes behind its margins", e)
             return
         self.margins_checked += 1
         if owed == sent:
@@ -1114,19 +1108,25 @@ class VoteNode:
             verdict = "unreachable"
             logger.info("round %s part %d: reducer %s not audited: %s", spec.round_id.hex()[:12], j, reducer, e)
         except (asyncio.TimeoutError, WireError, *NETWORK_ERRORS) as e:
-            verdict = "unanswered"
-            reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            if direct or isinstance(e, BadOpening):
-                self._convict(Caught(reducer, spec.round_id, j, "unanswered",
-                                     f"round {spec.round_id.hex()[:12]} part {j}: audit not answered ({reason})"))
-            else:  # forwarded by another member: when the reducer last sent it, this peer cannot tell
-                verdict = "unanswered (forwarded result: not counted)"
-                logger.info("round %s part %d: audit of a forwarded result not answered (%s): not counted",
-                            spec.round_id.hex()[:12], j, reason)
+            counted = self._unanswered(state, j, direct, "audit not answered", e)
+            verdict = "unanswered" if counted else "unanswered (forwarded result: not counted)"
         except Exception as e:  # a bug here must not look like a lie
             logger.warning("audit of part %d failed: %s: %s", j, type(e).__name__, e)
             return
         state.report.audit = (j, j, verdict)
+
+    def _unanswered(self, state: RoundState, j: int, direct: bool, what: str, e: BaseException) -> bool:
+        """Reducer j did not answer an audit (``e``). It counts against it, and is True, for an opening
+        that does not verify or a result it sent this peer itself; a result forwarded by another member
+        may have reached this peer after the reducer's window ended: not counted."""
+        spec, reason = state.spec, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        if not direct and not isinstance(e, BadOpening):
+            logger.info("round %s part %d: %s for a forwarded result (%s): not counted", spec.round_id.hex()[:12], j,
+                        what, reason)
+            return False
+        self._convict(Caught(spec.group[j].peer_id, spec.round_id, j, "unanswered",
+                             f"round {spec.round_id.hex()[:12]} part {j}: {what} ({reason})"))
+        return True
 
     @contextlib.asynccontextmanager
     async def _audit_turn(self, peer: str, wait_s: float):

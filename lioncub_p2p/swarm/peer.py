@@ -435,7 +435,8 @@ class Swarm:
             raise SwarmError(str(e)) from None
         self.optimizer = self.state.optimizer = self.rounds.optimizer = optimizer
         config = self.config  # the run's settings, adopted at start (``_apply_settings``)
-        self.momentum_sync = MomentumSync(config.momentum, config.momentum_rule, optimizer.momentum_buffers, config.seed)
+        self.momentum_sync = MomentumSync(config.momentum, config.momentum_rule, optimizer.momentum_buffers,
+                                          config.seed)
         self.book.shape = RoundShape(optimizer.buffer_bytes, self.upload, self.result, config.seed,
                                      config.max_group or 0, momentum=self.momentum_sync.spec)
         if self.config.checkpoint_dir:

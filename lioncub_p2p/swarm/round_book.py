@@ -119,7 +119,8 @@ class RoundBook:
                     return (group, kind, None) if ok else None
             spec = self.group_round(group, step, round_id)
             if spec is not None:
-                ok = 0 <= part < len(spec.group) and spec.group[part].peer_id == reducer and spec.combine[part] is not None
+                ok = 0 <= part < len(spec.group) and spec.group[part].peer_id == reducer \
+                    and spec.combine[part] is not None
                 return (group, "vote", spec) if ok else None
         return None
 
