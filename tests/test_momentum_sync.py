@@ -109,3 +109,90 @@ def test_a_streamed_round_finished_a_step_later_corrects_by_what_came_back_minus
     want[:5][ok] = now[:5][ok] + (average[ok] - sent_values[:5][ok])
     np.testing.assert_allclose(buffers[0][1].numpy(), want, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(buffers[0][1].numpy()[5:], now[5:])  # not in this slice
+
+
+def _rounds(buffers, schedule: MomentumSchedule, *, member=lambda step: True, run=None):
+    """MomentumRounds over ``buffers`` with a fake network: ``started`` holds (step, future) of each
+    background round, ``loads`` the state downloads so far."""
+    import concurrent.futures
+    import logging
+
+    from lioncub_p2p.swarm.momentum_sync import MomentumRounds
+    from lioncub_p2p.swarm.records import RateLimitedLog
+
+    sync = MomentumSync(schedule, "average", lambda: buffers, seed=0)
+    started, loads = [], [0]
+
+    def start(spec, upload):
+        future = concurrent.futures.Future()
+        started.append((spec.step, future, upload))
+        return future
+
+    def spec_for(step):
+        return sync.spec(b"m" * 16, step, (PeerSpec("a", 1.0),)) if member(step) else None
+
+    rounds = MomentumRounds(sync, spec_for, run or (lambda spec, upload: None), start, lambda: loads[0],
+                            RateLimitedLog(logging.getLogger("lioncub_p2p.test"), period=0.0))
+    return rounds, started, loads
+
+
+def _back(future, upload, value: float, step: int) -> None:
+    """The round's result: every element ``value`` (all parts back)."""
+    n = upload.view(torch.bfloat16).numel()
+    future.set_result((torch.full((n,), value), RoundReport("m", step, 0, [PartReport(0, 0, 0, 2 * n, "ok")])))
+
+
+def test_streamed_rounds_are_kept_once_ended_and_the_oldest_is_given_up_past_the_in_flight_cap(caplog):
+    """A slice's round starts after its step and is kept after the first later step that finds it
+    ended; no step waits for one: with MOMENTUM_IN_FLIGHT rounds running, the oldest still running is
+    given up (its slice keeps this peer's values, even if its result comes later)."""
+    from lioncub_p2p.swarm.momentum_sync import MOMENTUM_IN_FLIGHT
+
+    buffers = [("w", torch.zeros(40))]
+    rounds, started, _ = _rounds(buffers, MomentumSchedule(slices=4))  # step s: elements 10·((s-1) % 4) + [0, 10)
+    assert rounds.after_step(1) is None and [s for s, *_ in started] == [1]  # started, nothing to keep yet
+    _back(started[0][1], started[0][2], 1.0, 1)
+    assert rounds.after_step(2) is True  # step 1's slice kept as a correction: 0 + (1 - 0)
+    assert buffers[0][1][:10].eq(1.0).all() and buffers[0][1][10:].eq(0.0).all()
+    # step 2's round never ends: it is waited for while fewer than MOMENTUM_IN_FLIGHT run
+    for step in range(3, 2 + MOMENTUM_IN_FLIGHT):
+        assert rounds.after_step(step) is None
+        assert [s.step for s in rounds.in_flight] == list(range(2, step + 1))
+    with caplog.at_level("WARNING"):
+        assert rounds.after_step(2 + MOMENTUM_IN_FLIGHT) is None
+    assert [s.step for s in rounds.in_flight] == list(range(3, 3 + MOMENTUM_IN_FLIGHT))
+    assert any("momentum round of step 2 is still running after 8 steps" in r.getMessage() for r in caplog.records)
+    _back(started[1][1], started[1][2], 5.0, 2)  # step 2's result, too late: not kept
+    _back(started[2][1], started[2][2], 3.0, 3)
+    assert rounds.after_step(3 + MOMENTUM_IN_FLIGHT) is True
+    assert buffers[0][1][10:20].eq(0.0).all()  # step 2's slice (elements 10..20): its own values
+    assert buffers[0][1][20:30].eq(3.0).all()  # step 3's
+    assert len(rounds.in_flight) == MOMENTUM_IN_FLIGHT
+
+
+def test_a_state_download_voids_the_slices_sent_before_it_and_a_non_member_sends_none():
+    buffers = [("w", torch.zeros(20))]
+    rounds, started, loads = _rounds(buffers, MomentumSchedule(slices=2), member=lambda step: step != 3)
+    rounds.after_step(1)
+    loads[0] += 1  # the momenta were replaced by a download meanwhile
+    _back(started[0][1], started[0][2], 7.0, 1)
+    assert rounds.after_step(2) is None and buffers[0][1].eq(0.0).all()  # step 1's round ended: not kept
+    assert [s.step for s in rounds.in_flight] == [2]
+    _back(started[1][1], started[1][2], 2.0, 2)
+    assert rounds.after_step(3) is True and [s for s, *_ in started] == [1, 2]  # no group at step 3: no round
+    assert buffers[0][1][10:].eq(2.0).all() and not rounds.in_flight
+
+
+def test_a_whole_buffer_round_that_fails_or_has_no_group_is_a_skipped_sync():
+    buffers = [("w", torch.ones(8))]
+    ran = []
+
+    def run(spec, upload):
+        ran.append(spec.step)
+        raise ConnectionError("reducer gone")
+
+    rounds, started, _ = _rounds(buffers, MomentumSchedule(every=2), member=lambda step: step != 4, run=run)
+    assert rounds.after_step(1) is None and not ran  # not due
+    assert rounds.after_step(2) is False and ran == [2]  # failed: logged, skipped
+    assert rounds.after_step(4) is False and ran == [2]  # no group: no round
+    assert buffers[0][1].eq(1.0).all() and not started

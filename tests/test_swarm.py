@@ -752,11 +752,11 @@ def test_momentum_patterns_that_select_nothing_stop_join_with_a_hint():
 class _MomentumProbe:
     """Records each momentum sync of one peer as it is kept: (step, what it sent, all momenta just
     before and just after its result was written, spec, report, synced). A whole-buffer sync is kept
-    in the step that ran it; a streamed one after the next step (``Swarm._stream_momentum``)."""
+    in the step that ran it; a streamed one after the next step (``MomentumRounds.stream``)."""
 
     def __init__(self, swarm: Swarm):
         self.swarm, self.syncs, self._reports = swarm, [], {}
-        average, stream, run_round = swarm._average_momentum, swarm._stream_momentum, swarm.node.run_round
+        run_round, join = swarm.node.run_round, swarm.join
 
         async def recording_run_round(spec, upload, tag=b"", **kwargs):
             update, report = await run_round(spec, upload, tag, **kwargs)
@@ -771,25 +771,33 @@ class _MomentumProbe:
             spec, report = self._reports.pop(step, (None, None))
             self.syncs.append((step, sent, before, momenta(), spec, report, synced, alone))
 
-        def recording_average(step):
-            before = momenta()
-            sent = swarm._momentum_sync().selected(step)
-            sent = torch.cat([m.view(-1)[lo:hi].float() for m, lo, hi in sent]).numpy().copy()
-            synced = average(step)
-            record(step, sent, before, synced)
-            return synced
+        def joined(*args, **kwargs):  # the momentum rounds exist from join on
+            start = join(*args, **kwargs)
+            rounds = swarm.momentum
+            average, stream = rounds.average, rounds.stream
 
-        def recording_stream(sync, step):
-            in_flight, before = list(swarm._momentum_in_flight), momenta()
-            stream(sync, step)
-            kept = [s for s in in_flight if s not in swarm._momentum_in_flight]  # no downloads here: all finished
-            for sent in kept:
-                record(sent.step, sent.flat.numpy().copy(), before, sent.future.result()[1].missing_parts == [],
-                       alone=len(kept) == 1)
+            def recording_average(step):
+                before = momenta()
+                sent = swarm.momentum_sync.selected(step)
+                sent = torch.cat([m.view(-1)[lo:hi].float() for m, lo, hi in sent]).numpy().copy()
+                synced = average(step)
+                record(step, sent, before, synced)
+                return synced
+
+            def recording_stream(step):
+                in_flight, before = list(rounds.in_flight), momenta()
+                synced = stream(step)
+                kept = [s for s in in_flight if s not in rounds.in_flight]  # no downloads here: all finished
+                for sent in kept:
+                    record(sent.step, sent.flat.numpy().copy(), before, sent.future.result()[1].missing_parts == [],
+                           alone=len(kept) == 1)
+                return synced
+
+            rounds.average, rounds.stream = recording_average, recording_stream
+            return start
 
         swarm.node.run_round = recording_run_round
-        swarm._average_momentum = recording_average
-        swarm._stream_momentum = recording_stream
+        swarm.join = joined
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
 """A peer's momentum averaging rounds: which elements a sync averages, its round, and what it keeps.
 
 Runs on the training thread, between optimizer steps. It sees the optimizer only through its
-momentum buffers and the swarm only through a function that runs one round, so it is tested
-without a network (``tests/test_momentum_sync.py``).
+momentum buffers and the swarm only through functions that name, run and start one round
+(``MomentumRounds``), so it is tested without a network (``tests/test_momentum_sync.py``).
 
 A whole-buffer sync (``every``, ``geometric``) is one round that the step waits for. A streamed one
 (``slices``) does not hold up training: the round of step t starts after step t and runs beside the
@@ -26,12 +26,15 @@ import torch
 from ..allreduce import PeerSpec, RoundReport, RoundSpec
 from ..codecs import AverageResult, upload_codec
 from ..momentum import MomentumSchedule
+from .records import RateLimitedLog
 
 logger = logging.getLogger(__name__)
+MOMENTUM_IN_FLIGHT = 8  # streamed momentum rounds kept waiting for; past it the oldest is given up
 
 Buffers = Callable[[], list[tuple[str, torch.Tensor]]]  # LionCub.momentum_buffers
 RunRound = Callable[[RoundSpec, torch.Tensor], tuple[torch.Tensor, RoundReport]]
 StartRound = Callable[[RoundSpec, torch.Tensor], concurrent.futures.Future]  # a RunRound's result, later
+SpecFor = Callable[[int], "RoundSpec | None"]  # the momentum round after a step (None: no group to sync with)
 
 
 class MomentumSync:
@@ -105,4 +108,61 @@ class Sent:
         return not report.missing_parts
 
 
-__all__ = ["MomentumSync", "Sent"]
+class MomentumRounds:
+    """This peer's momentum rounds after its steps, as the schedule asks (training thread).
+
+    ``spec_for(step)`` gives the round after ``step`` with the group this peer voted in then (None:
+    it was no member), ``run`` runs one and waits for it, ``start`` runs one in the background, and
+    ``loads()`` counts this peer's state downloads: a download replaces the momenta, so a streamed
+    slice sent before it is not kept. No step waits for a streamed round: past
+    ``MOMENTUM_IN_FLIGHT`` still running, the oldest is given up (its round goes on for the others;
+    its slice stays local)."""
+
+    def __init__(self, sync: MomentumSync, spec_for: SpecFor, run: RunRound, start: StartRound,
+                 loads: Callable[[], int], log: RateLimitedLog):
+        self.sync, self.spec_for, self.run, self.start, self.loads, self.log = sync, spec_for, run, start, loads, log
+        self.in_flight: list[Sent] = []  # streamed rounds still running, oldest first
+
+    def after_step(self, step: int) -> bool | None:
+        """The rounds due after ``step``; whether the last sync kept had every part back (None: none kept)."""
+        if not (self.sync.due(step) or self.in_flight):
+            return None
+        return self.stream(step) if self.sync.schedule.slices else self.average(step)
+
+    def average(self, step: int) -> bool:
+        """One whole-buffer round after ``step``; False if this peer had none or it failed."""
+        spec = self.spec_for(step)
+        if spec is None:
+            return False
+        try:
+            return self.sync.average(spec, self.run)
+        except Exception as e:
+            logger.warning("step %d: momentum averaging failed, skipped: %s", step, e)
+            return False
+
+    def stream(self, step: int) -> bool | None:
+        """Keep the slices whose rounds finished (they ran beside the steps since), start this step's."""
+        pending = [s for s in self.in_flight if s.loads == self.loads()]  # else a download replaced those momenta
+        if len(pending) >= MOMENTUM_IN_FLIGHT and not pending[0].future.done():
+            self.log.warning("momentum-late", "step %d: the momentum round of step %d is still running after %d "
+                             "steps: its slice stays local", step, pending[0].step, step - pending[0].step)
+            pending = pending[1:]
+        self.in_flight, synced = [], None
+        for sent in pending:
+            if not sent.future.done():
+                self.in_flight.append(sent)
+                continue
+            try:
+                synced = sent.finish(0)
+            except Exception as e:
+                synced = False
+                logger.warning("step %d: momentum averaging failed, skipped: %s: %s", sent.step, type(e).__name__, e)
+        spec = self.spec_for(step) if self.sync.due(step) else None
+        if spec is not None:
+            sent = self.sync.start(spec, self.start)
+            sent.loads = self.loads()
+            self.in_flight.append(sent)
+        return synced
+
+
+__all__ = ["MOMENTUM_IN_FLIGHT", "MomentumRounds", "MomentumSync", "Sent"]

@@ -30,7 +30,7 @@ per-step counters (``stats``, ``repairs``, ``follow``, ``failures``, ...: traini
 ``StateSync`` (``state_sync.py``) holds the step lock and serves and downloads state (training
 thread; the state server's worker thread only reads, under the lock); ``Upkeep`` (``upkeep.py``)
 keeps the run's records, this peer's record and the group it leads (event loop thread; it reads
-the training side only through ``upkeep.Local``); ``MomentumSync`` (``momentum_sync.py``) and
+the training side only through ``upkeep.Local``); ``MomentumRounds`` (``momentum_sync.py``) and
 ``Verdicts`` (``verdicts.py``) are the momentum rounds and the judgement of liars; ``RoundBook``
 (``round_book.py``) names every round from the group records and looks up the rounds others report
 on. Shared across threads, written down where they are: the round counters of ``Upkeep.count_vote``
@@ -51,7 +51,7 @@ import torch
 
 from .. import failpoints
 from ..aio import BackgroundLoop
-from ..allreduce import AllReduceConfig, PeerSpec, VoteNode
+from ..allreduce import AllReduceConfig, PeerSpec, RoundSpec, VoteNode
 from ..allreduce.admission import Admission
 from ..allreduce.allgather import GatherNode
 from ..codecs import result_codec, upload_codec
@@ -65,7 +65,7 @@ from .admit import AdmitServer, ask_admission
 from .dht_process import start_dht, stop_dht
 from .manifest import DEFAULTS, Manifest, ManifestError, ManifestMismatch
 from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, assigned_weight, reducer_floor
-from .momentum_sync import MomentumSync, Sent
+from .momentum_sync import MomentumRounds, MomentumSync
 from .probe import serve_probe
 from .records import RateLimitedLog, RunRecordValidator
 from .pipeline import PipelineSettings, RoundInFlight, VotePipeline
@@ -76,7 +76,6 @@ from .upkeep import GROUP_TTL, Local, Upkeep
 from .verdicts import Verdicts
 
 logger = logging.getLogger(__name__)
-MOMENTUM_IN_FLIGHT = 8  # streamed momentum rounds kept waiting for; past it the oldest is given up
 PORT_TRIES = 3  # daemon starts on a freshly picked port, when another process takes the first one meanwhile
 
 
@@ -204,7 +203,6 @@ class Swarm:
         self._refresher: concurrent.futures.Future | None = None
         self._closed = False
         self._joined = False
-        self._momentum_in_flight: list[Sent] = []  # streamed momentum rounds still running, oldest first
         self._idle = True  # joining or waiting for peers, not stepping: group changes can take effect at once
         self.samples_per_step = 0  # set by the training loop, for monitors
         self.last_loss: float | None = None
@@ -437,6 +435,8 @@ class Swarm:
         config = self.config  # the run's settings, adopted at start (``_apply_settings``)
         self.momentum_sync = MomentumSync(config.momentum, config.momentum_rule, optimizer.momentum_buffers,
                                           config.seed)
+        self.momentum = MomentumRounds(self.momentum_sync, self._momentum_spec, self._run_momentum,
+                                       self._start_momentum, lambda: self.state.loads, self.log)
         self.book.shape = RoundShape(optimizer.buffer_bytes, self.upload, self.result, config.seed,
                                      config.max_group or 0, momentum=self.momentum_sync.spec)
         if self.config.checkpoint_dir:
@@ -721,16 +721,13 @@ class Swarm:
         """Momentum averaging, snapshots for joiners, checkpoints: each failure is logged, never raised."""
         try:
             step = optimizer.step_count
-            sync = self.momentum_sync
-            if sync.due(step) or self._momentum_in_flight:
-                try:
-                    if sync.schedule.slices:
-                        self._stream_momentum(sync, step)
-                    else:
-                        self.rounds.stats.momentum_synced = self._average_momentum(step)
-                except Exception as e:
-                    self.log.warning("momentum", "step %d: momentum averaging failed, skipped: %s: %s", step,
-                                     type(e).__name__, e)
+            try:
+                synced = self.momentum.after_step(step)
+                if synced is not None:
+                    self.rounds.stats.momentum_synced = synced
+            except Exception as e:
+                self.log.warning("momentum", "step %d: momentum averaging failed, skipped: %s: %s", step,
+                                 type(e).__name__, e)
             wanted = self.state.server.wanted_step()
             if (wanted is not None and wanted <= step) or self._adds_newcomers_at(step):
                 try:
@@ -757,54 +754,24 @@ class Swarm:
         before = self.history.for_step(step - 1)
         return bool(set(group.member_ids()) - set(before.member_ids() if before is not None else ()))
 
-    def _average_momentum(self, step: int) -> bool:
-        """One momentum round after ``step`` (``momentum_sync.py``); False if this peer had none or it failed."""
+    def _momentum_spec(self, step: int) -> RoundSpec | None:
+        """The momentum round after ``step``, with the group this peer voted that step in (None: not a member)."""
         group = self.history.for_step(step - 1)
         if group is None or self.peer_id not in group.member_ids():
-            return False
-        spec = self.book.spec(group, step, kind="momentum")
-        self.rounds.current = ("momentum", step)
-        timeout = self.config.allreduce.result_timeout + 30
-        follow = self.rounds.follow.following  # behind: the others' average only (this peer's values are late anyway)
-        try:
-            return self.momentum_sync.average(
-                spec, lambda spec, upload: self.loop.run(self.node.follow_round(spec) if follow
-                                                         else self.node.run_round(spec, upload), timeout=timeout))
-        except Exception as e:
-            logger.warning("step %d: momentum averaging failed, skipped: %s", step, e)
-            return False
+            return None
+        return self.book.spec(group, step, kind="momentum")
 
-    def _stream_momentum(self, sync: MomentumSync, step: int) -> None:
-        """Keep the slices whose rounds finished (they ran beside the steps since), start this step's
-        (``momentum_sync.py``). No step waits for a momentum round: past ``MOMENTUM_IN_FLIGHT`` still
-        running, the oldest is given up (its round goes on for the others; its slice stays local)."""
-        pending = [s for s in self._momentum_in_flight if s.loads == self.state.loads]  # else a download
-        if len(pending) >= MOMENTUM_IN_FLIGHT and not pending[0].future.done():         # replaced those momenta
-            self.log.warning("momentum-late", "step %d: the momentum round of step %d is still running after %d "
-                             "steps: its slice stays local", step, pending[0].step, step - pending[0].step)
-            pending = pending[1:]
-        self._momentum_in_flight = []
-        for sent in pending:
-            if not sent.future.done():
-                self._momentum_in_flight.append(sent)
-                continue
-            try:
-                self.rounds.stats.momentum_synced = sent.finish(0)
-            except Exception as e:
-                self.rounds.stats.momentum_synced = False
-                logger.warning("step %d: momentum averaging failed, skipped: %s: %s", sent.step, type(e).__name__, e)
-        if not sync.due(step):
-            return
-        group = self.history.for_step(step - 1)
-        if group is None or self.peer_id not in group.member_ids():
-            return
-        spec = self.book.spec(group, step, kind="momentum")  # not marked current: it runs beside the next vote
-        node = self.node
-        round_for = node.follow_round if self.rounds.follow.following else None
-        sent = sync.start(spec, lambda spec, upload: asyncio.run_coroutine_threadsafe(
-            round_for(spec) if round_for else node.run_round(spec, upload), self.loop.loop))
-        sent.loads = self.state.loads
-        self._momentum_in_flight.append(sent)
+    def _momentum_round(self, spec: RoundSpec, upload: torch.Tensor):
+        """The coroutine of a momentum round: behind, the others' average only (its values are late anyway)."""
+        return self.node.follow_round(spec) if self.rounds.follow.following else self.node.run_round(spec, upload)
+
+    def _run_momentum(self, spec: RoundSpec, upload: torch.Tensor):
+        self.rounds.current = ("momentum", spec.step)  # a whole-buffer round is the step's (failpoints)
+        return self.loop.run(self._momentum_round(spec, upload), timeout=self.config.allreduce.result_timeout + 30)
+
+    def _start_momentum(self, spec: RoundSpec, upload: torch.Tensor) -> concurrent.futures.Future:
+        # not marked current: a streamed round runs beside the next vote
+        return asyncio.run_coroutine_threadsafe(self._momentum_round(spec, upload), self.loop.loop)
 
     # -- caught reducers ----------------------------------------------------------------------------
 
