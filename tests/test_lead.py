@@ -469,3 +469,64 @@ def test_a_restarted_peer_announces_past_its_earlier_record():
     asyncio.run(_upkeep("a", store).announce())
     record, expiration = store.announced[0]
     assert expiration > earlier.expires and store.kept["a"].expires == expiration and not store.kept["a"].leaving
+
+
+# -- two-level votes: a peer counts the votes of its own group only --------------------------------------
+
+TWO_LEVEL = {pid: group for group in ("abc", "def", "ghi") for pid in group}  # leader a's group: a, b, c
+
+
+def _two_level_health(reports: dict[str, tuple[str, ...]], *, failures=None, since=None, **record_fields):
+    """Health as leader a sees nine synced members in three groups; ``reports``: peer -> the
+    group-mates its record says it misses; ``record_fields``: peer -> other PeerRecord fields."""
+    records = {pid: PeerRecord(pid, **{"synced": True, "expires": 50.0, "missing": reports.get(pid, ()),
+                                       **record_fields.get(pid, {})}) for pid in "abcdefghi"}
+    return Health(records, me="a", now=NOW, failures=failures or {}, failing_since=since or {}, suspects=set(),
+                  mates={pid: tuple(group) for pid, group in TWO_LEVEL.items()})
+
+
+def test_a_member_of_another_group_misses_votes_when_most_of_its_voting_group_mates_say_so():
+    assert not _two_level_health({}).misses_votes("d")
+    assert _two_level_health({"e": ("d",), "f": ("d",)}).misses_votes("d")  # both voting mates
+    assert not _two_level_health({"e": ("d",)}).misses_votes("d")  # one of two: a liar cannot drop a mate
+    # a mate that follows or downloads the state sees no votes: only e witnesses, and e reports d
+    assert _two_level_health({"e": ("d",)}, f={"following": True}).misses_votes("d")
+    assert _two_level_health({"e": ("d",)}, f={"synced": False}).misses_votes("d")
+    assert not _two_level_health({"e": ("d",), "g": ("d",), "h": ("d",)}).misses_votes("d")  # not its group
+    health = _two_level_health({"e": ("d",), "f": ("d",)})
+    assert not health("d") and health("e")  # dropped from the next group, its reporters kept
+
+
+def test_a_leader_counts_its_own_groups_votes_itself_and_not_the_stale_counts_of_another():
+    long_ago = {"b": NOW - 60, "d": NOW - 60}
+    failing = {"b": 5, "d": 5}  # d was in a's group at an earlier epoch, and missed votes then
+    health = _two_level_health({}, failures=failing, since=long_ago)
+    assert health.misses_votes("b") and not health("b")  # its own group: what a counted
+    assert not health.misses_votes("d") and health("d")  # another group now: its mates report nothing
+    assert not _two_level_health({"c": ("b",)}).misses_votes("b")  # of its own group a trusts only itself
+    flat = Health(_records(), me="a", now=NOW, failures=failing, failing_since=long_ago, suspects=set())
+    assert flat.misses_votes("d")  # a flat vote: a sees every vote
+
+
+def test_a_peer_reports_the_group_mates_it_misses_by_the_leaders_rule():
+    records = _records(b={"synced": False}, c={"following": True}, e={}, f={})
+    failures = {"b": 5, "c": 5, "d": 2, "e": 1, "f": 40}
+    since = {pid: NOW - 10 for pid in failures} | {"d": NOW - 1}
+    found = lead.missing_votes({"b", "c", "d", "e", "f"}, records, failures, since, NOW)
+    # b downloads the state (30 rounds of grace), c follows, d fails for 1 s only, e missed one round
+    assert found == ("f",)
+    many = {f"p{k:02d}": 3 for k in range(20)}
+    assert lead.missing_votes(set(many), {}, many, {p: NOW - 10 for p in many}, NOW) == \
+        tuple(f"p{k:02d}" for k in range(lead.MAX_REPORTED))
+
+
+def test_upkeep_forgets_missed_votes_of_peers_no_longer_in_its_rounds():
+    upkeep = Upkeep(peer_id="a", spec=PeerSpec("a"), run_id="run", directory=None, store_manifest=None,
+                    admission=None, verdicts=None, local=None, record_ttl=10.0, refresh_period=0.5, lead_steps=2,
+                    log=None)
+    upkeep.count_round({"b": False, "c": False, "d": True})
+    upkeep.count_round({"b": False, "c": True, "d": True})
+    assert upkeep.failures["b"] == 2 and upkeep.failures["c"] == 0 and "b" in upkeep.failing_since
+    upkeep.count_round({"c": False, "e": False})  # regrouped: b and d vote in another group now
+    assert "b" not in upkeep.failures and "b" not in upkeep.failing_since and "d" not in upkeep.failures
+    assert upkeep.failures["c"] == 1 and upkeep.failures["e"] == 1

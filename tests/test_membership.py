@@ -84,6 +84,10 @@ def test_hostile_payloads_are_refused_before_conversion():
         "not a map": b"[1,2,3]",
         "long manifest field": canonical({**body, "manifest": "x" * 65}),
         "a 2**62 token field": canonical({**body, "token": 1 << 62}),  # ignored, never converted
+        "missing not a list": canonical({**body, "missing": "abc"}),
+        "missing a number": canonical({**body, "missing": [7]}),
+        "missing too many": canonical({**body, "missing": [f"p{k}" for k in range(17)]}),
+        "missing a long id": canonical({**body, "missing": ["x" * 129]}),
     }
     for name, raw in hostile.items():
         value = _signed_raw(ALICE, raw, exp) if len(raw) < 8192 else {
@@ -93,6 +97,13 @@ def test_hostile_payloads_are_refused_before_conversion():
             assert record is not None and not hasattr(record, "token"), name
         else:
             assert record is None, name
+    mates = [Identity.load_or_create(None).peer_id for _ in range(16)]  # the most a record reports, full-length ids
+    reporting = PeerRecord(ALICE.peer_id, step=5, missing=tuple(mates)).payload()
+    record = PeerRecord.parse(ALICE.peer_id, seal(ALICE, "run", "peers", exp, reporting), exp, run_id="run",
+                              verifier=verifier)
+    assert record is not None and record.missing == tuple(mates)
+    assert PeerRecord.parse(ALICE.peer_id, seal(ALICE, "run", "peers", exp, PAYLOAD), exp, run_id="run",
+                            verifier=verifier).missing == ()
     with pytest.raises(RecordError, match="too large"):
         open_record(verifier, "run", "peers", ALICE.peer_id, {"r": "run", "t": "peers", "p": b"x" * (1 << 20),
                                                                 "k": ALICE.public_key, "s": b""}, exp)

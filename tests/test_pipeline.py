@@ -57,7 +57,7 @@ def test_a_step_run_in_an_older_group_is_received_again_from_the_group_that_hold
         older_group = GroupRecord(4, 0, swarm.group)
         history = GroupHistory()
         history.add(GroupRecord(5, 7, swarm.group, previous=older_group))
-        upkeep = SimpleNamespace(history=history, part_failed_at={}, count_vote=lambda *args: None)
+        upkeep = SimpleNamespace(history=history, part_failed_at={}, count_round=lambda votes: None)
         pipeline = VotePipeline(peer_id=swarm.nodes[3].peer_id, settings=PipelineSettings("run", False, 1 << 30, 0, 60.0),
                                 loop=swarm._loop, node=swarm.nodes[3], gather=None, upkeep=upkeep, state=None,
                                 verdicts=None, spec=lambda group, step: ran["newer" if group.epoch == 5 else "older"],

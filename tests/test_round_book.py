@@ -109,3 +109,17 @@ def test_own_rounds_are_kept_for_the_last_512_steps_ids():
         book.spec(group, step)
     assert len(book.steps) == 512 and book.step_of(book.round_id("vote", 599, 0)) == 599
     assert book.step_of(book.round_id("vote", 87, 0)) is None and book.step_of(book.round_id("vote", 88, 0)) == 88
+
+
+def test_each_members_group_is_the_one_its_two_level_round_is_voted_in():
+    """What the leader and the reporters of missed votes read (``groups_of``) is the grouping the rounds
+    use; a flat vote has none."""
+    book = _book(max_group=3)
+    group = GroupRecord(5, 0, tuple(PeerSpec(pid) for pid in "abcdefghi"))
+    groups = book.groups_of(group)
+    specs = book.two_level_specs(group, 7, book.round_id("vote", 7, 5))
+    assert set(groups) == set("abcdefghi") and len(set(groups.values())) == 3
+    for pid, mates in groups.items():
+        assert pid in mates and set(mates) == {m.peer_id for m in specs[pid].group}
+    assert book.groups_of(GroupRecord(5, 0, tuple(PeerSpec(pid) for pid in "abcdef"))) == {}  # 2 groups: flat
+    assert _book(max_group=0).groups_of(group) == {} and _book(joined=False).groups_of(group) == {}

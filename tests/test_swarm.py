@@ -490,7 +490,7 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
     (all of it, or only flat element ``index``; ``peer`` may be a predicate of (i, swarm)); ``instrument(i, swarm)`` runs before training;
     ``late=(peer, step)``: that peer joins once peer 0 reached that step (the others start without it);
     ``stall=(peer, step, seconds)``: that peer sleeps before that step (``peer="last"``: the one last in
-    group order, ``out["stalled"]``); ``slow=(peer, seconds)``: that peer
+    group order; a predicate of (i, swarm), asked at that step; ``out["stalled"]``); ``slow=(peer, seconds)``: that peer
     sleeps so long after every step (the others 0.02 s). Each peer stops at ``steps`` (its
     ``final_step``, as lioncub-train sets it) and stays up until every peer has stopped.
     Per peer: (step, parameter digest, repairs since the perturbation, snapshot digest)."""
@@ -520,7 +520,9 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
             gen = torch.Generator().manual_seed(i)
             repairs_before, repair_steps = 0, out["repair_steps"].setdefault(i, [])
             while opt.step_count < steps:
-                if stall and stall[:2] == (i, opt.step_count):
+                if stall and stall[1] == opt.step_count \
+                        and (stall[0](i, swarm) if callable(stall[0]) else stall[0] == i):
+                    out["stalled"] = i
                     time.sleep(stall[2])
                 if perturb and opt.step_count == perturb[1]:
                     repairs_before = swarm.repairs  # counted from the perturbed step on (a start-up race may repair)
@@ -722,6 +724,37 @@ def test_a_member_dropped_for_a_stall_rejoins_on_probation_without_a_part_until_
     back = [i for i, w in enumerate(weights) if i > 0 and w is not None and weights[i - 1] is None]
     assert back and weights[back[-1]] == 0.0, weights  # dropped, then re-added with no part
     assert all(w is not None for w in weights[back[-1]:]), weights  # not dropped again (it follows)
+
+
+def _outside_the_leaders_group(i: int, swarm: Swarm) -> bool:
+    """The member last in group order of those outside the first member's group (the leader's, while
+    everyone is healthy) in the two-level vote of this peer's step."""
+    group = swarm.history.for_step(swarm.optimizer.step_count)
+    groups = swarm.book.groups_of(group)
+    others = sorted(pid for pid in groups if pid not in groups[group.members[0].peer_id])
+    return bool(others) and swarm.peer_id == others[-1]
+
+
+@pytest.mark.slow
+def test_a_member_of_another_group_that_stalls_is_dropped_on_its_group_mates_reports_and_all_end_equal(caplog):
+    """Two-level vote, 6 peers in 3 groups of 2. A member outside the leader's group stalls 8 s (its
+    event loop still announces it): the leader counts no votes of that group, but its group-mate reports
+    the missed votes in its record, so the leader drops it as it would a member of its own group, and
+    re-adds it on probation. Everyone ends equal."""
+    configs = [_config("two-level-stall", max_group=2) for _ in range(6)]
+    seen: dict[int, Swarm] = {}
+    with caplog.at_level(logging.INFO, logger="lioncub_p2p.swarm"):
+        out = _train_swarm(configs, 80, stall=(_outside_the_leaders_group, 15, 8.0),
+                           instrument=lambda i, s: seen.setdefault(i, s))
+    assert {out[i][0] for i in range(6)} == {80}
+    assert len({out[i][1] for i in range(6)}) == 1
+    stalled = seen[out["stalled"]].peer_id
+    watcher = seen[(out["stalled"] + 1) % 6]
+    groups = sorted(watcher.history.by_epoch.values(), key=lambda g: g.epoch)
+    members = [(g.from_step, stalled in g.member_ids()) for g in groups if g.from_step < 80]
+    dropped = [step for k, (step, member) in enumerate(members) if k > 0 and members[k - 1][1] and not member]
+    assert dropped and dropped[0] > 15, members  # dropped after its stall began...
+    assert f"{stalled} rejoins without a part, on probation" in caplog.text, caplog.text[-3000:]  # ...and back
 
 
 @pytest.mark.slow

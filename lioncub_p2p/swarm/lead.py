@@ -9,7 +9,12 @@ The rules:
 * a member is **healthy** unless it is suspected (``verdicts.py``: proven lies, two members' suspicion,
   its own ``leaving`` record), its record is gone, or it was not counted in ``2`` rounds in a row
   (``sync_grace`` while its record says it is still downloading the state) for at least ``drop_after``
-  seconds; a member that announced ``following`` (``follow.py``) is never dropped for missed votes;
+  seconds; a member that announced ``following`` (``follow.py``) is never dropped for missed votes.
+  In a two-level vote a peer counts the votes of its own group only: of a member of another group it
+  knows only what that group's members report in their records (``missing_votes``, the same rule),
+  and the member misses votes when most of its group-mates that vote say so (one liar cannot drop a
+  group-mate; a peer's counts from an earlier epoch's group, whose members it no longer sees, are
+  not used);
 * the **leader** is the first healthy member that reduces, in group order (``leader_of``);
 * the unhealthy are dropped; a peer not in the group joins when its record is newer than the one it
   had when it was dropped (a dead peer's record lingers until it expires), it is not suspected and
@@ -43,7 +48,7 @@ from dataclasses import dataclass
 
 from ..allreduce import PeerSpec
 from ..allreduce.round import PartReport
-from .membership import GroupRecord, PeerRecord, assigned_weight, reducer_floor
+from .membership import MAX_REPORTED, GroupRecord, PeerRecord, assigned_weight, reducer_floor
 
 # seconds most members need to read a new group record: one refresh period (0.5 s by default); a
 # member that reads it later misses one round and repairs (the group epoch travels in every result)
@@ -54,13 +59,34 @@ REST_S = 30.0  # seconds a member whose part failed reduces nothing (it votes)
 STEADY_ROUNDS = 3  # rounds in a row a member on probation must be counted in to leave it
 
 
+def missed_votes(pid: str, failures: Mapping[str, int], failing_since: Mapping[str, float], now: float, *,
+                 syncing: bool) -> bool:
+    """Not counted here in 2 rounds in a row (``SYNC_GRACE_ROUNDS`` while its record says it downloads
+    the state) for at least ``DROP_AFTER_S`` seconds."""
+    limit = SYNC_GRACE_ROUNDS if syncing else 2
+    return failures.get(pid, 0) >= limit and now - failing_since.get(pid, now) >= DROP_AFTER_S
+
+
+def missing_votes(mates: Collection[str], records: Mapping[str, PeerRecord], failures: Mapping[str, int],
+                  failing_since: Mapping[str, float], now: float) -> tuple[str, ...]:
+    """What a peer reports in its record: the group-mates whose votes it misses (``missed_votes``), not
+    those following (they vote late on purpose), at most ``MAX_REPORTED``."""
+    def syncing(pid: str) -> bool:
+        return pid in records and not records[pid].synced
+
+    found = [pid for pid in sorted(mates) if missed_votes(pid, failures, failing_since, now, syncing=syncing(pid))
+             and not (pid in records and records[pid].following)]
+    return tuple(found[:MAX_REPORTED])
+
+
 class Health:
     """Which members a leader keeps (the first rule above), from one moment's records and observations."""
 
     def __init__(self, records: Mapping[str, PeerRecord], *, me: str, now: float, failures: Mapping[str, int],
                  failing_since: Mapping[str, float], suspects: set[str], part_failed_at: Mapping[str, float] | None = None,
-                 probation: Collection[str] = ()):
+                 probation: Collection[str] = (), mates: Mapping[str, Collection[str]] | None = None):
         self.records, self.me, self.now, self.suspects = records, me, now, suspects
+        self.mates = mates or {}  # two-level: each member's group (itself included); flat: none
         self.probation = set(probation) - {me}
         self.failures, self.failing_since = failures, failing_since
         self.resting = {pid for pid, at in (part_failed_at or {}).items() if now - at < REST_S and pid != me}
@@ -71,10 +97,19 @@ class Health:
     def __call__(self, pid: str) -> bool:
         if pid in self.suspects:
             return False
-        limit = SYNC_GRACE_ROUNDS if pid in self.syncing else 2
-        recent = self.now - self.failing_since.get(pid, self.now) < DROP_AFTER_S
-        return pid == self.me or (pid in self.alive and (self.failures.get(pid, 0) < limit or recent
-                                                         or pid in self.following or pid in self.probation))
+        return pid == self.me or (pid in self.alive and (not self.misses_votes(pid) or pid in self.following
+                                                         or pid in self.probation))
+
+    def misses_votes(self, pid: str) -> bool:
+        """What this peer counted of ``pid``'s votes, or, for a member of another group of a two-level
+        vote, what most of that group's voting members report."""
+        group = self.mates.get(pid)
+        if group is None or self.me in group:
+            return missed_votes(pid, self.failures, self.failing_since, self.now, syncing=pid in self.syncing)
+        witnesses = [m for m in group if m != pid and m in self.alive and m in self.records and m not in self.suspects
+                     and m not in self.syncing and m not in self.following]
+        reports = sum(pid in self.records[m].missing for m in witnesses)
+        return reports > 0 and 2 * reports > len(witnesses)
 
     def dropped_alive(self, pid: str) -> bool:
         """Dropped for missed votes alone: its record fresh, not leaving, not suspected (on probation when

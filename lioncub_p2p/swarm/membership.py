@@ -40,6 +40,7 @@ MAX_WEIGHT = 1e6
 MAX_STEP = 1 << 53  # steps and epochs beyond this are lies (and lose float precision in JSON readers)
 MAX_RATE = 1e15
 MAX_PEER_ID_CHARS = 128
+MAX_REPORTED = 16  # group-mates a peer reports missing votes of in its record (lead.missing_votes)
 MAX_RECORDS = 4 * MAX_MEMBERS  # records of one key looked at per read; the rest are ignored (flooding)
 MAX_EPOCH_GAP = 16  # a member accepts a group at most this many epochs past its own
 DHT_TIMEOUT = 10.0  # every DHT read and write
@@ -57,6 +58,12 @@ def _flag(value: Any) -> bool:
     if not isinstance(value, bool):
         raise RecordError(f"{value!r} is not a boolean")
     return value
+
+
+def _peer_ids(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > MAX_REPORTED:
+        raise RecordError(f"missing is not a list of at most {MAX_REPORTED} peer ids")
+    return tuple(_text(pid, MAX_PEER_ID_CHARS) for pid in value)
 
 
 def _text(value: Any, limit: int) -> str:
@@ -80,6 +87,7 @@ class PeerRecord:
     manifest: str = ""  # digest of the run manifest this peer follows (manifest.py)
     leaving: bool = False  # announced by Swarm.shutdown(): drop me now
     following: bool = False  # behind the group: receives results without voting (keep me, give me no part)
+    missing: tuple[str, ...] = ()  # group-mates whose votes this peer misses (two-level: the leader sees no other group)
     expires: float = 0.0
 
     def payload(self) -> dict[str, Any]:
@@ -88,7 +96,7 @@ class PeerRecord:
                 "version": int(self.version), "synced": self.synced, "samples_per_s": float(self.samples_per_s),
                 "bytes_up_per_s": float(self.bytes_up_per_s), "bytes_down_per_s": float(self.bytes_down_per_s),
                 "loss": loss, "manifest": self.manifest, "leaving": self.leaving,
-                "following": self.following}
+                "following": self.following, "missing": list(self.missing)}
 
     @classmethod
     def from_payload(cls, peer_id: str, value: dict, expires: float) -> "PeerRecord":
@@ -102,7 +110,7 @@ class PeerRecord:
                    bytes_down_per_s=float(_number(value.get("bytes_down_per_s", 0.0), 0.0, MAX_RATE)),
                    loss=None if loss is None else float(_number(loss, -MAX_RATE, MAX_RATE)),
                    manifest=_text(value.get("manifest", ""), 64), leaving=_flag(value.get("leaving", False)),
-                   following=_flag(value.get("following", False)),
+                   following=_flag(value.get("following", False)), missing=_peer_ids(value.get("missing", [])),
                    expires=float(expires))
 
     @classmethod

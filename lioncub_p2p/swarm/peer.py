@@ -25,7 +25,7 @@ Anything that goes wrong in a round is a missed round (a zero update, repaired b
 split anyone), never an exception out of ``optimizer.step()``.
 
 Rooms and threads (each field has one writer): ``Swarm`` is the facade and the joining logic
-(training thread); ``VotePipeline`` (``pipeline.py``) runs each step's vote round and owns the
+(training thread; ``RunFinder``, ``finding.py``, reads the run's records and asks for admission); ``VotePipeline`` (``pipeline.py``) runs each step's vote round and owns the
 per-step counters (``stats``, ``repairs``, ``follow``, ``failures``, ...: training thread);
 ``StateSync`` (``state_sync.py``) holds the step lock and serves and downloads state (training
 thread; the state server's worker thread only reads, under the lock); ``Upkeep`` (``upkeep.py``)
@@ -55,14 +55,16 @@ from ..allreduce import AllReduceConfig, PeerSpec, RoundSpec, VoteNode
 from ..allreduce.admission import Admission
 from ..allreduce.allgather import GatherNode
 from ..codecs import result_codec, upload_codec
-from ..identity import Identity, Verifier
+from ..identity import Identity
 from ..momentum import MomentumSchedule
 from ..optim import LionCub, Resolved
 from ..wire import PROTOCOL_VERSION
 from . import checkpoint, manifest as manifests, reachability, snapshot
 from .accuse import AccuseServer, Suspicions, send_accusation
-from .admit import AdmitServer, ask_admission
+from .admit import AdmitServer
 from .dht_process import start_dht, stop_dht
+from .errors import AdmissionRefused, SettingsMismatch, SwarmError
+from .finding import RunFinder
 from .manifest import DEFAULTS, Manifest, ManifestError, ManifestMismatch
 from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, assigned_weight, reducer_floor
 from .momentum_sync import MomentumRounds, MomentumSync
@@ -72,31 +74,18 @@ from .pipeline import PipelineSettings, RoundInFlight, VotePipeline
 from .state_sync import StateSync
 from .round_book import RoundBook, RoundShape
 from .state_transfer import download_bound
-from .upkeep import GROUP_TTL, Local, Upkeep
+from .upkeep import Local, Upkeep
 from .verdicts import Verdicts
 
 logger = logging.getLogger(__name__)
 PORT_TRIES = 3  # daemon starts on a freshly picked port, when another process takes the first one meanwhile
 
 
-MAX_CANDIDATES = 8  # group records a newcomer asks for admission, most populated first
 MAX_RECORD_TTL = 300.0
 # TCP and QUIC on every interface, ports chosen by the OS. Over QUIC a stream closed right after its
 # last write loses that write, so every handler here that ends a stream with a reply waits (bounded)
 # for the reader to close first (wire.close_after_reply; tests/test_transfer.py)
 LISTEN_ALL = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
-
-
-class SwarmError(RuntimeError):
-    """Something a volunteer has to act on (unreachable coordinators, version mismatch, ...); one line."""
-
-
-class AdmissionRefused(SwarmError):
-    """The run's group refused this peer (wrong or missing run secret, not on the allow-list)."""
-
-
-class SettingsMismatch(SwarmError):
-    """This peer's settings or model differ from the run's manifest."""
 
 
 @dataclass
@@ -197,7 +186,6 @@ class Swarm:
         self.loop = BackgroundLoop(f"swarm-{config.run_id}")
         self.log = RateLimitedLog(logger)
         self._background: set[concurrent.futures.Future] = set()
-        self._proved_to: set[str] = set()  # members that admitted this peer
         self.optimizer: LionCub | None = None
         self.final_step: int | None = None  # where this peer stops (the trainer's --steps): no group starts later
         self._refresher: concurrent.futures.Future | None = None
@@ -274,10 +262,11 @@ class Swarm:
                              verdicts=self.verdicts, local=self._local, record_ttl=config.record_ttl,
                              refresh_period=config.refresh_period, lead_steps=config.lead_steps, log=self.log,
                              history=history)
-        self.verifier = Verifier()
-        self.anchors = _anchor_ids(config.initial_peers)
+        self.finder = RunFinder(loop=self.loop, p2p=self.p2p, dht=self.dht, directory=self.directory,
+                                upkeep=self.upkeep, admission=self.admission, identity=self.identity,
+                                run_id=config.run_id, peer_id=self.peer_id, anchors=_anchor_ids(config.initial_peers),
+                                log=self.log)
         self.run_manifest: Manifest | None = None  # the run's, as published by its leader (or a coordinator)
-        self._unreachable = 0  # group authors that did not answer the last admission requests
         self.manifest = self.opinions.merged(DEFAULTS)  # this peer's settings (the run's, adopted)
         self._discover()
         self._apply_settings()
@@ -287,6 +276,7 @@ class Swarm:
         self.upkeep.on_epoch = lambda epoch: setattr(self.node, "group_epoch", epoch)
         self.node.in_run = self.book.in_run  # other groups' members ask for second-level slices as members
         self.upkeep.stop_waiting_for = self.node.stop_waiting_for
+        self.upkeep.groups_of = self.book.groups_of  # who counts whose votes in a two-level vote
         self.gather = GatherNode(self.p2p, config.allreduce, self.admission) \
             if self.config.transport == "allgather" else None
         self.state = StateSync(p2p=self.p2p, loop=self.loop, run_id=config.run_id, peer_id=self.peer_id,
@@ -335,17 +325,8 @@ class Swarm:
     def _discover(self) -> None:
         """Read the run's group and manifest; if a group exists, ask its author to admit this peer and
         adopt the run's manifest. Raises AdmissionRefused or SettingsMismatch (one line each)."""
-        if self.history.latest is None:
-            candidates = self.loop.run(self.directory.groups(), timeout=30)
-            if candidates:
-                self.records = self.loop.run(self.directory.peers(), timeout=30)
-                group = self._admitted_group(candidates)
-                if group is not None:
-                    self.upkeep.trust(group)
-        found = self.loop.run(manifests.read(self.dht, self.config.run_id, self.verifier, self.log), timeout=30)
-        latest = self.history.latest
-        members = ([latest.author] + latest.member_ids()) if latest is not None else []
-        run = manifests.choose(found, members, self.anchors)
+        self.finder.find_group()
+        run = self.finder.read_manifest()
         if run is not None:
             try:
                 self.manifest = manifests.resolve(self.opinions, run, self.config.run_id).merged(DEFAULTS)
@@ -359,48 +340,6 @@ class Swarm:
                 return AdmissionRefused(f"run {self.config.run_id} is private: pass its --run-secret")
             return AdmissionRefused(f"run {self.config.run_id} is open (no run secret): drop --run-secret")
         return SettingsMismatch(str(error))
-
-    def _admitted_group(self, candidates: list[GroupRecord]) -> GroupRecord | None:
-        """Ask the authors of the run's group records, most populated first, to admit this peer; the first
-        that does (and, in a private run, proves the run key back) gives the group this peer trusts.
-        Raises AdmissionRefused if every author answered and refused."""
-        self._unreachable = 0
-        live = {pid for pid, r in self.records.items() if not r.leaving}
-        ranked = sorted(candidates, key=lambda g: (-sum(pid in live for pid in g.member_ids()), -g.epoch, g.author))
-        refusals, failures = [], 0
-        for group in ranked[:MAX_CANDIDATES]:
-            if group.author == self.peer_id:
-                continue
-            try:
-                verdict = self.loop.run(ask_admission(self.p2p, group.author, self.admission), timeout=15)
-            except Exception as e:  # unreachable, or not a lioncub peer: try the next
-                if "protocols not supported" not in str(e):  # a peer that is up but serves no admission is no member
-                    failures += 1
-                self.log.warning(f"ask:{group.author}", "could not ask %s for admission: %s: %s", group.author,
-                                 type(e).__name__, e)
-                continue
-            run = self.config.run_id
-            if not verdict.admitted and verdict.secret_required and not self.admission.needs_secret:
-                refusals.append(f"run {run} is private: pass its --run-secret (its leader {group.author} refused "
-                                f"this peer)")
-            elif not verdict.admitted and verdict.reason == "not on the run's allow-list":
-                refusals.append(f"run {run} refused this peer: not on the run's allow-list (asked {group.author}): "
-                                f"ask the run's organizer to add peer id {self.peer_id}")
-            elif not verdict.admitted:
-                refusals.append(f"run {run} refused this peer: {verdict.reason} (asked {group.author}): check "
-                                f"--run-secret")
-            elif self.admission.needs_secret and not verdict.secret_required:
-                refusals.append(f"run {run} is open (no run secret): drop --run-secret")
-            elif self.admission.needs_secret and not verdict.member_proved:
-                self.log.warning(f"impostor:{group.author}", "%s did not prove the run secret: ignoring its group",
-                                 group.author)
-            else:
-                self._proved_to.add(group.author)
-                return group
-        self._unreachable = failures
-        if refusals and not failures:
-            raise AdmissionRefused(refusals[0])
-        return None
 
     def _apply_settings(self) -> None:
         """Make this peer run with ``self.manifest``'s swarm settings (codecs, schedule, ...)."""
@@ -451,11 +390,11 @@ class Swarm:
             self._discover()
         # the run's group exists but its author did not answer: wait for it or a new leader. A client
         # cannot found a run (nobody could dial it to reduce): it waits for a group that can.
-        while self.history.latest is None and (self._unreachable or self.config.client_mode) \
+        while self.history.latest is None and (self.finder.unreachable or self.config.client_mode) \
                 and time.monotonic() < deadline:
             time.sleep(2.0)
             self._discover()
-        if self.history.latest is None and self._unreachable:  # founding a group of our own would split the run
+        if self.history.latest is None and self.finder.unreachable:  # founding a group of our own would split the run
             raise SwarmError(f"the group of run {self.config.run_id} did not answer this peer's admission request "
                              f"in time: can this machine reach its peers (firewall, --initial-peers)?")
         if self.history.latest is None and self.config.client_mode:
@@ -598,29 +537,13 @@ class Swarm:
             time.sleep(self.config.refresh_period)
 
     def _found(self) -> bool:
-        """Publish the run's manifest and a group of this peer alone; True if this peer keeps it.
-
-        Two peers founding at once both publish; the one with the smaller peer id keeps its group and
-        the other joins it (if it admits it)."""
-        step = self.optimizer.step_count
-        record = GroupRecord(0, step, (self._my_spec(),), author=self.peer_id)
-        self.loop.run(manifests.store(self.dht, self.config.run_id, self.run_manifest, self.identity), timeout=30)
-        self.upkeep.manifest_published = time.monotonic()
-        self.loop.run(self.directory.publish_group(record, ttl=GROUP_TTL), timeout=30)
-        self.upkeep.published = time.monotonic()
-        time.sleep(0.5)  # let a concurrent founder's record land too
-        others = [g for g in self.loop.run(self.directory.groups(), timeout=30)
-                  if g.author != self.peer_id and (g.epoch > 0 or g.author < self.peer_id)]
-        if others:
-            self.records = self.loop.run(self.directory.peers(), timeout=30)
-            group = self._admitted_group(others)
-            if group is not None:
-                self.upkeep.trust(group)
-                logger.info("no group found for run %s: another peer started it", self.config.run_id)
-                return False
-        self.upkeep.trust(record)
-        logger.info("no group found for run %s: started it", self.config.run_id)
-        return True
+        """Start the run: publish its manifest and a group of this peer alone; True if this peer keeps it
+        (of two peers founding at once, the one with the smaller peer id does: ``RunFinder.found``)."""
+        record = GroupRecord(0, self.optimizer.step_count, (self._my_spec(),), author=self.peer_id)
+        kept = self.finder.found(record, self.run_manifest)
+        logger.info("no group found for run %s: %s", self.config.run_id,
+                    "started it" if kept else "another peer started it")
+        return kept
 
     def _sync_from_swarm(self, deadline: float, *, params_only: bool = False) -> None:
         """Wait until the leader adds this peer to a group, then download the state of that step
@@ -637,28 +560,10 @@ class Swarm:
                                  f"Does the run speak protocol version {PROTOCOL_VERSION} (upgrade lioncub-p2p if not)?")
             if time.monotonic() - asked > 3.0:  # a new leader, or a lineage this peer lost: ask to be admitted again
                 asked = time.monotonic()
-                self._ask_again(latest)
+                self.finder.ask_again(latest)
             self.loop.run(self.upkeep.announce(), timeout=30)
             time.sleep(self.config.refresh_period)
         self.state.download(min_step=latest.from_step, group=latest, params_only=params_only)
-
-    def _ask_again(self, latest: GroupRecord | None) -> None:
-        """Still not in the group: prove the key to its current author, and look for a newer group this
-        peer cannot follow through its own history (two peers founded at once, or its lineage died)."""
-        if latest is not None and latest.author not in self._proved_to and latest.author != self.peer_id:
-            try:
-                verdict = self.loop.run(ask_admission(self.p2p, latest.author, self.admission), timeout=15)
-                if verdict.admitted:
-                    self._proved_to.add(latest.author)
-            except Exception as e:
-                logger.debug("asking %s for admission failed: %s", latest.author, e)
-        self.records = self.loop.run(self.directory.peers(), timeout=30)
-        candidates = [g for g in self.loop.run(self.directory.groups(), timeout=30)
-                      if latest is None or g.epoch > latest.epoch]
-        if candidates:
-            group = self._admitted_group(candidates)
-            if group is not None:
-                self.loop.run(self.upkeep.adopt(group), timeout=10)  # on the loop, the history's only writer
 
     def _weight_of(self, member: PeerSpec) -> float:
         """A member's announced bandwidth weight (its group weight is 0 while it syncs)."""

@@ -76,23 +76,33 @@ class RoundBook:
         return specs.get(self.peer_id) if specs is not None else None
 
     def two_level_specs(self, group: GroupRecord, step: int, rid: bytes) -> dict[str, RoundSpec] | None:
-        """Every member's round of a two-level vote, when the run asks for one (``max_group``) and the group
-        makes at least ``MIN_GROUPS`` groups: groups from the record's members and epoch
+        """Every member's round of a two-level vote (``layout``); None: a flat round."""
+        layout = self.layout(group)
+        if layout is None:
+            return None
+        return hierarchy.two_level_specs(rid, step, layout, self.shape.nbytes, seed=self.shape.seed, family="vote",
+                                         members={m.peer_id: m for m in group.members})
+
+    def layout(self, group: GroupRecord) -> hierarchy.TwoLevelLayout | None:
+        """The groups and parts of ``group``'s two-level vote, when the run asks for one (``max_group``) and
+        the group makes at least ``MIN_GROUPS`` groups: from the record's members and epoch
         (``hierarchy.two_level_layout``, the same on every peer: no matchmaking), reducers among its
-        reducing members. None: a flat round."""
+        reducing members. None: a flat vote."""
         shape = self.shape
         if shape is None or not shape.max_group or len(group.members) <= shape.max_group:
             return None
-        members = {m.peer_id: m for m in group.members}
-        reducers = {pid for pid, m in members.items() if m.reduces}
+        reducers = {m.peer_id for m in group.members if m.reduces}
         if not reducers:
             return None  # nobody reduces yet (all syncing): missed as a flat round would be
-        layout = hierarchy.two_level_layout(list(members), group.epoch, shape.nbytes, shape.max_group,
+        layout = hierarchy.two_level_layout(group.member_ids(), group.epoch, shape.nbytes, shape.max_group,
                                             reducers=reducers)
-        if len(layout.groups) < MIN_GROUPS:
-            return None
-        return hierarchy.two_level_specs(rid, step, layout, shape.nbytes, seed=shape.seed, family="vote",
-                                         members=members)
+        return layout if len(layout.groups) >= MIN_GROUPS else None
+
+    def groups_of(self, group: GroupRecord) -> dict[str, tuple[str, ...]]:
+        """Each member's group (itself included) in ``group``'s two-level vote; empty for a flat vote.
+        Read on the loop, by the leader and by members reporting the group-mates they miss."""
+        layout = self.layout(group)
+        return {pid: tuple(g) for g in layout.groups for pid in g} if layout is not None else {}
 
     # -- looking rounds up (``verdicts.RoundLookup``, the accusation server) -----------------------------
 

@@ -19,14 +19,14 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
 
 from ..wire import PROTOCOL_VERSION
 from . import manifest as manifests
-from .lead import NOTICE_S, REST_S, STEADY_ROUNDS, Health, leader_of, plan_group, steps_ahead
+from .lead import NOTICE_S, REST_S, STEADY_ROUNDS, Health, leader_of, missing_votes, plan_group, steps_ahead
 from .manifest import Manifest
 from .membership import (Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group,
                          preferred_rival)
@@ -88,6 +88,8 @@ class Upkeep:
         self.missed_out: dict[str, float] = {}  # (here only) member dropped for missed votes -> when: probation
         self.on_epoch: Callable[[int], None] | None = None  # told the newest group's epoch (the vote node)
         self.stop_waiting_for: Callable[[set[str], str], None] | None = None  # reducers stop waiting for leavers
+        # each member's group of a group record's two-level vote (RoundBook.groups_of; empty: a flat vote)
+        self.groups_of: Callable[[GroupRecord], Mapping[str, Collection[str]]] = lambda group: {}
         self.published = 0.0  # when this peer last published the group record
         self._dht_calls: deque[tuple[float, float]] = deque()  # (when, seconds) of recent DHT stores and reads
         self.manifest_published = 0.0
@@ -164,7 +166,8 @@ class Upkeep:
                             me.synced and not leaving, samples_per_s=samples_per_s,
                             bytes_up_per_s=me.bytes_up_per_s, bytes_down_per_s=me.bytes_down_per_s, loss=me.loss,
                             manifest=me.run_manifest.digest() if me.run_manifest else "", leaving=leaving,
-                            following=me.following and not leaving)
+                            following=me.following and not leaving,
+                            missing=self._missing() if me.synced and not me.following and not leaving else ())
         self._progress = (now, me.step)
         # a newer record must expire later than the last (the DHT keeps the latest-expiring one), even
         # one whose store was not confirmed: it may have landed all the same
@@ -174,6 +177,14 @@ class Upkeep:
         expiration = max(get_dht_time() + ttl, self._last_expiration + 1e-3)
         self._last_expiration = expiration
         await self._timed(self.directory.announce(record, ttl, expiration=expiration))
+
+    def _missing(self) -> tuple[str, ...]:
+        """The group-mates whose votes this peer misses, for the leader of a two-level vote: it counts
+        only its own group's votes (``lead.py``). Nothing in a flat vote, where the leader sees them all."""
+        latest = self.history.latest
+        mates = self.groups_of(latest).get(self.peer_id, ()) if latest is not None else ()
+        return missing_votes(set(mates) - {self.peer_id}, self.records, dict(self.failures),
+                             dict(self.failing_since), time.monotonic())
 
     async def _own_expiration(self) -> float:
         """When this peer's newest record in the DHT expires (0 if none or unreadable)."""
@@ -199,6 +210,17 @@ class Upkeep:
             self.log.warning(f"refuse:{record.peer_id}", "peer %s asked to join but is not added: %s",
                              record.peer_id, problem)
         return problem is None
+
+    def count_round(self, votes: Mapping[str, bool]) -> None:
+        """From the training thread, per finished round: whose votes counted here, of the other members of
+        its group (this peer's own group in a two-level vote). Missed votes counted of peers outside it
+        are forgotten: a two-level vote regroups the members at every epoch, and counts from a group this
+        peer no longer sees would drop a member that votes in another (whose group-mates report on it)."""
+        for pid in [p for p in list(self.failures) if p not in votes]:
+            self.failures.pop(pid, None)
+            self.failing_since.pop(pid, None)
+        for pid, counted in votes.items():
+            self.count_vote(pid, counted)
 
     def count_vote(self, pid: str, counted: bool) -> None:
         """From the training thread, per member and finished round: whether its vote counted here."""
@@ -247,7 +269,8 @@ class Upkeep:
         self._prune_round_counters()
         healthy = Health(self.records, me=self.peer_id, now=time.monotonic(), failures=self.failures,
                          failing_since=self.failing_since, suspects=suspects,
-                         part_failed_at=dict(self.part_failed_at), probation=self._probation())
+                         part_failed_at=dict(self.part_failed_at), probation=self._probation(),
+                         mates=self.groups_of(latest))
         step = me.step
         if leader_of(latest, healthy) != self.peer_id or step < latest.from_step:
             return

@@ -1,0 +1,33 @@
+"""What a newcomer makes of its admission verdicts (swarm/finding.py), without a network."""
+from __future__ import annotations
+
+import pytest
+
+from lioncub_p2p.swarm.admit import Verdict
+from lioncub_p2p.swarm.finding import refusal
+
+
+@pytest.mark.parametrize("verdict, needs_secret, line", [
+    (Verdict(True, False, False), False, None),  # an open run admits a peer without a secret
+    (Verdict(True, True, True), True, None),  # a private run admits a peer holding its key
+    (Verdict(True, False, True), True, None),  # the member did not prove the key: its group is ignored, no refusal
+    (Verdict(False, False, True, "wrong or missing run secret"), False,
+     "run r is private: pass its --run-secret (its leader L refused this peer)"),
+    (Verdict(False, False, True, "wrong or missing run secret"), True,
+     "run r refused this peer: wrong or missing run secret (asked L): check --run-secret"),
+    (Verdict(False, False, False, "not on the run's allow-list"), False,
+     "run r refused this peer: not on the run's allow-list (asked L): ask the run's organizer to add peer id me"),
+    (Verdict(False, False, False, "too many admission attempts; try again later"), False,
+     "run r refused this peer: too many admission attempts; try again later (asked L): check --run-secret"),
+    (Verdict(True, False, False), True, "run r is open (no run secret): drop --run-secret"),
+], ids=["open", "private", "unproved", "no-secret", "wrong-secret", "allow-list", "busy", "secret-to-open-run"])
+def test_each_verdict_is_admission_or_one_line_naming_the_fix(verdict, needs_secret, line):
+    assert refusal(verdict, "r", "L", "me", needs_secret) == line
+
+
+def test_the_allow_list_reason_is_the_one_admission_sends():
+    """The line names the peer id to add only if the member's reason is recognized."""
+    from lioncub_p2p.swarm import admit
+    from lioncub_p2p.swarm.finding import ALLOW_LIST_REASON
+
+    assert admit._REASONS[admit.NOT_ALLOWED] == ALLOW_LIST_REASON
