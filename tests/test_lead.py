@@ -199,11 +199,11 @@ def test_upkeep_keeps_a_probation_until_votes_count_in_a_row_and_forgets_peers_w
     upkeep.count_vote("x", True)  # x has no record
     assert upkeep.failures["c"] == 0 and upkeep.failures["d"] == 0
     upkeep._prune_round_counters()
-    assert upkeep._probation() == {"c"} and "x" not in upkeep.counted_run and set(upkeep.missed_out) == {"c"}
+    assert upkeep._probation({}, set()) == {"c"} and "x" not in upkeep.counted_run and set(upkeep.missed_out) == {"c"}
     upkeep.count_vote("c", False)
     assert upkeep.failures["c"] == 1 and upkeep.counted_run["c"] == 0 and "c" in upkeep.failing_since
     upkeep.records = {pid: r for pid, r in upkeep.records.items() if pid != "c"}  # its record expired
-    assert upkeep._probation() == set() and not upkeep.missed_out
+    assert upkeep._probation({}, set()) == set() and not upkeep.missed_out
 
 
 def test_upkeep_forgets_part_failures_whose_rest_is_over():
@@ -529,4 +529,30 @@ def test_upkeep_forgets_missed_votes_of_peers_no_longer_in_its_rounds():
     assert upkeep.failures["b"] == 2 and upkeep.failures["c"] == 0 and "b" in upkeep.failing_since
     upkeep.count_round({"c": False, "e": False})  # regrouped: b and d vote in another group now
     assert "b" not in upkeep.failures and "b" not in upkeep.failing_since and "d" not in upkeep.failures
+    assert "d" not in upkeep.counted_run  # a run of counted votes does not span two groups either
     assert upkeep.failures["c"] == 1 and upkeep.failures["e"] == 1
+
+
+def test_a_probation_in_another_group_ends_when_most_of_its_group_mates_report_its_votes_steady():
+    upkeep = Upkeep(peer_id="a", spec=PeerSpec("a"), run_id="run", directory=None, store_manifest=None,
+                    admission=None, verdicts=None, local=None, record_ttl=10.0, refresh_period=0.5, lead_steps=2,
+                    log=None)
+    mates = {pid: tuple(group) for group in ("abc", "def", "ghi") for pid in group}
+    dropped_at = time.monotonic() - 1
+    upkeep.missed_out.update(b=dropped_at, d=dropped_at)
+
+    def records(**steady):
+        return {pid: PeerRecord(pid, synced=True, expires=50.0, steady=tuple(steady.get(pid, ()))) for pid in "abcdefghi"}
+
+    upkeep.records = records(e="d", c="b")  # c's word on b counts for nothing: b is in a's own group
+    assert upkeep._probation(mates, set()) == {"b", "d"}  # one of d's two voting mates: not most
+    upkeep.records = records(e="d", f="d")
+    assert upkeep._probation(mates, set()) == {"b"}
+    for _ in range(lead.STEADY_ROUNDS):
+        upkeep.count_vote("b", True)
+    assert upkeep._probation(mates, set()) == set()
+
+
+def test_a_peer_reports_the_voteless_group_mates_whose_votes_count_steadily():
+    run = {"b": lead.STEADY_ROUNDS, "c": lead.STEADY_ROUNDS - 1, "d": lead.STEADY_ROUNDS + 4}
+    assert lead.steady_votes({"b", "c"}, run) == ("b",)  # d is no voteless mate

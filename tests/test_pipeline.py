@@ -91,3 +91,26 @@ def test_the_pace_is_the_median_step_ignores_a_stall_and_a_jump_and_follows_step
         t += 5.0
         pace.started(step, t)
     assert pace.step_s == pytest.approx(5.0)
+
+
+def test_a_round_in_which_nothing_of_the_others_counted_counts_nobodys_votes_in_a_group_above_two():
+    """Every part missing but this peer's own, its own holding only its own vote: its link is the likelier
+    fault, and counting the others' votes as missed would report all its group-mates (``count_round``).
+    In a group of two a stalled mate looks alike, and counts as it did."""
+    from lioncub_p2p.allreduce import PartReport, PeerSpec, RoundReport, RoundSpec
+    from lioncub_p2p.swarm.pipeline import StepStats, VotePipeline
+
+    def observe(members: str, parts: list[PartReport]) -> list[dict]:
+        counts = []
+        fake = SimpleNamespace(last_report=None, peer_id="a", upkeep=SimpleNamespace(count_round=counts.append),
+                               part_failed_at={}, optimizer=SimpleNamespace(param_count=8), stats=StepStats())
+        spec = RoundSpec(b"r" * 16, 3, tuple(PeerSpec(pid) for pid in members), 64)
+        VotePipeline._observe(fake, spec, RoundReport("r", 3, 0, parts), 0.0)
+        return counts
+
+    alone = PartReport(0, 0, 0, 16, "ok", counted=[0])
+    gone = [PartReport(k, k, 16 * k, 16 * k + 16, "missing") for k in (1, 2)]
+    assert observe("abc", [alone, *gone]) == []
+    heard = PartReport(0, 0, 0, 16, "ok", counted=[0, 1])
+    assert observe("abc", [heard, *gone]) == [{"b": True, "c": False}]
+    assert observe("ab", [alone, gone[0]]) == [{"b": False}]

@@ -461,6 +461,10 @@ SECTIONS = ("bad_voters", "lying_reducer", "faults", "admission", "attacks", "so
 def run(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--soak-rounds", type=int, default=300)
+    parser.add_argument("--soak-peers", type=int, default=4)
+    parser.add_argument("--soak-max-group", type=int, default=0,
+                        help="soak with a two-level vote in groups of at most this many (0: one flat group)")
+    parser.add_argument("--soak-seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=300, help="training steps of the bad-voter runs")
     parser.add_argument("--process-steps", type=int, default=150, help="steps of each process-fault scenario")
     parser.add_argument("--skip-process-faults", action="store_true", help="leave out the process scenarios (~8 min)")
@@ -476,7 +480,8 @@ def run(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     runners = {"bad_voters": lambda: bad_voters(args.steps), "lying_reducer": lying_reducers, "faults": faults,
                "admission": admission_and_flood, "attacks": lambda: round_attacks(tempfile.mkdtemp()),
-               "soak": lambda: asdict(run_soak(args.soak_rounds)),
+               "soak": lambda: asdict(run_soak(args.soak_rounds, args.soak_peers, seed=args.soak_seed,
+                                               max_group=args.soak_max_group)),
                "process_faults": lambda: run_process_faults(args.out.parent / "process_faults",
                                                             steps=args.process_steps)}
     report = {}

@@ -104,10 +104,12 @@ def _leave(peer: "_Peer") -> None:
 
 
 def run_soak(rounds: int = 300, peers: int = 4, *, seed: int = 0, fault_every: int = 25, hidden: int = 64,
-             timeout: float = 600.0) -> SoakReport:
+             timeout: float = 600.0, max_group: int = 0) -> SoakReport:
+    """``max_group``: a two-level vote in groups of at most that many (it needs 3 groups: 6 peers for 2)."""
     rng = random.Random(seed)
     task = digits_task(0, hidden=hidden)
-    base = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], allreduce=SWARM_ROUNDS, momentum=MomentumSchedule(every=10), record_ttl=6.0)
+    base = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], allreduce=SWARM_ROUNDS, momentum=MomentumSchedule(every=10),
+                record_ttl=6.0, max_group=max_group or None)
     report, started = SoakReport(), time.monotonic()
     first = _Peer(0, SwarmConfig("soak", **base), task, rounds, team=peers)
     first.swarm = Swarm(first.config)

@@ -14,7 +14,7 @@ The rules:
   knows only what that group's members report in their records (``missing_votes``, the same rule),
   and the member misses votes when most of its group-mates that vote say so (one liar cannot drop a
   group-mate; a peer's counts from an earlier epoch's group, whose members it no longer sees, are
-  not used);
+  not used); its probation (below) ends when most of them report its votes steady (``steady_votes``);
 * the **leader** is the first healthy member that reduces, in group order (``leader_of``);
 * the unhealthy are dropped; a peer not in the group joins when its record is newer than the one it
   had when it was dropped (a dead peer's record lingers until it expires), it is not suspected and
@@ -79,6 +79,23 @@ def missing_votes(mates: Collection[str], records: Mapping[str, PeerRecord], fai
     return tuple(found[:MAX_REPORTED])
 
 
+def steady_votes(mates: Collection[str], counted_run: Mapping[str, int]) -> tuple[str, ...]:
+    """What a peer reports in its record to end a probation it cannot see ended: the group-mates in
+    ``mates`` (those the group gives no vote) whose votes counted here in ``STEADY_ROUNDS`` rounds in a
+    row, at most ``MAX_REPORTED``."""
+    return tuple(sorted(pid for pid in mates if counted_run.get(pid, 0) >= STEADY_ROUNDS)[:MAX_REPORTED])
+
+
+def reported_by_most(pid: str, group: Collection[str], records: Mapping[str, PeerRecord], suspects: Collection[str],
+                     field: str) -> bool:
+    """Most of ``pid``'s group-mates that vote (a fresh record, synced, not following, not suspected) list
+    it in ``field`` of their records (``missing`` or ``steady``). One liar is not most of a group."""
+    witnesses = [records[m] for m in group if m != pid and m in records and m not in suspects and not records[m].leaving
+                 and records[m].synced and not records[m].following]
+    reports = sum(pid in getattr(r, field) for r in witnesses)
+    return reports > 0 and 2 * reports > len(witnesses)
+
+
 class Health:
     """Which members a leader keeps (the first rule above), from one moment's records and observations."""
 
@@ -106,10 +123,7 @@ class Health:
         group = self.mates.get(pid)
         if group is None or self.me in group:
             return missed_votes(pid, self.failures, self.failing_since, self.now, syncing=pid in self.syncing)
-        witnesses = [m for m in group if m != pid and m in self.alive and m in self.records and m not in self.suspects
-                     and m not in self.syncing and m not in self.following]
-        reports = sum(pid in self.records[m].missing for m in witnesses)
-        return reports > 0 and 2 * reports > len(witnesses)
+        return reported_by_most(pid, group, self.records, self.suspects, "missing")
 
     def dropped_alive(self, pid: str) -> bool:
         """Dropped for missed votes alone: its record fresh, not leaving, not suspected (on probation when

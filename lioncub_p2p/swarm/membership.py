@@ -62,7 +62,7 @@ def _flag(value: Any) -> bool:
 
 def _peer_ids(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or len(value) > MAX_REPORTED:
-        raise RecordError(f"missing is not a list of at most {MAX_REPORTED} peer ids")
+        raise RecordError(f"missing or steady is not a list of at most {MAX_REPORTED} peer ids")
     return tuple(_text(pid, MAX_PEER_ID_CHARS) for pid in value)
 
 
@@ -88,6 +88,7 @@ class PeerRecord:
     leaving: bool = False  # announced by Swarm.shutdown(): drop me now
     following: bool = False  # behind the group: receives results without voting (keep me, give me no part)
     missing: tuple[str, ...] = ()  # group-mates whose votes this peer misses (two-level: the leader sees no other group)
+    steady: tuple[str, ...] = ()  # group-mates without a vote in the group whose votes count here, rounds in a row
     expires: float = 0.0
 
     def payload(self) -> dict[str, Any]:
@@ -96,7 +97,7 @@ class PeerRecord:
                 "version": int(self.version), "synced": self.synced, "samples_per_s": float(self.samples_per_s),
                 "bytes_up_per_s": float(self.bytes_up_per_s), "bytes_down_per_s": float(self.bytes_down_per_s),
                 "loss": loss, "manifest": self.manifest, "leaving": self.leaving,
-                "following": self.following, "missing": list(self.missing)}
+                "following": self.following, "missing": list(self.missing), "steady": list(self.steady)}
 
     @classmethod
     def from_payload(cls, peer_id: str, value: dict, expires: float) -> "PeerRecord":
@@ -111,6 +112,7 @@ class PeerRecord:
                    loss=None if loss is None else float(_number(loss, -MAX_RATE, MAX_RATE)),
                    manifest=_text(value.get("manifest", ""), 64), leaving=_flag(value.get("leaving", False)),
                    following=_flag(value.get("following", False)), missing=_peer_ids(value.get("missing", [])),
+                   steady=_peer_ids(value.get("steady", [])),
                    expires=float(expires))
 
     @classmethod

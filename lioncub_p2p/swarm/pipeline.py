@@ -293,8 +293,12 @@ class VotePipeline:
             self.in_background(self.verdicts.act_on(list(report.caught)))
         received = [p for p in report.parts if p.status in ("ok", "recovered")]
         counted = set().union(*(set(p.counted) for p in received)) if received else set()
-        self.upkeep.count_round({member.peer_id: i in counted for i, member in enumerate(spec.group)
-                                 if member.peer_id != self.peer_id})
+        # a round in which nothing of any other member counted here (no vote, no part) says more about this
+        # peer's own link than about their votes, unless there is only one other member (a stall looks alike)
+        others = {i for i, member in enumerate(spec.group) if member.peer_id != self.peer_id}
+        if counted & others or len(spec.group) <= 2:
+            self.upkeep.count_round({member.peer_id: i in counted for i, member in enumerate(spec.group)
+                                     if member.peer_id != self.peer_id})
         # a follower's parts come from archives: a missing one says little
         if not report.followed:
             for pid in failed_reducers(report.parts, spec.group, self.peer_id, two_level=bool(spec.combine)):

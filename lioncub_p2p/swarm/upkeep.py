@@ -26,7 +26,8 @@ from hivemind.utils import get_dht_time
 
 from ..wire import PROTOCOL_VERSION
 from . import manifest as manifests
-from .lead import NOTICE_S, REST_S, STEADY_ROUNDS, Health, leader_of, missing_votes, plan_group, steps_ahead
+from .lead import (NOTICE_S, REST_S, STEADY_ROUNDS, Health, leader_of, missing_votes, plan_group, reported_by_most,
+                   steady_votes, steps_ahead)
 from .manifest import Manifest
 from .membership import (Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group,
                          preferred_rival)
@@ -167,7 +168,7 @@ class Upkeep:
                             bytes_up_per_s=me.bytes_up_per_s, bytes_down_per_s=me.bytes_down_per_s, loss=me.loss,
                             manifest=me.run_manifest.digest() if me.run_manifest else "", leaving=leaving,
                             following=me.following and not leaving,
-                            missing=self._missing() if me.synced and not me.following and not leaving else ())
+                            **(self._reports() if me.synced and not me.following and not leaving else {}))
         self._progress = (now, me.step)
         # a newer record must expire later than the last (the DHT keeps the latest-expiring one), even
         # one whose store was not confirmed: it may have landed all the same
@@ -178,13 +179,18 @@ class Upkeep:
         self._last_expiration = expiration
         await self._timed(self.directory.announce(record, ttl, expiration=expiration))
 
-    def _missing(self) -> tuple[str, ...]:
-        """The group-mates whose votes this peer misses, for the leader of a two-level vote: it counts
-        only its own group's votes (``lead.py``). Nothing in a flat vote, where the leader sees them all."""
+    def _reports(self) -> dict[str, tuple[str, ...]]:
+        """What this peer tells the leader of a two-level vote about its group-mates (it counts only its own
+        group's votes, ``lead.py``): whose votes it misses, and which of those the group gives no vote
+        (on probation) count steadily. Nothing in a flat vote, where the leader sees every vote."""
         latest = self.history.latest
-        mates = self.groups_of(latest).get(self.peer_id, ()) if latest is not None else ()
-        return missing_votes(set(mates) - {self.peer_id}, self.records, dict(self.failures),
-                             dict(self.failing_since), time.monotonic())
+        mates = set(self.groups_of(latest).get(self.peer_id, ())) - {self.peer_id} if latest is not None else set()
+        if not mates:
+            return {}
+        voteless = {m.peer_id for m in latest.members if not m.voter and m.peer_id in mates}
+        return dict(missing=missing_votes(mates, self.records, dict(self.failures), dict(self.failing_since),
+                                          time.monotonic()),
+                    steady=steady_votes(voteless, dict(self.counted_run)))
 
     async def _own_expiration(self) -> float:
         """When this peer's newest record in the DHT expires (0 if none or unreadable)."""
@@ -216,9 +222,10 @@ class Upkeep:
         its group (this peer's own group in a two-level vote). Missed votes counted of peers outside it
         are forgotten: a two-level vote regroups the members at every epoch, and counts from a group this
         peer no longer sees would drop a member that votes in another (whose group-mates report on it)."""
-        for pid in [p for p in list(self.failures) if p not in votes]:
+        for pid in [p for p in set(self.failures) | set(self.counted_run) if p not in votes]:
             self.failures.pop(pid, None)
             self.failing_since.pop(pid, None)
+            self.counted_run.pop(pid, None)
         for pid, counted in votes.items():
             self.count_vote(pid, counted)
 
@@ -235,10 +242,17 @@ class Upkeep:
             self.failures[pid] += 1
             self.failing_since.setdefault(pid, time.monotonic())
 
-    def _probation(self) -> set[str]:
+    def _probation(self, mates: Mapping[str, Collection[str]], suspects: Collection[str]) -> set[str]:
         """Members this leader dropped for missed votes whose votes have not counted since in
-        ``lead.STEADY_ROUNDS`` rounds in a row (``lead.py``); a peer whose record is gone is forgotten."""
-        for pid in [p for p, at in self.missed_out.items() if p not in self.records or self.steady_at.get(p, 0.0) > at]:
+        ``lead.STEADY_ROUNDS`` rounds in a row (``lead.py``): here, or, for a member of another group of a
+        two-level vote (``mates``), at most of its group-mates; a peer whose record is gone is forgotten."""
+        def steady(pid: str, at: float) -> bool:
+            group = mates.get(pid)
+            if group is None or self.peer_id in group:
+                return self.steady_at.get(pid, 0.0) > at
+            return reported_by_most(pid, group, self.records, suspects, "steady")
+
+        for pid in [p for p, at in self.missed_out.items() if p not in self.records or steady(p, at)]:
             del self.missed_out[pid]
         return set(self.missed_out)
 
@@ -267,10 +281,11 @@ class Upkeep:
             return
         suspects = self.verdicts.suspects()
         self._prune_round_counters()
+        mates = self.groups_of(latest)
         healthy = Health(self.records, me=self.peer_id, now=time.monotonic(), failures=self.failures,
                          failing_since=self.failing_since, suspects=suspects,
-                         part_failed_at=dict(self.part_failed_at), probation=self._probation(),
-                         mates=self.groups_of(latest))
+                         part_failed_at=dict(self.part_failed_at), probation=self._probation(mates, suspects),
+                         mates=mates)
         step = me.step
         if leader_of(latest, healthy) != self.peer_id or step < latest.from_step:
             return
