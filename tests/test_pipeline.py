@@ -96,15 +96,17 @@ def test_the_pace_is_the_median_step_ignores_a_stall_and_a_jump_and_follows_step
 def test_a_round_in_which_nothing_of_the_others_counted_counts_nobodys_votes_in_a_group_above_two():
     """Every part missing but this peer's own, its own holding only its own vote: its link is the likelier
     fault, and counting the others' votes as missed would report all its group-mates (``count_round``).
-    In a group of two a stalled mate looks alike, and counts as it did."""
+    Where one other member alone votes (a group of two; three with a follower, which votes only in
+    probe rounds) a stalled voter looks alike, and counts as it did."""
     from lioncub_p2p.allreduce import PartReport, PeerSpec, RoundReport, RoundSpec
     from lioncub_p2p.swarm.pipeline import StepStats, VotePipeline
 
-    def observe(members: str, parts: list[PartReport]) -> list[dict]:
+    def observe(members: str, parts: list[PartReport], followers: str = "") -> list[dict]:
         counts = []
         fake = SimpleNamespace(last_report=None, peer_id="a", upkeep=SimpleNamespace(count_round=counts.append),
                                part_failed_at={}, optimizer=SimpleNamespace(param_count=8), stats=StepStats())
-        spec = RoundSpec(b"r" * 16, 3, tuple(PeerSpec(pid) for pid in members), 64)
+        group = tuple(PeerSpec(pid, 0.0 if pid in followers else 1.0, voter=pid not in followers) for pid in members)
+        spec = RoundSpec(b"r" * 16, 3, group, 64)
         VotePipeline._observe(fake, spec, RoundReport("r", 3, 0, parts), 0.0)
         return counts
 
@@ -114,3 +116,5 @@ def test_a_round_in_which_nothing_of_the_others_counted_counts_nobodys_votes_in_
     heard = PartReport(0, 0, 0, 16, "ok", counted=[0, 1])
     assert observe("abc", [heard, *gone]) == [{"b": True, "c": False}]
     assert observe("ab", [alone, gone[0]]) == [{"b": False}]
+    # a's only other voter c stalls while b follows: c's missed votes count (b's are late anyway)
+    assert observe("abc", [alone, PartReport(1, 2, 16, 48, "missing")], followers="b") == [{"b": False, "c": False}]

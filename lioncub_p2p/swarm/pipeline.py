@@ -294,9 +294,10 @@ class VotePipeline:
         received = [p for p in report.parts if p.status in ("ok", "recovered")]
         counted = set().union(*(set(p.counted) for p in received)) if received else set()
         # a round in which nothing of any other member counted here (no vote, no part) says more about this
-        # peer's own link than about their votes, unless there is only one other member (a stall looks alike)
+        # peer's own link than about their votes, unless one other member alone votes (a follower sends no
+        # votes but in probe rounds): then its stall looks alike
         others = {i for i, member in enumerate(spec.group) if member.peer_id != self.peer_id}
-        if counted & others or len(spec.group) <= 2:
+        if counted & others or sum(spec.group[i].voter for i in others) <= 1:
             self.upkeep.count_round({member.peer_id: i in counted for i, member in enumerate(spec.group)
                                      if member.peer_id != self.peer_id})
         # a follower's parts come from archives: a missing one says little
