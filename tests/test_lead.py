@@ -184,12 +184,16 @@ def test_a_member_dropped_for_missed_votes_comes_back_on_probation_until_a_vote_
     assert not Health(records, me="a", now=NOW, failures={}, failing_since={}, suspects=set()).dropped_alive("c")
 
 
+def _counters_upkeep() -> Upkeep:
+    """Upkeep of peer a for its round counters alone: no DHT, verdicts or training side."""
+    return Upkeep(peer_id="a", spec=PeerSpec("a"), run_id="run", directory=None, store_manifest=None, admission=None,
+                  verdicts=None, local=None, record_ttl=10.0, refresh_period=0.5, lead_steps=2, log=None)
+
+
 def test_upkeep_keeps_a_probation_until_votes_count_in_a_row_and_forgets_peers_without_records():
     """One counted vote (a slow peer's probe) does not end a probation: a 1 Mbit/s peer was then dropped
     again 5 s later, a group change every 5-10 s; ``STEADY_ROUNDS`` counted rounds in a row do."""
-    upkeep = Upkeep(peer_id="a", spec=PeerSpec("a"), run_id="run", directory=None, store_manifest=None,
-                    admission=None, verdicts=None, local=None, record_ttl=10.0, refresh_period=0.5, lead_steps=2,
-                    log=None)
+    upkeep = _counters_upkeep()
     upkeep.records = _records()
     upkeep.missed_out.update(c=time.monotonic() - 1, d=time.monotonic() - 1)
     for counted in [True, False] * 3 + [True] * (lead.STEADY_ROUNDS - 1):  # c: counted now and then
@@ -207,9 +211,7 @@ def test_upkeep_keeps_a_probation_until_votes_count_in_a_row_and_forgets_peers_w
 
 
 def test_upkeep_forgets_part_failures_whose_rest_is_over():
-    upkeep = Upkeep(peer_id="a", spec=PeerSpec("a"), run_id="run", directory=None, store_manifest=None,
-                    admission=None, verdicts=None, local=None, record_ttl=10.0, refresh_period=0.5, lead_steps=2,
-                    log=None)
+    upkeep = _counters_upkeep()
     now = time.monotonic()
     upkeep.part_failed_at.update(b=now - lead.REST_S - 1, c=now - 1)
     upkeep._prune_round_counters()
@@ -521,9 +523,7 @@ def test_a_peer_reports_the_group_mates_it_misses_by_the_leaders_rule():
 
 
 def test_upkeep_forgets_missed_votes_of_peers_no_longer_in_its_rounds():
-    upkeep = Upkeep(peer_id="a", spec=PeerSpec("a"), run_id="run", directory=None, store_manifest=None,
-                    admission=None, verdicts=None, local=None, record_ttl=10.0, refresh_period=0.5, lead_steps=2,
-                    log=None)
+    upkeep = _counters_upkeep()
     upkeep.count_round({"b": False, "c": False, "d": True})
     upkeep.count_round({"b": False, "c": True, "d": True})
     assert upkeep.failures["b"] == 2 and upkeep.failures["c"] == 0 and "b" in upkeep.failing_since
@@ -534,15 +534,14 @@ def test_upkeep_forgets_missed_votes_of_peers_no_longer_in_its_rounds():
 
 
 def test_a_probation_in_another_group_ends_when_most_of_its_group_mates_report_its_votes_steady():
-    upkeep = Upkeep(peer_id="a", spec=PeerSpec("a"), run_id="run", directory=None, store_manifest=None,
-                    admission=None, verdicts=None, local=None, record_ttl=10.0, refresh_period=0.5, lead_steps=2,
-                    log=None)
+    upkeep = _counters_upkeep()
     mates = {pid: tuple(group) for group in ("abc", "def", "ghi") for pid in group}
     dropped_at = time.monotonic() - 1
     upkeep.missed_out.update(b=dropped_at, d=dropped_at)
 
     def records(**steady):
-        return {pid: PeerRecord(pid, synced=True, expires=50.0, steady=tuple(steady.get(pid, ()))) for pid in "abcdefghi"}
+        return {pid: PeerRecord(pid, synced=True, expires=50.0, steady=tuple(steady.get(pid, ())))
+                for pid in "abcdefghi"}
 
     upkeep.records = records(e="d", c="b")  # c's word on b counts for nothing: b is in a's own group
     assert upkeep._probation(mates, set()) == {"b", "d"}  # one of d's two voting mates: not most

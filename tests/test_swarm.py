@@ -815,7 +815,7 @@ class _MomentumProbe:
 
             def recording_average(step):
                 before = momenta()
-                sent = swarm.momentum_sync.selected(step)
+                sent = rounds.sync.selected(step)
                 sent = torch.cat([m.view(-1)[lo:hi].float() for m, lo, hi in sent]).numpy().copy()
                 synced = average(step)
                 record(step, sent, before, synced)

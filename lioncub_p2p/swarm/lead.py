@@ -86,6 +86,13 @@ def steady_votes(mates: Collection[str], counted_run: Mapping[str, int]) -> tupl
     return tuple(sorted(pid for pid in mates if counted_run.get(pid, 0) >= STEADY_ROUNDS)[:MAX_REPORTED])
 
 
+def reported_group(pid: str, me: str, mates: Mapping[str, Collection[str]]) -> Collection[str] | None:
+    """``pid``'s group when its group-mates' reports decide about it (a member of another group of a
+    two-level vote); None when ``me`` counts its votes itself (its own group, or a flat vote)."""
+    group = mates.get(pid)
+    return None if group is None or me in group else group
+
+
 def reported_by_most(pid: str, group: Collection[str], records: Mapping[str, PeerRecord], suspects: Collection[str],
                      field: str) -> bool:
     """Most of ``pid``'s group-mates that vote (a fresh record, synced, not following, not suspected) list
@@ -120,8 +127,8 @@ class Health:
     def misses_votes(self, pid: str) -> bool:
         """What this peer counted of ``pid``'s votes, or, for a member of another group of a two-level
         vote, what most of that group's voting members report."""
-        group = self.mates.get(pid)
-        if group is None or self.me in group:
+        group = reported_group(pid, self.me, self.mates)
+        if group is None:
             return missed_votes(pid, self.failures, self.failing_since, self.now, syncing=pid in self.syncing)
         return reported_by_most(pid, group, self.records, self.suspects, "missing")
 

@@ -24,18 +24,19 @@ step, fp8 on the wire, trimmed mean; a failed sync is logged and skipped), snaps
 Anything that goes wrong in a round is a missed round (a zero update, repaired by the digest if it
 split anyone), never an exception out of ``optimizer.step()``.
 
-Rooms and threads (each field has one writer): ``Swarm`` is the facade and the joining logic
-(training thread; ``RunFinder``, ``finding.py``, reads the run's records and asks for admission); ``VotePipeline`` (``pipeline.py``) runs each step's vote round and owns the
-per-step counters (``stats``, ``repairs``, ``follow``, ``failures``, ...: training thread);
-``StateSync`` (``state_sync.py``) holds the step lock and serves and downloads state (training
-thread; the state server's worker thread only reads, under the lock); ``Upkeep`` (``upkeep.py``)
-keeps the run's records, this peer's record and the group it leads (event loop thread; it reads
-the training side only through ``upkeep.Local``); ``MomentumRounds`` (``momentum_sync.py``) and
-``Verdicts`` (``verdicts.py``) are the momentum rounds and the judgement of liars; ``RoundBook``
-(``round_book.py``) names every round from the group records and looks up the rounds others report
-on. Shared across threads, written down where they are: the round counters of ``Upkeep.count_vote``
-(counted by the training thread, reset by the leader on the loop, one key at a time), ``records``
-(replaced whole, never mutated) and the group history (written by ``Upkeep`` on the loop only).
+Rooms and threads (each field has one writer): ``Swarm`` is the facade and the joining logic (training
+thread; ``RunFinder``, ``finding.py``, reads the run's records and asks for admission); ``VotePipeline``
+(``pipeline.py``) runs each step's vote round and owns the per-step counters (``stats``, ``repairs``,
+``follow``, ``failures``, ...: training thread); ``StateSync`` (``state_sync.py``) holds the step lock
+and serves and downloads state (training thread; the state server's worker thread only reads, under the
+lock); ``Upkeep`` (``upkeep.py``) keeps the run's records, this peer's record and the group it leads
+(event loop thread; it reads the training side only through ``upkeep.Local``); ``MomentumRounds``
+(``momentum_sync.py``) and ``Verdicts`` (``verdicts.py``) are the momentum rounds and the judgement of
+liars; ``RoundBook`` (``round_book.py``) names every round from the group records and looks up the
+rounds others report on. Shared across threads, written down where they are: the round counters of
+``Upkeep.count_vote`` (counted by the training thread, reset by the leader on the loop, one key at a
+time), ``records`` (replaced whole, never mutated) and the group history (written by ``Upkeep`` on the
+loop only).
 """
 from __future__ import annotations
 
@@ -372,12 +373,11 @@ class Swarm:
             raise SwarmError(str(e)) from None
         self.optimizer = self.state.optimizer = self.rounds.optimizer = optimizer
         config = self.config  # the run's settings, adopted at start (``_apply_settings``)
-        self.momentum_sync = MomentumSync(config.momentum, config.momentum_rule, optimizer.momentum_buffers,
-                                          config.seed)
-        self.momentum = MomentumRounds(self.momentum_sync, self._momentum_spec, self._run_momentum,
-                                       self._start_momentum, lambda: self.state.loads, self.log)
+        sync = MomentumSync(config.momentum, config.momentum_rule, optimizer.momentum_buffers, config.seed)
+        self.momentum = MomentumRounds(sync, self._momentum_spec, self._run_momentum, self._start_momentum,
+                                       lambda: self.state.loads, self.log)
         self.book.shape = RoundShape(optimizer.buffer_bytes, self.upload, self.result, config.seed,
-                                     config.max_group or 0, momentum=self.momentum_sync.spec)
+                                     config.max_group or 0, momentum=sync.spec)
         if self.config.checkpoint_dir:
             restored = checkpoint.restore(self.config.checkpoint_dir, optimizer)
             if restored is not None:

@@ -296,10 +296,9 @@ class VotePipeline:
         # a round in which nothing of any other member counted here (no vote, no part) says more about this
         # peer's own link than about their votes, unless one other member alone votes (a follower sends no
         # votes but in probe rounds): then its stall looks alike
-        others = {i for i, member in enumerate(spec.group) if member.peer_id != self.peer_id}
-        if counted & others or sum(spec.group[i].voter for i in others) <= 1:
-            self.upkeep.count_round({member.peer_id: i in counted for i, member in enumerate(spec.group)
-                                     if member.peer_id != self.peer_id})
+        others = {i: member for i, member in enumerate(spec.group) if member.peer_id != self.peer_id}
+        if counted & others.keys() or sum(member.voter for member in others.values()) <= 1:
+            self.upkeep.count_round({member.peer_id: i in counted for i, member in others.items()})
         # a follower's parts come from archives: a missing one says little
         if not report.followed:
             for pid in failed_reducers(report.parts, spec.group, self.peer_id, two_level=bool(spec.combine)):

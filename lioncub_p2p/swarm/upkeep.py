@@ -27,7 +27,7 @@ from hivemind.utils import get_dht_time
 from ..wire import PROTOCOL_VERSION
 from . import manifest as manifests
 from .lead import (NOTICE_S, REST_S, STEADY_ROUNDS, Health, leader_of, missing_votes, plan_group, reported_by_most,
-                   steady_votes, steps_ahead)
+                   reported_group, steady_votes, steps_ahead)
 from .manifest import Manifest
 from .membership import (Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group,
                          preferred_rival)
@@ -247,8 +247,8 @@ class Upkeep:
         ``lead.STEADY_ROUNDS`` rounds in a row (``lead.py``): here, or, for a member of another group of a
         two-level vote (``mates``), at most of its group-mates; a peer whose record is gone is forgotten."""
         def steady(pid: str, at: float) -> bool:
-            group = mates.get(pid)
-            if group is None or self.peer_id in group:
+            group = reported_group(pid, self.peer_id, mates)
+            if group is None:
                 return self.steady_at.get(pid, 0.0) > at
             return reported_by_most(pid, group, self.records, suspects, "steady")
 
