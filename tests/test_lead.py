@@ -293,10 +293,10 @@ def test_a_founder_alone_starts_a_group_that_adds_a_newcomer_as_far_ahead_as_its
     """Alone, a leader's new group needs nobody to read it first: ``lead_steps`` ahead. A group that adds
     a newcomer does: the newcomer must ask for the state of its first step before the founder takes that
     step (mid-step it has no snapshot, and the step's round waited the upload timeout for its vote)."""
-    def planned(records: dict) -> int:
+    def planned(records: dict, steps_per_s: float = 60.0) -> int:
         directory = _Directory(True)
         upkeep = _upkeep("a", directory)
-        upkeep.local = lambda: Local(joined=True, step=40, synced=True, idle=False, steps_per_s=60.0)
+        upkeep.local = lambda: Local(joined=True, step=40, synced=True, idle=False, steps_per_s=steps_per_s)
         upkeep.trust(GroupRecord(1, 0, (PeerSpec("a"),)))
         upkeep.records = records
         upkeep.may_join = lambda record, manifest: True  # same version, manifest and admission
@@ -307,6 +307,8 @@ def test_a_founder_alone_starts_a_group_that_adds_a_newcomer_as_far_ahead_as_its
     alone = {"a": _records()["a"]}
     assert planned({"a": replace(alone["a"], weight=2.0)}) == 40 + 2  # its own weight changed: lead_steps
     assert planned({**alone, "b": replace(_records()["b"], synced=False)}) == 40 + 30  # 60 steps/s x 0.5 s
+    # a toy model's pace: no further than members accept a record (2 x STEP_WINDOW + lead_steps past the run)
+    assert planned({**alone, "b": replace(_records()["b"], synced=False)}, 2000.0) == 40 + upkeep_module.STEP_WINDOW
 
 
 def test_a_slow_dht_moves_a_new_group_further_ahead():
