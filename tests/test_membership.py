@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 import logging
 import time
@@ -88,6 +89,10 @@ def test_hostile_payloads_are_refused_before_conversion():
         "missing a number": canonical({**body, "missing": [7]}),
         "missing too many": canonical({**body, "missing": [f"p{k}" for k in range(17)]}),
         "missing a long id": canonical({**body, "missing": ["x" * 129]}),
+        "final not hex": canonical({**body, "final": "zz" * 16}),
+        "final in capitals": canonical({**body, "final": "AB" * 16}),
+        "final too long": canonical({**body, "final": "ab" * 33}),
+        "final a number": canonical({**body, "final": 7}),
     }
     for name, raw in hostile.items():
         value = _signed_raw(ALICE, raw, exp) if len(raw) < 8192 else {
@@ -98,10 +103,11 @@ def test_hostile_payloads_are_refused_before_conversion():
         else:
             assert record is None, name
     mates = [Identity.load_or_create(None).peer_id for _ in range(16)]  # the most a record reports, full-length ids
-    reporting = PeerRecord(ALICE.peer_id, step=5, missing=tuple(mates)).payload()
+    final = hashlib.blake2b(b"params", digest_size=32).hexdigest()  # the longest digest a record carries
+    reporting = PeerRecord(ALICE.peer_id, step=5, missing=tuple(mates), final=final).payload()
     record = PeerRecord.parse(ALICE.peer_id, seal(ALICE, "run", "peers", exp, reporting), exp, run_id="run",
                               verifier=verifier)
-    assert record is not None and record.missing == tuple(mates)
+    assert record is not None and record.missing == tuple(mates) and record.final == final
     assert PeerRecord.parse(ALICE.peer_id, seal(ALICE, "run", "peers", exp, PAYLOAD), exp, run_id="run",
                             verifier=verifier).missing == ()
     with pytest.raises(RecordError, match="too large"):

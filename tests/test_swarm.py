@@ -483,7 +483,8 @@ def _config(run_id: str, **kwargs) -> SwarmConfig:
     return SwarmConfig(run_id, **{"host_maddrs": LOOPBACK, "allreduce": FAST, **kwargs})
 
 
-def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, late=None, stall=None, slow=None):
+def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, late=None, stall=None, slow=None,
+                 diverge_at_end=None):
     """Run one Swarm per config in its own thread until the global step reaches ``steps``.
 
     ``perturb=(peer, step, index)`` adds 1e-3 to the first parameter of that peer before that step
@@ -491,8 +492,10 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
     ``late=(peer, step)``: that peer joins once peer 0 reached that step (the others start without it);
     ``stall=(peer, step, seconds)``: that peer sleeps before that step (``peer="last"``: the one last in
     group order; a predicate of (i, swarm), asked at that step; ``out["stalled"]``); ``slow=(peer, seconds)``: that peer
-    sleeps so long after every step (the others 0.02 s). Each peer stops at ``steps`` (its
-    ``final_step``, as lioncub-train sets it) and stays up until every peer has stopped.
+    sleeps so long after every step (the others 0.02 s); ``diverge_at_end``: that peer shifts its parameters
+    after its last step. Each peer stops at ``steps`` (its ``final_step``, as lioncub-train sets it),
+    settles the final state with the group (``Swarm.settle_final_state``; ``out["final_repairs"]``) and
+    stays up until every peer has stopped.
     Per peer: (step, parameter digest, repairs since the perturbation, snapshot digest)."""
     task = digits_task(0, hidden=hidden)
     first = Swarm(configs[0])
@@ -550,6 +553,11 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
                 if swarm.last_report is not None and swarm.last_report.combine is not None:  # two-level
                     out.setdefault("combined", {}).setdefault(i, []).append(before)
                 time.sleep(slow[1] if slow and slow[0] == i else 0.02)
+            if diverge_at_end == i:  # after its last round: nothing but the closing check can tell
+                with torch.no_grad():
+                    next(model.parameters()).add_(1e-3)
+            swarm.settle_final_state(30.0)  # as lioncub-train does after its last step
+            out.setdefault("final_repairs", {})[i] = swarm.final_repairs
             out[i] = (opt.step_count, snapshot.params_digest(opt), swarm.repairs - repairs_before,
                       snapshot.encode(opt)[1])
             out.setdefault("repairs", {})[i] = swarm.repairs
@@ -588,6 +596,18 @@ def test_diverged_peer_repairs_itself_within_a_round():
     assert len({out[i][1] for i in range(3)}) == 1  # identical parameters at the end
     assert out[2][2] >= 1 and out["repair_steps"][2][0] == 15  # repaired in the very round after the perturbation
     assert not _repaired_in(out, [0, 1], 15, 18)  # nobody else did then (later, a drop under load may)
+
+
+@pytest.mark.slow
+def test_a_peer_that_diverged_after_the_last_round_takes_the_groups_final_parameters():
+    """A split in the last round has no later round to show it (a round that failed for some members, a
+    group change at the last step): peer 2 shifts its parameters after its last step, and the closing
+    check (``Swarm.settle_final_state``) has it download the parameters the two others ended with."""
+    configs = [_config("closing") for _ in range(3)]
+    out = _train_swarm(configs, 12, diverge_at_end=2)
+    assert {out[i][0] for i in range(3)} == {12}
+    assert len({out[i][1] for i in range(3)}) == 1  # identical parameters at the end
+    assert out["final_repairs"] == {0: 0, 1: 0, 2: 1}
 
 
 @pytest.mark.slow
@@ -749,7 +769,8 @@ def test_a_member_of_another_group_that_stalls_is_dropped_on_its_group_mates_rep
                            instrument=lambda i, s: seen.setdefault(i, s))
     assert {out[i][0] for i in range(6)} == {100}
     assert len({out[i][1] for i in range(6)}) == 1, (out["stalled"], [out[i][1].hex()[:8] for i in range(6)],
-                                                     out.get("all_repair_steps"), out.get("followed"))
+                                                     out.get("all_repair_steps"), out.get("followed"),
+                                                     out["final_repairs"])
     stalled = seen[out["stalled"]].peer_id
     watcher = seen[(out["stalled"] + 1) % 6]
     groups = sorted(watcher.history.by_epoch.values(), key=lambda g: g.epoch)

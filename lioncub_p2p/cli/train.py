@@ -362,9 +362,13 @@ def train(args, settings: Settings, task: TrainingTask, batches_for: Callable[[t
     if swarm.stranded is not None:  # one line, exit 1; the final state is still written
         raise SwarmError(f"stopped at step {optimizer.step_count}: {swarm.stranded}")
     if not stop.requested:
+        ended = optimizer.step_count >= args.steps  # the run's end (not --max-seconds)
+        started_settling = time.monotonic()
+        if ended:  # before the final state is written: a split in the last round has no round to repair it
+            swarm.settle_final_state(args.linger)
         finish(args, task, optimizer.step_count)
-        if optimizer.step_count >= args.steps:  # the run's end (not --max-seconds): others may still need it
-            swarm.linger(args.linger)
+        if ended:  # others may still need this state
+            swarm.linger(max(args.linger - (time.monotonic() - started_settling), 0.0))
 
 
 def _report(args, task: TrainingTask, swarm: Swarm, optimizer: LionCub, before: int, loss: float, t0: float,

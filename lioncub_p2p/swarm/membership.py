@@ -40,6 +40,7 @@ MAX_WEIGHT = 1e6
 MAX_STEP = 1 << 53  # steps and epochs beyond this are lies (and lose float precision in JSON readers)
 MAX_RATE = 1e15
 MAX_PEER_ID_CHARS = 128
+MAX_DIGEST_HEX = 64  # a final parameter digest (closing.py): blake2b's longest, in hex
 MAX_REPORTED = 16  # group-mates a peer reports missing votes of in its record (lead.missing_votes)
 MAX_RECORDS = 4 * MAX_MEMBERS  # records of one key looked at per read; the rest are ignored (flooding)
 MAX_EPOCH_GAP = 16  # a member accepts a group at most this many epochs past its own
@@ -66,6 +67,12 @@ def _peer_ids(value: Any) -> tuple[str, ...]:
     return tuple(_text(pid, MAX_PEER_ID_CHARS) for pid in value)
 
 
+def _hex_digest(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > MAX_DIGEST_HEX or any(c not in "0123456789abcdef" for c in value):
+        raise RecordError(f"final is not a digest of at most {MAX_DIGEST_HEX} lowercase hex digits")
+    return value
+
+
 def _text(value: Any, limit: int) -> str:
     if not isinstance(value, str) or len(value) > limit:
         raise RecordError("not a short string")
@@ -89,6 +96,7 @@ class PeerRecord:
     following: bool = False  # behind the group: receives results without voting (keep me, give me no part)
     missing: tuple[str, ...] = ()  # group-mates whose votes this peer misses (two-level: the leader sees no other group)
     steady: tuple[str, ...] = ()  # group-mates without a vote in the group whose votes count here, rounds in a row
+    final: str = ""  # past its last step: its parameters' digest (hex) at ``step`` (closing.py)
     expires: float = 0.0
 
     def payload(self) -> dict[str, Any]:
@@ -97,7 +105,8 @@ class PeerRecord:
                 "version": int(self.version), "synced": self.synced, "samples_per_s": float(self.samples_per_s),
                 "bytes_up_per_s": float(self.bytes_up_per_s), "bytes_down_per_s": float(self.bytes_down_per_s),
                 "loss": loss, "manifest": self.manifest, "leaving": self.leaving,
-                "following": self.following, "missing": list(self.missing), "steady": list(self.steady)}
+                "following": self.following, "missing": list(self.missing), "steady": list(self.steady),
+                "final": self.final}
 
     @classmethod
     def from_payload(cls, peer_id: str, value: dict, expires: float) -> "PeerRecord":
@@ -112,7 +121,7 @@ class PeerRecord:
                    loss=None if loss is None else float(_number(loss, -MAX_RATE, MAX_RATE)),
                    manifest=_text(value.get("manifest", ""), 64), leaving=_flag(value.get("leaving", False)),
                    following=_flag(value.get("following", False)), missing=_peer_ids(value.get("missing", [])),
-                   steady=_peer_ids(value.get("steady", [])),
+                   steady=_peer_ids(value.get("steady", [])), final=_hex_digest(value.get("final", "")),
                    expires=float(expires))
 
     @classmethod

@@ -60,7 +60,7 @@ from ..identity import Identity
 from ..momentum import MomentumSchedule
 from ..optim import LionCub, Resolved
 from ..wire import PROTOCOL_VERSION
-from . import checkpoint, manifest as manifests, reachability, snapshot
+from . import checkpoint, closing, manifest as manifests, reachability, snapshot
 from .accuse import AccuseServer, Suspicions, send_accusation
 from .admit import AdmitServer
 from .dht_process import start_dht, stop_dht
@@ -193,6 +193,8 @@ class Swarm:
         self._closed = False
         self._joined = False
         self._idle = True  # joining or waiting for peers, not stepping: group changes can take effect at once
+        self._final_digest = ""  # past the last step: its parameters' digest (settle_final_state)
+        self.final_repairs = 0  # downloads of the parameters the group ended with (settle_final_state)
         self.samples_per_step = 0  # set by the training loop, for monitors
         self.last_loss: float | None = None
         self.opinions = config.opinions()
@@ -502,6 +504,49 @@ class Swarm:
                                  f"{len(synced & set(latest.member_ids() if latest else []))} synced)")
             time.sleep(self.config.refresh_period)
 
+    def settle_final_state(self, seconds: float) -> bool:
+        """After this peer's last step (``final_step``): make sure the group ends on one state. The last
+        round has no next one whose state tags would repair a split in it (``closing.py``), so each peer
+        announces its parameters' digest and waits, up to ``seconds``, for every live member of the group
+        to announce one; a peer whose digest is not the one most hold downloads those parameters (its own
+        momenta stay: they differ between peers anyway). Counted in ``final_repairs``. True when every
+        member announced the same digest in time; call it before saving the final state."""
+        if self.optimizer is None or self._closed or self.final_step is None \
+                or self.optimizer.step_count != self.final_step:
+            return False
+        step, deadline = self.optimizer.step_count, time.monotonic() + seconds
+        self._idle = True
+        while True:
+            own = snapshot.params_digest(self.optimizer).hex()
+            if own != self._final_digest:  # at once: the others wait for it
+                self._final_digest = own
+                try:
+                    self.loop.run(self.upkeep.announce(), timeout=10)
+                except Exception as e:  # the periodic announcement carries it too
+                    logger.debug("announcing the final digest failed: %s", e)
+            group = self.history.latest
+            finals, pending = closing.finals_at(step, group, self.records, self.peer_id, own)
+            target = closing.agreed(finals)
+            if not pending and set(finals.values()) == {own}:
+                return True
+            if not pending and target != own:
+                holders = [pid for pid, digest in finals.items() if digest == target]
+                logger.warning("step %d: these parameters differ from those %d of %d members ended with: "
+                               "downloading them", step, len(holders), len(finals))
+                try:
+                    self.state.download(min_step=step, group=group, params_only=True, only=holders)
+                except Exception as e:  # again after a pause, while time is left
+                    logger.warning("downloading the final parameters failed: %s: %s", type(e).__name__, e)
+                if snapshot.params_digest(self.optimizer).hex() == target:
+                    self.final_repairs += 1
+                    continue  # announce it, and wait for the others to settle
+            if time.monotonic() >= deadline:
+                logger.warning("step %d: the group did not settle on one final state in %.0f s (%s)", step, seconds,
+                               f"still waiting for {len(pending)} member(s)" if pending else
+                               f"{len(set(finals.values()))} digests among {len(finals)} members")
+                return False
+            time.sleep(self.config.refresh_period)
+
     def linger(self, seconds: float) -> None:
         """After this peer's last step: stay up to ``seconds`` while a live member is behind, leading
         and serving this final state. A member dropped near the end (a stall, a lost link) rejoins at
@@ -708,6 +753,7 @@ class Swarm:
         seconds = max(stats.seconds, 1e-6)
         return Local(joined=opt is not None, step=opt.step_count if opt is not None else 0, synced=self.state.synced,
                      following=self.rounds.follow.following, idle=self._idle, final_step=self.final_step,
+                     final=self._final_digest,
                      bytes_up_per_s=stats.bytes_up / seconds, bytes_down_per_s=stats.bytes_down / seconds,
                      samples_per_step=self.samples_per_step, loss=self.last_loss, run_manifest=self.run_manifest,
                      steps_per_s=1.0 / pace if (pace := self.rounds.pace.step_s) > 0 else 0.0,

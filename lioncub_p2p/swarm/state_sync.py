@@ -125,18 +125,20 @@ class StateSync:
             logger.info("announcing before the state download failed: %s: %s", type(e).__name__, e)
 
     def download(self, min_step: int, group: GroupRecord, *, params_only: bool = False,
-                 last: Collection[str] = (), slow_link: bool = False) -> None:
+                 last: Collection[str] = (), slow_link: bool = False, only: Collection[str] | None = None) -> None:
         """Load a member's state of step ``min_step`` or later (nothing if this peer already holds it);
         ``params_only``: keep this peer's own momenta (half the bytes: a repair, a skip ahead); ``last``:
         donors asked only after the others (a two-level group that diverged as a whole); ``slow_link``
-        (a follower): first announce a record that outlives the download (``_hold_record``)."""
+        (a follower): first announce a record that outlives the download (``_hold_record``); ``only``:
+        these donors and no others (those that hold the parameters the run's end settled on)."""
         have = (self.optimizer.step_count, snapshot.params_digest(self.optimizer))
         max_bytes = snapshot.max_size(self.optimizer)
         bound = download_bound(max_bytes, self.join_timeout)
         if slow_link:
             self._hold_record(bound)
+        donors = sorted([d for d in self.donors(group) if only is None or d in only], key=lambda pid: pid in last)
         step, blob, digest = self.loop.run(download_state(
-            self.p2p, sorted(self.donors(group), key=lambda pid: pid in last), self.run_id, min_step=min_step, max_bytes=max_bytes, timeout=bound,
+            self.p2p, donors, self.run_id, min_step=min_step, max_bytes=max_bytes, timeout=bound,
             have=have, token=self.admission.token(self.peer_id), params_only=params_only), timeout=bound + 5)
         if not blob:
             logger.info("this peer already holds the swarm's state (step 0, same initialization)")

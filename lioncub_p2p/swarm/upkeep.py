@@ -58,6 +58,7 @@ class Local:
     following: bool = False  # receives results without voting (``follow.py``)
     idle: bool = True  # waiting for peers or past its last step, not stepping: a group may start at once
     final_step: int | None = None  # no group may start past it
+    final: str = ""  # past its last step: its parameters' digest, for the closing check (closing.py)
     steps_per_s: float = 0.0  # this peer's recent pace (the group's, as it steps with it)
     asked_step: int = -1  # the newest step of a vote round another member asked this peer for (-1: none)
     bytes_up_per_s: float = 0.0
@@ -167,7 +168,7 @@ class Upkeep:
                             me.synced and not leaving, samples_per_s=samples_per_s,
                             bytes_up_per_s=me.bytes_up_per_s, bytes_down_per_s=me.bytes_down_per_s, loss=me.loss,
                             manifest=me.run_manifest.digest() if me.run_manifest else "", leaving=leaving,
-                            following=me.following and not leaving,
+                            following=me.following and not leaving, final=me.final,
                             **(self._reports() if me.synced and not me.following and not leaving else {}))
         self._progress = (now, me.step)
         # a newer record must expire later than the last (the DHT keeps the latest-expiring one), even
