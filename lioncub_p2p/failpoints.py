@@ -15,15 +15,20 @@ others) the first time it reaches the point, on or after that step:
 - ``serve``     serving state to a newcomer, after the second chunk went out;
 - ``download``  downloading state as a newcomer, after the first chunk arrived.
 
+A stall of the training thread alone (a hung data loader: the event loop goes on announcing the
+peer) comes from ``LIONCUB_HANG=<step>:<seconds>``: the trainer sleeps that long once, before that step.
+
 Unset (the normal case), every check is one comparison with ``None``.
 """
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 POINTS = ("upload", "reduce", "result", "combine", "momentum", "serve", "download")
 ENV = "LIONCUB_FAILPOINT"
+HANG_ENV = "LIONCUB_HANG"
 
 
 def parse(value: str | None) -> tuple[str, int] | None:
@@ -46,3 +51,29 @@ def reached(point: str, step: int = 0) -> None:
     """Kill this process if it is armed for ``point`` and ``step`` is at or past the armed step."""
     if ARMED is not None and ARMED[0] == point and step >= ARMED[1]:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def parse_hang(value: str | None) -> tuple[int, float] | None:
+    """``"20:12"`` -> (20, 12.0): sleep 12 s before step 20; unset or empty -> None."""
+    if not value:
+        return None
+    step, _, seconds = value.partition(":")
+    try:
+        parsed = int(step), float(seconds)
+    except ValueError:
+        raise ValueError(f"{HANG_ENV}={value!r}: expected STEP:SECONDS, like 20:12") from None
+    if parsed[0] < 0 or not 0 <= parsed[1] <= 3600:
+        raise ValueError(f"{HANG_ENV}={value!r}: the step must be >= 0 and the seconds in [0, 3600]")
+    return parsed
+
+
+HANG = parse_hang(os.environ.get(HANG_ENV))
+_hung = False
+
+
+def before_step(step: int) -> None:
+    """Sleep the calling (training) thread once, at the first step at or past the armed one."""
+    global _hung
+    if HANG is not None and not _hung and step >= HANG[0]:
+        _hung = True
+        time.sleep(HANG[1])

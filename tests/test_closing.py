@@ -1,14 +1,23 @@
-"""The run's closing check (swarm/closing.py): whose final digests count, who is waited for, and the
-digest a group settles on, against a count by hand. The network side is in test_swarm.py."""
+"""The run's closing check (swarm/closing.py): whose final digests count, who is waited for, the digest
+a group settles on (against a count by hand), and the download that refuses other parameters. The
+network side is in test_swarm.py."""
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from lioncub_p2p.aio import BackgroundLoop
 from lioncub_p2p.allreduce import PeerSpec
+from lioncub_p2p.allreduce.admission import OPEN
+from lioncub_p2p.optim import LionCub
+from lioncub_p2p.swarm import snapshot, state_sync
 from lioncub_p2p.swarm.closing import agreed, finals_at
 from lioncub_p2p.swarm.membership import GroupRecord, PeerRecord
+from lioncub_p2p.swarm.state_sync import StateSync
+from lioncub_p2p.swarm.state_transfer import StateTransferError
 
 GROUP = GroupRecord(3, 0, tuple(PeerSpec(pid) for pid in "abcdef"))
 
@@ -18,13 +27,18 @@ def test_finals_count_members_at_the_step_and_wait_for_those_still_stepping_or_s
         "b": PeerRecord("b", step=100, final="11"),
         "c": PeerRecord("c", step=97),  # still stepping
         "d": PeerRecord("d", step=100),  # at the step, its digest not announced yet
-        "e": PeerRecord("e", step=100, final="22", leaving=True),  # stopped: neither counted nor waited for
+        "e": PeerRecord("e", step=100, final="22", leaving=True),  # settled and left: its digest still counts
         "x": PeerRecord("x", step=100, final="33"),  # not a member
         # "f" has no record: gone
     }
     finals, pending = finals_at(100, GROUP, records, "a", "11")
-    assert finals == {"a": "11", "b": "11"}
+    assert finals == {"a": "11", "b": "11", "e": "22"}
     assert pending == ["c", "d"]
+    # left without a digest (stopped early): not waited for; a proven liar: neither counted nor waited for
+    finals, pending = finals_at(100, GROUP, {"c": PeerRecord("c", step=97, leaving=True),
+                                            "b": PeerRecord("b", step=100, final="22"),
+                                            "d": PeerRecord("d", step=90)}, "a", "11", exclude={"b", "d"})
+    assert finals == {"a": "11"} and pending == []
     # a member past the step trains another run's length: not this run's end
     finals, pending = finals_at(100, GROUP, {"b": PeerRecord("b", step=150, final="44")}, "a", "11")
     assert finals == {"a": "11"} and pending == []
@@ -33,24 +47,68 @@ def test_finals_count_members_at_the_step_and_wait_for_those_still_stepping_or_s
     assert finals == {"a": "11"}
 
 
-def _by_hand(finals: dict[str, str]) -> str:
-    best = None
-    for digest in sorted(set(finals.values())):  # ascending: the first of the most held wins a tie
-        held = sum(d == digest for d in finals.values())
-        if best is None or held > best[0]:
-            best = (held, digest)
-    return best[1]
+def _by_hand(finals: dict[str, str], first: str) -> str:
+    """Count each digest's holders; of the most held, the one ``first`` holds if it is one of them,
+    else the smallest."""
+    held = {digest: sum(d == digest for d in finals.values()) for digest in finals.values()}
+    best = [digest for digest in sorted(held) if held[digest] == max(held.values())]
+    return finals[first] if first in finals and finals[first] in best else best[0]
 
 
-def test_the_group_settles_on_the_digest_most_hold_and_of_a_tie_the_smallest():
-    assert agreed({"a": "aa", "b": "bb", "c": "bb"}) == "bb"  # a majority wins over a smaller digest
-    assert agreed({"a": "bb", "b": "aa", "c": "bb", "d": "aa"}) == "aa"  # 2:2, the 3:3 split seen in CI alike
-    assert agreed({"a": "cc"}) == "cc"
+def test_the_group_settles_on_the_digest_most_hold_and_of_a_tie_the_one_its_first_reducer_holds():
+    assert agreed({"a": "aa", "b": "bb", "c": "bb"}, GROUP) == "bb"  # a majority wins over the first reducer
+    assert agreed({"a": "bb", "b": "aa", "c": "bb", "d": "aa"}, GROUP) == "bb"  # 2:2 (the 3:3 seen in CI alike)
+    assert agreed({"b": "bb", "c": "aa"}, GROUP) == "bb"  # "a" announced nothing: "b" is the first
+    no_reducer_a = GroupRecord(3, 0, (PeerSpec("a", 0.0),) + GROUP.members[1:])  # on probation: no part
+    assert agreed({"a": "aa", "b": "bb"}, no_reducer_a) == "bb"
+    assert agreed({"x": "cc", "y": "bb"}, GROUP) == "bb"  # nobody of the group: the smallest
     for values in itertools.product(["0a", "1b", "2c"], repeat=5):  # every assignment of 3 digests to 5 peers
         finals = dict(zip("abcde", values))
-        assert agreed(finals) == _by_hand(finals), finals
-    # every member reaches the same verdict from the same announcements, whatever its own digest
-    finals = {"a": "0a", "b": "1b", "c": "1b", "d": "0a"}
-    assert {agreed({**finals, me: finals[me]}) for me in finals} == {"0a"}
+        assert agreed(finals, GROUP) == _by_hand(finals, "a"), finals
+        partial = dict(zip("bcde", values))  # "a" silent: "b" breaks ties
+        assert agreed(partial, GROUP) == _by_hand(partial, "b"), partial
+        # every member lists the announcements in its own order: the same verdict
+        assert agreed(dict(reversed(list(finals.items()))), GROUP) == agreed(finals, GROUP)
     with pytest.raises(ValueError):
-        agreed({})
+        agreed({}, GROUP)
+
+
+def _sync_with(monkeypatch, served: tuple[int, bytes, bytes]) -> tuple[StateSync, LionCub, BackgroundLoop]:
+    """A StateSync whose downloads all return ``served`` (step, blob, digest), as a donor would."""
+    async def fake_download(*args, **kwargs):
+        return served
+
+    monkeypatch.setattr(state_sync, "download_state", fake_download)
+    loop = BackgroundLoop("closing-test")
+    sync = StateSync(p2p=None, loop=loop, run_id="r", peer_id="me", admission=OPEN,
+                     upkeep=SimpleNamespace(records={}), liars=dict, max_uploads=1, join_timeout=5.0,
+                     round_bound=5.0)
+    model = torch.nn.Linear(4, 3)
+    sync.optimizer = LionCub(model.parameters(), lr=1e-3)
+    return sync, sync.optimizer, loop
+
+
+def test_the_final_download_refuses_a_donor_whose_parameters_are_not_the_ones_settled_on(monkeypatch):
+    """A holder that announced the digest the group settled on but serves other parameters (or another
+    step) is refused before anything is loaded; the right ones load and hash to that digest."""
+    torch.manual_seed(0)
+    donor = LionCub(torch.nn.Linear(4, 3).parameters(), lr=1e-3)
+    blob, digest = snapshot.encode(donor)
+    group = GroupRecord(1, 0, (PeerSpec("me"), PeerSpec("donor")))
+    for served, expect in [((0, blob, digest), bytes(16)),  # other parameters than those settled on
+                           ((1, blob, digest), digest)]:  # the right ones, of a later step
+        sync, mine, loop = _sync_with(monkeypatch, served)
+        try:
+            before = snapshot.params_digest(mine)
+            with pytest.raises(StateTransferError, match="not the"):
+                sync.download(0, group, params_only=True, only=["donor"], expect=expect, within=5.0)
+            assert snapshot.params_digest(mine) == before and sync.loads == 0
+        finally:
+            loop.stop()
+    sync, mine, loop = _sync_with(monkeypatch, (0, blob, digest))
+    try:
+        sync.download(0, group, params_only=True, only=["donor"], expect=digest, within=5.0)
+        assert snapshot.params_digest(mine) == snapshot.params_digest(donor) == digest  # what records announce
+        assert sync.loads == 1
+    finally:
+        loop.stop()

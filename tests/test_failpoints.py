@@ -18,6 +18,14 @@ def test_parse():
         failpoints.parse("upload@soon")
 
 
+def test_parse_hang():
+    assert failpoints.parse_hang(None) is None and failpoints.parse_hang("") is None
+    assert failpoints.parse_hang("20:12") == (20, 12.0)
+    for bad in ("20", "soon:3", "20:-1", "-1:3", "20:1e9"):
+        with pytest.raises(ValueError, match="LIONCUB_HANG"):
+            failpoints.parse_hang(bad)
+
+
 @pytest.mark.slow
 def test_armed_process_dies_at_its_point_and_step_only():
     code = ("from lioncub_p2p import failpoints as f\n"
@@ -26,3 +34,15 @@ def test_armed_process_dies_at_its_point_and_step_only():
     done = subprocess.run([sys.executable, "-c", code], env={"LIONCUB_FAILPOINT": "upload@10", "PATH": ""},
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == -signal.SIGKILL and done.stdout == "alive\n"
+
+
+@pytest.mark.slow
+def test_a_hang_sleeps_once_at_its_step_only():
+    code = ("import time\nfrom lioncub_p2p import failpoints as f\n"
+            "for step in range(6):\n"
+            "    t = time.monotonic(); f.before_step(step); print(step, round(time.monotonic() - t, 1), flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", code], env={"LIONCUB_HANG": "3:0.5", "PATH": ""},
+                          capture_output=True, text=True, timeout=60)
+    slept = {int(s): float(t) for s, t in (line.split() for line in done.stdout.splitlines())}
+    assert sorted(slept) == list(range(6)) and slept[3] >= 0.5, done.stdout + done.stderr
+    assert all(slept[step] < 0.3 for step in (0, 1, 2, 4, 5)), done.stdout  # once, at its step only

@@ -91,7 +91,8 @@ def test_hostile_payloads_are_refused_before_conversion():
         "missing a long id": canonical({**body, "missing": ["x" * 129]}),
         "final not hex": canonical({**body, "final": "zz" * 16}),
         "final in capitals": canonical({**body, "final": "AB" * 16}),
-        "final too long": canonical({**body, "final": "ab" * 33}),
+        "final too long": canonical({**body, "final": "ab" * 17}),
+        "final too short": canonical({**body, "final": "0"}),  # would win a tie broken by the smallest
         "final a number": canonical({**body, "final": 7}),
     }
     for name, raw in hostile.items():
@@ -103,7 +104,7 @@ def test_hostile_payloads_are_refused_before_conversion():
         else:
             assert record is None, name
     mates = [Identity.load_or_create(None).peer_id for _ in range(16)]  # the most a record reports, full-length ids
-    final = hashlib.blake2b(b"params", digest_size=32).hexdigest()  # the longest digest a record carries
+    final = hashlib.blake2b(b"params", digest_size=16).hexdigest()  # a parameter digest, as a record carries it
     reporting = PeerRecord(ALICE.peer_id, step=5, missing=tuple(mates), final=final).payload()
     record = PeerRecord.parse(ALICE.peer_id, seal(ALICE, "run", "peers", exp, reporting), exp, run_id="run",
                               verifier=verifier)

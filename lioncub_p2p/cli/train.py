@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .. import LionCub, MomentumSchedule
+from .. import LionCub, MomentumSchedule, failpoints
 from ..swarm import Manifest, ManifestError, Swarm, SwarmConfig, SwarmError, snapshot
 from ..swarm.manifest import DEFAULTS as SWARM_DEFAULTS
 from ..swarm.peer import LISTEN_ALL
@@ -340,6 +340,7 @@ def train(args, settings: Settings, task: TrainingTask, batches_for: Callable[[t
     try:
         while optimizer.step_count < args.steps and not stop.requested and swarm.stranded is None \
                 and not (args.max_seconds and time.monotonic() - started > args.max_seconds):
+            failpoints.before_step(optimizer.step_count)  # a fault test's hung data loader (unset: nothing)
             with stop.deferred():  # a first stop signal lets this step finish
                 t0 = time.perf_counter()
                 batch = next(batches, None)

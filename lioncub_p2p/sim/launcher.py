@@ -256,6 +256,8 @@ class Simulation:
                 "--final-eval", str(out / f"peer{i}.eval.json"), "--final-state", str(out / f"peer{i}.state"),
                 *(["--max-group", str(self.max_group)] if self.max_group else []), *method.trainer_args]
         env = {failpoints.ENV: profile.failpoint} if profile.failpoint else {}
+        if profile.hang_at is not None:
+            env[failpoints.HANG_ENV] = f"{profile.hang_at}:{profile.hang_s}"
         return self._spawn(i, argv, out / f"peer{i}.log", env)
 
     def _follow(self, name: str, method: Method, peers: list[subprocess.Popen], out: Path, maddrs: Path):

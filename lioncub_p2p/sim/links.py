@@ -40,6 +40,8 @@ class LinkProfile:
     cut_s: float = 0.0  # ...for this many seconds
     join_at: int | None = None  # first started when the swarm reaches this round (a newcomer)
     failpoint: str | None = None  # dies by SIGKILL at this protocol point ("result@20"; see failpoints.py)
+    hang_at: int | None = None  # its training thread sleeps at this round (its event loop goes on)...
+    hang_s: float = 0.0  # ...for this many seconds
 
     def __post_init__(self) -> None:
         if self.up_mbit <= 0 or self.down_mbit <= 0:
@@ -51,8 +53,9 @@ class LinkProfile:
                              f"{', '.join(failpoints.POINTS)}") from None
         if not 0 <= self.loss_pct < 100 or self.delay_ms < 0:
             raise ValueError(f"loss must be in [0, 100) and delay >= 0, got {self.loss_pct}, {self.delay_ms}")
-        if self.stall_s < 0 or self.cut_s < 0:
-            raise ValueError(f"stall_s and cut_s must be >= 0, got {self.stall_s}, {self.cut_s}")
+        if self.stall_s < 0 or self.cut_s < 0 or not 0 <= self.hang_s <= 3600:
+            raise ValueError(f"stall_s and cut_s must be >= 0 and hang_s in [0, 3600], got {self.stall_s}, "
+                             f"{self.cut_s}, {self.hang_s}")
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> "LinkProfile":
@@ -70,7 +73,7 @@ class LinkProfile:
             if key == "failpoint":
                 if v is not None and not isinstance(v, str):
                     raise ValueError(f"failpoint must be text like \"result@20\", got {v!r}")
-            elif name in ("leave_at", "rejoin_at", "stall_at", "cut_at", "join_at"):
+            elif name in ("leave_at", "rejoin_at", "stall_at", "cut_at", "join_at", "hang_at"):
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                     raise ValueError(f"{key} is a round number (a whole number >= 0), got {v!r}")
             elif isinstance(v, bool) or not isinstance(v, (int, float)):

@@ -8,7 +8,8 @@ SIGKILLs itself there. What a row says:
 - survivors: peers that were meant to live and exited cleanly (exit 0) at the last step;
 - identical: their final parameters are bitwise equal;
 - max step: the slowest optimizer step any survivor took (vote round, recovery and, on momentum
-  steps, the averaging round), against the bound its timeouts allow.
+  steps, the averaging round), against the bound its timeouts allow;
+- probation re-adds: members the leader took back on probation after dropping them for missed votes.
 """
 from __future__ import annotations
 
@@ -63,6 +64,13 @@ SCENARIOS = [
              max_group=2),
     Scenario("two-level: link cut for 4 s", [FAST, FAST, {**FAST, "cut_at": 20, "cut_s": 4}, FAST, FAST, FAST],
              max_group=2),
+    # its training thread sleeps while its event loop goes on announcing it (a hung data loader): its record
+    # never expires, so only missed votes get it dropped; in another group than the leader's, its group-mate
+    # reports them (lead.reported_by_most)
+    Scenario("training thread hangs 12 s (its record lives on)",
+             [FAST, FAST, {**FAST, "hang_at": 20, "hang_s": 12}, FAST]),
+    Scenario("two-level: training thread hangs 12 s (its record lives on)",
+             [FAST, FAST, {**FAST, "hang_at": 20, "hang_s": 12}, FAST, FAST, FAST], max_group=2),
     Scenario("two-level: a newcomer joins (the groups reshuffle)", [FAST, FAST, FAST, FAST, FAST, FAST,
                                                                    {**FAST, "join_at": 5}], steps_factor=2.0, max_group=2),
 ]
@@ -79,7 +87,9 @@ def run_scenario(scenario: Scenario, workdir: Path, *, steps: int, hidden: int, 
         sim.close()
     expected = [i for i in range(len(profiles)) if i not in scenario.victims()]
     survivors = [i for i in expected if result.exit_codes[i] == 0 and result.final_steps[i] == steps]
-    step_times = []
+    step_times, logs = [], [workdir / method / f"peer{i}.log" for i in range(len(profiles))]
+    readds = sum(log.read_text(errors="replace").count("rejoins without a part, on probation")
+                 for log in logs if log.exists())
     for i in survivors:
         rows = [json.loads(line) for line in (workdir / method / f"peer{i}.jsonl").read_text().splitlines()]
         step_times += [r["step_s"] for r in rows[1:]]  # the first step also opens every connection
@@ -90,6 +100,7 @@ def run_scenario(scenario: Scenario, workdir: Path, *, steps: int, hidden: int, 
                 steps=steps, max_step_s=max(step_times, default=float("nan")),
                 median_step_s=statistics.median(step_times) if step_times else float("nan"),
                 bound_s=2 * RESULT_TIMEOUT + RECOVERY_TIMEOUT, repairs=result.divergence_events,
+                probation_readds=readds,
                 exit_codes=result.exit_codes)
 
 

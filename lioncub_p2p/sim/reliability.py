@@ -442,7 +442,8 @@ def table(report: dict) -> str:
     for row in report.get("process_faults", []):
         lines.append(f"| processes: {row['fault']} | {row['survivors']}/{row['expected']} survivors at step "
                      f"{row['steps']}, parameters identical: {row['identical']}, step median {row['median_step_s']:.2f} s"
-                     f" / max {row['max_step_s']:.1f} s (bound {row['bound_s']:.0f} s), repairs {row['repairs']} |")
+                     f" / max {row['max_step_s']:.1f} s (bound {row['bound_s']:.0f} s), repairs {row['repairs']}, "
+                     f"probation re-adds {row.get('probation_readds', 0)} |")
     soak = report.get("soak")
     if soak:
         lines.append(f"| soak | {soak['rounds']} rounds in {soak['seconds']:.0f} s, faults {soak['faults']}, "

@@ -40,7 +40,7 @@ MAX_WEIGHT = 1e6
 MAX_STEP = 1 << 53  # steps and epochs beyond this are lies (and lose float precision in JSON readers)
 MAX_RATE = 1e15
 MAX_PEER_ID_CHARS = 128
-MAX_DIGEST_HEX = 64  # a final parameter digest (closing.py): blake2b's longest, in hex
+DIGEST_HEX = 32  # a final parameter digest (closing.py): snapshot.params_digest, 16 bytes in hex
 MAX_REPORTED = 16  # group-mates a peer reports missing votes of in its record (lead.missing_votes)
 MAX_RECORDS = 4 * MAX_MEMBERS  # records of one key looked at per read; the rest are ignored (flooding)
 MAX_EPOCH_GAP = 16  # a member accepts a group at most this many epochs past its own
@@ -68,8 +68,8 @@ def _peer_ids(value: Any) -> tuple[str, ...]:
 
 
 def _hex_digest(value: Any) -> str:
-    if not isinstance(value, str) or len(value) > MAX_DIGEST_HEX or any(c not in "0123456789abcdef" for c in value):
-        raise RecordError(f"final is not a digest of at most {MAX_DIGEST_HEX} lowercase hex digits")
+    if not isinstance(value, str) or len(value) not in (0, DIGEST_HEX) or any(c not in "0123456789abcdef" for c in value):
+        raise RecordError(f"final is not empty or a digest of {DIGEST_HEX} lowercase hex digits")
     return value
 
 

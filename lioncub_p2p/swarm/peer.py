@@ -507,17 +507,21 @@ class Swarm:
     def settle_final_state(self, seconds: float) -> bool:
         """After this peer's last step (``final_step``): make sure the group ends on one state. The last
         round has no next one whose state tags would repair a split in it (``closing.py``), so each peer
-        announces its parameters' digest and waits, up to ``seconds``, for every live member of the group
-        to announce one; a peer whose digest is not the one most hold downloads those parameters (its own
-        momenta stay: they differ between peers anyway). Counted in ``final_repairs``. True when every
-        member announced the same digest in time; call it before saving the final state."""
+        applies the update of a round still in flight, announces its parameters' digest and waits, up to
+        ``seconds``, for every live member of the group to announce one; a peer whose digest is not the
+        one the group settles on (``closing.agreed``) downloads those parameters from a member holding
+        them, refusing any that do not hash to it (its own momenta stay: they differ between peers
+        anyway). Counted in ``final_repairs``. True when every member announced the same digest in time;
+        call it before saving the final state."""
         if self.optimizer is None or self._closed or self.final_step is None \
                 or self.optimizer.step_count != self.final_step:
             return False
         step, deadline = self.optimizer.step_count, time.monotonic() + seconds
         self._idle = True
+        self.optimizer.flush()  # overlapped rounds: the last round's update is part of what is compared
+        self.state.server.forget()  # a snapshot cached before the flush holds the state without it
+        own = snapshot.params_digest(self.optimizer).hex()  # again only after a download: hashing takes time
         while True:
-            own = snapshot.params_digest(self.optimizer).hex()
             if own != self._final_digest:  # at once: the others wait for it
                 self._final_digest = own
                 try:
@@ -525,27 +529,43 @@ class Swarm:
                 except Exception as e:  # the periodic announcement carries it too
                     logger.debug("announcing the final digest failed: %s", e)
             group = self.history.latest
-            finals, pending = closing.finals_at(step, group, self.records, self.peer_id, own)
-            target = closing.agreed(finals)
+            finals, pending = closing.finals_at(step, group, self.records, self.peer_id, own, self.state.liars())
+            target = closing.agreed(finals, group)
             if not pending and set(finals.values()) == {own}:
                 return True
-            if not pending and target != own:
-                holders = [pid for pid, digest in finals.items() if digest == target]
-                logger.warning("step %d: these parameters differ from those %d of %d members ended with: "
-                               "downloading them", step, len(holders), len(finals))
-                try:
-                    self.state.download(min_step=step, group=group, params_only=True, only=holders)
-                except Exception as e:  # again after a pause, while time is left
-                    logger.warning("downloading the final parameters failed: %s: %s", type(e).__name__, e)
-                if snapshot.params_digest(self.optimizer).hex() == target:
-                    self.final_repairs += 1
-                    continue  # announce it, and wait for the others to settle
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 logger.warning("step %d: the group did not settle on one final state in %.0f s (%s)", step, seconds,
                                f"still waiting for {len(pending)} member(s)" if pending else
                                f"{len(set(finals.values()))} digests among {len(finals)} members")
                 return False
+            if not pending and target != own:
+                own = self._take_final_params(step, group, finals, target, left)
+                if own == target:
+                    self.final_repairs += 1
+                    continue  # announce it, and wait for the others to settle
             time.sleep(self.config.refresh_period)
+
+    def _take_final_params(self, step: int, group: GroupRecord, finals: dict[str, str], target: str,
+                           seconds: float) -> str:
+        """Download the parameters ``target`` names from a member that announced it (one at a time: a
+        donor serving others is refused and the next asked); this peer's digest afterwards."""
+        holders = [pid for pid, digest in finals.items() if digest == target and pid != self.peer_id
+                   and not (pid in self.records and self.records[pid].leaving)]
+        logger.warning("step %d: these parameters differ from those %d of %d members ended with: downloading "
+                       "them", step, sum(digest == target for digest in finals.values()), len(finals))
+        deadline = time.monotonic() + seconds
+        for holder in holders:
+            if time.monotonic() >= deadline:
+                break
+            try:
+                self.state.download(min_step=step, group=group, params_only=True, only=[holder],
+                                    expect=bytes.fromhex(target), within=deadline - time.monotonic())
+                break
+            except Exception as e:  # the next holder
+                logger.warning("downloading the final parameters from %s failed: %s: %s", holder,
+                               type(e).__name__, e)
+        return snapshot.params_digest(self.optimizer).hex()
 
     def linger(self, seconds: float) -> None:
         """After this peer's last step: stay up to ``seconds`` while a live member is behind, leading

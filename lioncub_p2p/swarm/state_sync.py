@@ -26,7 +26,7 @@ from ..allreduce.admission import Admission
 from ..optim import LionCub
 from . import snapshot
 from .membership import GroupRecord
-from .state_transfer import StateServer, download_bound, download_state
+from .state_transfer import StateServer, StateTransferError, download_bound, download_state
 from .upkeep import Upkeep
 
 logger = logging.getLogger(__name__)
@@ -98,13 +98,13 @@ class StateSync:
         finally:
             self.step_lock.release()
 
-    def donors(self, group: GroupRecord) -> list[str]:
-        """Members to download from: not this peer, not clients, not liars; synced ones, fastest first
-        (ties in random order so newcomers spread)."""
+    def donors(self, group: GroupRecord, only: Collection[str] | None = None) -> list[str]:
+        """Members to download from: not this peer, not clients, not liars (and among ``only``, if given);
+        synced ones, fastest first (ties in random order so newcomers spread)."""
         records = self.upkeep.records
         liars = self.liars()
         members = [m for m in group.members if m.peer_id != self.peer_id and not m.client_mode
-                   and m.peer_id not in liars]
+                   and m.peer_id not in liars and (only is None or m.peer_id in only)]
         members.sort(key=lambda m: (-(records[m.peer_id].weight if m.peer_id in records else m.weight),
                                     random.random()))
         donors = [m.peer_id for m in members]
@@ -125,24 +125,32 @@ class StateSync:
             logger.info("announcing before the state download failed: %s: %s", type(e).__name__, e)
 
     def download(self, min_step: int, group: GroupRecord, *, params_only: bool = False,
-                 last: Collection[str] = (), slow_link: bool = False, only: Collection[str] | None = None) -> None:
+                 last: Collection[str] = (), slow_link: bool = False, only: Collection[str] | None = None,
+                 expect: bytes | None = None, within: float | None = None) -> None:
         """Load a member's state of step ``min_step`` or later (nothing if this peer already holds it);
         ``params_only``: keep this peer's own momenta (half the bytes: a repair, a skip ahead); ``last``:
         donors asked only after the others (a two-level group that diverged as a whole); ``slow_link``
-        (a follower): first announce a record that outlives the download (``_hold_record``); ``only``:
-        these donors and no others (those that hold the parameters the run's end settled on)."""
+        (a follower): first announce a record that outlives the download (``_hold_record``). The run's
+        end (``closing.py``): ``only`` these donors, a state of exactly ``min_step`` whose parameter
+        digest is ``expect`` (else refused before anything is loaded), in at most ``within`` seconds."""
         have = (self.optimizer.step_count, snapshot.params_digest(self.optimizer))
         max_bytes = snapshot.max_size(self.optimizer)
         bound = download_bound(max_bytes, self.join_timeout)
+        bound = bound if within is None else min(bound, within)
         if slow_link:
             self._hold_record(bound)
-        donors = sorted([d for d in self.donors(group) if only is None or d in only], key=lambda pid: pid in last)
+        donors = sorted(self.donors(group, only), key=lambda pid: pid in last)
         step, blob, digest = self.loop.run(download_state(
             self.p2p, donors, self.run_id, min_step=min_step, max_bytes=max_bytes, timeout=bound,
             have=have, token=self.admission.token(self.peer_id), params_only=params_only), timeout=bound + 5)
+        if expect is not None and (digest != expect or step != min_step):
+            raise StateTransferError(f"the donor served parameters {digest.hex()[:8]} of step {step}, not the "
+                                     f"{expect.hex()[:8]} of step {min_step} asked for")
         if not blob:
             logger.info("this peer already holds the swarm's state (step 0, same initialization)")
             return
-        snapshot.load(self.optimizer, blob, expect_digest=digest)
+        with self.exclusive():  # not while the state server takes a snapshot
+            snapshot.load(self.optimizer, blob, expect_digest=digest)
+        self.server.forget()  # a snapshot it cached of this step holds the state replaced
         self.loads += 1
         logger.info("loaded the swarm's state at step %d (%.1f MB)", step, len(blob) / 1e6)

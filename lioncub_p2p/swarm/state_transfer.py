@@ -90,6 +90,11 @@ class StateServer:
             waiting = [s for s, count in self._pending.items() if count and s > have]
             return min(waiting) if waiting else None
 
+    def forget(self) -> None:
+        """The state changed between steps (a flush, a download): the cached snapshot no longer holds it."""
+        with self._lock:
+            self._snapshot = self._lean = None
+
     async def offer(self, step: int, blob: bytes, digest: bytes) -> None:
         with self._lock:
             self._snapshot = (step, blob, digest)
@@ -104,15 +109,15 @@ class StateServer:
         want = max(min_step, self.current_step()) if fresh and self.current_step is not None else min_step
         started = time.monotonic()
 
-        def ready() -> bool:
-            have = self._snapshot[0] if self._snapshot is not None else -1
+        def ready(snap: tuple[int, bytes, bytes] | None) -> bool:
+            have = snap[0] if snap is not None else -1
             return have >= want or (have >= min_step and time.monotonic() - started > FRESH_WAIT_S)
 
         with self._lock:
             self._pending[want] = self._pending.get(want, 0) + 1
         deadline = started + self.wait_timeout
         try:
-            while not ready():
+            while not ready(snap := self._snapshot):  # read once: another thread may forget() it meanwhile
                 if self.provider is not None:
                     made = await asyncio.to_thread(self.provider, want)
                     if made is not None:
@@ -123,10 +128,11 @@ class StateServer:
                     raise asyncio.TimeoutError(f"no snapshot of step {min_step} within {self.wait_timeout} s")
                 async with self._offered:
                     try:
-                        await asyncio.wait_for(self._offered.wait_for(ready), min(remaining, 0.5))
+                        await asyncio.wait_for(self._offered.wait_for(lambda: ready(self._snapshot)),
+                                               min(remaining, 0.5))
                     except asyncio.TimeoutError:
                         pass
-            return self._snapshot
+            return snap
         finally:
             with self._lock:
                 self._pending[want] -= 1
