@@ -345,6 +345,42 @@ def test_a_reducer_still_on_the_step_before_holds_votes_for_its_next_round_past_
     assert all(sorted(p.counted) == [1, 2, 3] for p in reports[1].parts[1:])
 
 
+@pytest.mark.slow
+def test_a_reducer_that_did_not_start_a_round_in_the_join_timeout_is_refused_at_once_until_it_runs_one(caplog):
+    """Peer 3's training thread hangs (its event loop still serves): it starts neither step 7's round nor
+    step 8's. Step 7's votes for its part wait the join timeout; step 8's are refused at once, so step 8
+    ends a join timeout sooner (in namespaces every step of a hang took 3-12 s until the peer was
+    dropped). Both steps give the numpy vote of peers 0-2 with part 3 missing; once peer 3 runs a round
+    again (step 9) its part is reduced as before."""
+    config = AllReduceConfig(chunk_bytes=1024, upload_timeout=1.5, result_timeout=20.0, join_timeout=5.0,
+                             recovery_timeout=1.0)
+    numel = 8 * 4000
+
+    async def hung(node, spec, codes):
+        return None
+
+    elapsed = {}
+    with LocalSwarm(4, config=config) as swarm:
+        swarm.allreduce(_codes("sign", 4, numel, seed=20), step=6, family="vote")  # peer 3 ran a vote round
+        for step in (7, 8):
+            codes = _codes("sign", 4, numel, seed=step)
+            start = time.monotonic()
+            with caplog.at_level(logging.INFO, logger="lioncub_p2p"):
+                results = swarm.allreduce(codes, step=step, family="vote", prepare=False, behaviors={3: hung})
+            elapsed[step] = time.monotonic() - start
+            expected = numpy_vote(codes[:3], "sign", "majority", numel, 0, step)
+            missing = swarm.reports[0].parts[3]
+            assert missing.status == "missing", missing
+            expected[8 * missing.start:8 * missing.stop] = 0.0
+            for i in range(3):
+                np.testing.assert_array_equal(as_values(results[i], numel), expected)
+        swarm.allreduce(_codes("sign", 4, numel, seed=9), step=9, family="vote")
+        assert swarm.reports[0].parts[3].status == "ok" and sorted(swarm.reports[0].parts[3].counted) == [0, 1, 2, 3]
+    assert elapsed[7] >= config.join_timeout, elapsed
+    assert elapsed[8] < elapsed[7] - config.join_timeout / 2, elapsed
+    assert "refused at once" in caplog.text
+
+
 REASONS = {"oversized": "exceeds", "garbage": ("undecodable", "protocol version"), "duplicate": "expected 8", "wrong_round": "unknown round",
            "wrong_part": "not reduced by this peer", "wrong_size": "expected 1 planes", "unknown_encoding": "encoding",
            "old_version": "protocol version"}

@@ -14,7 +14,7 @@ from lioncub_p2p.allreduce import PeerSpec
 from lioncub_p2p.allreduce.admission import OPEN
 from lioncub_p2p.optim import LionCub
 from lioncub_p2p.swarm import snapshot, state_sync
-from lioncub_p2p.swarm.closing import agreed, finals_at
+from lioncub_p2p.swarm.closing import agreed, finals_at, settled_on
 from lioncub_p2p.swarm.membership import GroupRecord, PeerRecord
 from lioncub_p2p.swarm.state_sync import StateSync
 from lioncub_p2p.swarm.state_transfer import StateTransferError
@@ -71,6 +71,21 @@ def test_the_group_settles_on_the_digest_most_hold_and_of_a_tie_the_one_its_firs
         assert agreed(dict(reversed(list(finals.items()))), GROUP) == agreed(finals, GROUP)
     with pytest.raises(ValueError):
         agreed({}, GROUP)
+
+
+def test_a_verdict_is_taken_once_no_member_still_to_announce_can_change_it():
+    finals = {"a": "aa", "b": "aa", "c": "bb"}
+    assert settled_on(finals, [], GROUP) == "aa"  # everyone announced
+    assert settled_on(finals, ["d"], GROUP) is None  # 2 of 4: "d" could tie it (a strict majority is asked)
+    assert settled_on({**finals, "e": "aa"}, ["d"], GROUP) == "aa"  # 3 of 5: nothing "d" says changes it
+    assert settled_on({"a": "aa", "b": "aa"}, ["c", "d"], GROUP) is None  # 2 of 4
+    assert settled_on({"c": "bb"}, ["a", "b"], GROUP) is None
+    for values in itertools.product(["0a", "1b"], repeat=4):  # whatever the pending members announce later
+        finals = dict(zip("abcd", values))
+        verdict = settled_on(finals, ["e", "f"], GROUP)
+        if verdict is not None:
+            for later in itertools.product(["0a", "1b", "2c"], repeat=2):
+                assert agreed({**finals, **dict(zip("ef", later))}, GROUP) == verdict, (finals, later)
 
 
 def _sync_with(monkeypatch, served: tuple[int, bytes, bytes]) -> tuple[StateSync, LionCub, BackgroundLoop]:

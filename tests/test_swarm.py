@@ -556,7 +556,7 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
             if diverge_at_end == i:  # after its last round: nothing but the closing check can tell
                 with torch.no_grad():
                     next(model.parameters()).add_(1e-3)
-            swarm.settle_final_state(30.0)  # as lioncub-train does after its last step
+            swarm.settle_final_state(60.0)  # as lioncub-train does after its last step (its --linger)
             out.setdefault("final_repairs", {})[i] = swarm.final_repairs
             out[i] = (opt.step_count, snapshot.params_digest(opt), swarm.repairs - repairs_before,
                       snapshot.encode(opt)[1])

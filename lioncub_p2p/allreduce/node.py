@@ -163,6 +163,9 @@ class VoteNode:
         # family -> the newest step an admitted member asked this peer for (votes or results): how far the
         # group's fastest member is, seen within a round trip (its record says so seconds later)
         self.asked_step: dict[str, int] = {}
+        # family -> the step of a round asked for here that this peer did not start within the join
+        # timeout, until it runs a round of that family again (``_find_round``: its training thread hangs)
+        self._stalled_at: dict[str, int] = {}
         self._waiters: Counter[bytes] = Counter()
         self._pending_by_peer: Counter[str] = Counter()
         self._kept: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
@@ -417,6 +420,7 @@ class VoteNode:
         if not spec.family:
             return
         key = (spec.family, spec.step)
+        self._stalled_at.pop(spec.family, None)  # its training thread runs again: wait for its rounds
         self._by_step[key] = spec.round_id
         while len(self._by_step) > self._finished.maxlen:
             self._by_step.popitem(last=False)
@@ -1206,6 +1210,9 @@ class VoteNode:
         if round_id in self._finished:
             raise WireError("round already finished")
         self._refuse_other_group(round_id, family, step)
+        if family and self._stalled_at.get(family, step + 1) <= step:
+            raise WireError(f"this peer has not started its {family[:MAX_FAMILY_CHARS]} round of step "
+                            f"{self._stalled_at[family]} yet (its training is held up): refused at once")
         if self._pending_by_peer[peer] >= self.config.max_pending_rounds:
             raise WireError("too many rounds not started here yet")
         event = self._waiting.setdefault(round_id, asyncio.Event())
@@ -1218,6 +1225,11 @@ class VoteNode:
             if not started and self._running_step_before(family, step):
                 started = await _set_within(event, self.config.upload_timeout)
             if not started:
+                # its later rounds are refused at once until it runs one (a hung training thread made every
+                # round wait the join timeout for it: steps of 3-12 s until it was dropped); only a family it
+                # runs itself, so that an asker cannot grow the table
+                if family and (family in self._stalled_at or any(f == family for f, _ in self._by_step)):
+                    self._stalled_at[family] = min(self._stalled_at.get(family, step), step)
                 raise WireError(f"unknown round {round_id.hex()[:16]} (not started here within the join timeout)")
         finally:
             self._pending_by_peer[peer] -= 1

@@ -60,9 +60,10 @@ from ..identity import Identity
 from ..momentum import MomentumSchedule
 from ..optim import LionCub, Resolved
 from ..wire import PROTOCOL_VERSION
-from . import checkpoint, closing, manifest as manifests, reachability, snapshot
+from . import checkpoint, manifest as manifests, reachability, snapshot
 from .accuse import AccuseServer, Suspicions, send_accusation
 from .admit import AdmitServer
+from .closing import RunEnd
 from .dht_process import start_dht, stop_dht
 from .errors import AdmissionRefused, SettingsMismatch, SwarmError
 from .finding import RunFinder
@@ -74,7 +75,6 @@ from .records import RateLimitedLog, RunRecordValidator
 from .pipeline import PipelineSettings, RoundInFlight, VotePipeline
 from .state_sync import StateSync
 from .round_book import RoundBook, RoundShape
-from .state_transfer import download_bound
 from .upkeep import Local, Upkeep
 from .verdicts import Verdicts
 
@@ -181,6 +181,7 @@ class Swarm:
     stranded = _from_rounds("stranded")
     failures = property(lambda swarm: swarm.upkeep.failures, doc="``Upkeep.failures``")
     failing_since = property(lambda swarm: swarm.upkeep.failing_since, doc="``Upkeep.failing_since``")
+    final_repairs = property(lambda swarm: swarm.end.repairs, doc="``RunEnd.repairs``: final parameters downloaded")
 
     def __init__(self, config: SwarmConfig | None = None, **kwargs):
         self.config = config = config or SwarmConfig(**kwargs)
@@ -193,8 +194,6 @@ class Swarm:
         self._closed = False
         self._joined = False
         self._idle = True  # joining or waiting for peers, not stepping: group changes can take effect at once
-        self._final_digest = ""  # past the last step: its parameters' digest (settle_final_state)
-        self.final_repairs = 0  # downloads of the parameters the group ended with (settle_final_state)
         self.samples_per_step = 0  # set by the training loop, for monitors
         self.last_loss: float | None = None
         self.opinions = config.opinions()
@@ -292,6 +291,8 @@ class Swarm:
                                    gather=self.gather, upkeep=self.upkeep, state=self.state, verdicts=self.verdicts,
                                    spec=lambda group, step: self.book.spec(group, step), rejoin=self._rejoin,
                                    in_background=self._in_background, log=self.log)
+        self.end = RunEnd(peer_id=self.peer_id, loop=self.loop, upkeep=self.upkeep, state=self.state,
+                          refresh_period=config.refresh_period)
         self.admit_server = AdmitServer(self.p2p, self.admission, self.upkeep.admitted.add)
         self.accuse_server = AccuseServer(self.p2p, self.book.accusation_header, self.verdicts.on_accusation,
                                           self.book.is_member)
@@ -505,101 +506,23 @@ class Swarm:
             time.sleep(self.config.refresh_period)
 
     def settle_final_state(self, seconds: float) -> bool:
-        """After this peer's last step (``final_step``): make sure the group ends on one state. The last
-        round has no next one whose state tags would repair a split in it (``closing.py``), so each peer
-        applies the update of a round still in flight, announces its parameters' digest and waits, up to
-        ``seconds``, for every live member of the group to announce one; a peer whose digest is not the
-        one the group settles on (``closing.agreed``) downloads those parameters from a member holding
-        them, refusing any that do not hash to it (its own momenta stay: they differ between peers
-        anyway). Counted in ``final_repairs``. True when every member announced the same digest in time;
-        call it before saving the final state."""
+        """After this peer's last step (``final_step``): make sure the group ends on one state, up to
+        ``seconds`` (``closing.RunEnd.settle``: the last round has no next one whose state tags would
+        repair a split in it). Counted in ``final_repairs``. True when every member announced the same
+        parameters in time; call it before saving the final state."""
         if self.optimizer is None or self._closed or self.final_step is None \
                 or self.optimizer.step_count != self.final_step:
             return False
-        step, deadline = self.optimizer.step_count, time.monotonic() + seconds
         self._idle = True
-        self.optimizer.flush()  # overlapped rounds: the last round's update is part of what is compared
-        self.state.server.forget()  # a snapshot cached before the flush holds the state without it
-        own = snapshot.params_digest(self.optimizer).hex()  # again only after a download: hashing takes time
-        while True:
-            if own != self._final_digest:  # at once: the others wait for it
-                self._final_digest = own
-                try:
-                    self.loop.run(self.upkeep.announce(), timeout=10)
-                except Exception as e:  # the periodic announcement carries it too
-                    logger.debug("announcing the final digest failed: %s", e)
-            group = self.history.latest
-            finals, pending = closing.finals_at(step, group, self.records, self.peer_id, own, self.state.liars())
-            target = closing.agreed(finals, group)
-            if not pending and set(finals.values()) == {own}:
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                logger.warning("step %d: the group did not settle on one final state in %.0f s (%s)", step, seconds,
-                               f"still waiting for {len(pending)} member(s)" if pending else
-                               f"{len(set(finals.values()))} digests among {len(finals)} members")
-                return False
-            if not pending and target != own:
-                own = self._take_final_params(step, group, finals, target, left)
-                if own == target:
-                    self.final_repairs += 1
-                    continue  # announce it, and wait for the others to settle
-            time.sleep(self.config.refresh_period)
-
-    def _take_final_params(self, step: int, group: GroupRecord, finals: dict[str, str], target: str,
-                           seconds: float) -> str:
-        """Download the parameters ``target`` names from a member that announced it (one at a time: a
-        donor serving others is refused and the next asked); this peer's digest afterwards."""
-        holders = [pid for pid, digest in finals.items() if digest == target and pid != self.peer_id
-                   and not (pid in self.records and self.records[pid].leaving)]
-        logger.warning("step %d: these parameters differ from those %d of %d members ended with: downloading "
-                       "them", step, sum(digest == target for digest in finals.values()), len(finals))
-        deadline = time.monotonic() + seconds
-        for holder in holders:
-            if time.monotonic() >= deadline:
-                break
-            try:
-                self.state.download(min_step=step, group=group, params_only=True, only=[holder],
-                                    expect=bytes.fromhex(target), within=deadline - time.monotonic())
-                break
-            except Exception as e:  # the next holder
-                logger.warning("downloading the final parameters from %s failed: %s: %s", holder,
-                               type(e).__name__, e)
-        return snapshot.params_digest(self.optimizer).hex()
+        return self.end.settle(self.optimizer, seconds)
 
     def linger(self, seconds: float) -> None:
-        """After this peer's last step: stay up to ``seconds`` while a live member is behind, leading
-        and serving this final state. A member dropped near the end (a stall, a lost link) rejoins at
-        the last step (``final_step`` caps the group's start) and downloads it, instead of waiting for a
-        group that nobody steps any more. Returns at once when nobody is behind. A download this peer
-        serves is not cut at ``seconds``: it stays while one is under way, up to the time a whole state
-        takes at 1 Mbit/s (``state_transfer.download_bound``: a slow link's last state took minutes)."""
+        """After this peer's last step: stay up to ``seconds`` while a live member is behind, leading and
+        serving this final state (``closing.RunEnd.linger``)."""
         if self.optimizer is None or self._closed:
             return
-        step, deadline = self.optimizer.step_count, time.monotonic() + seconds
-        serving_until = deadline + download_bound(snapshot.max_size(self.optimizer), 0.0)
         self._idle = True
-        try:  # say at once that this peer is at its last step: those finishing with it need not wait for it
-            self.loop.run(self.upkeep.announce(), timeout=10)
-        except Exception as e:
-            logger.debug("announcing the last step failed: %s", e)
-        waited = extended = False
-        while True:
-            now, serving = time.monotonic(), self.state.server.uploading
-            if now >= (serving_until if serving else deadline):
-                break
-            behind = sorted(pid for pid, r in self.records.items()  # records refresh on the loop thread
-                            if pid != self.peer_id and not r.leaving and r.step < step)
-            if not behind and not serving:
-                break
-            if not waited:
-                logger.info("finished at step %d; staying up to %.0f s for %d peer(s) behind", step, seconds,
-                            len(behind))
-                waited = True
-            if now >= deadline and not extended:
-                logger.info("a state download from this peer is under way: staying until it ends")
-                extended = True
-            time.sleep(self.config.refresh_period)
+        self.end.linger(self.optimizer, seconds)
 
     def _found(self) -> bool:
         """Start the run: publish its manifest and a group of this peer alone; True if this peer keeps it
@@ -773,7 +696,7 @@ class Swarm:
         seconds = max(stats.seconds, 1e-6)
         return Local(joined=opt is not None, step=opt.step_count if opt is not None else 0, synced=self.state.synced,
                      following=self.rounds.follow.following, idle=self._idle, final_step=self.final_step,
-                     final=self._final_digest,
+                     final=self.end.final if hasattr(self, "end") else "",
                      bytes_up_per_s=stats.bytes_up / seconds, bytes_down_per_s=stats.bytes_down / seconds,
                      samples_per_step=self.samples_per_step, loss=self.last_loss, run_manifest=self.run_manifest,
                      steps_per_s=1.0 / pace if (pace := self.rounds.pace.step_s) > 0 else 0.0,
