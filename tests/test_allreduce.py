@@ -376,6 +376,9 @@ def test_a_reducer_that_did_not_start_a_round_in_the_join_timeout_is_refused_at_
                 np.testing.assert_array_equal(as_values(results[i], numel), expected)
         swarm.allreduce(_codes("sign", 4, numel, seed=9), step=9, family="vote")
         assert swarm.reports[0].parts[3].status == "ok" and sorted(swarm.reports[0].parts[3].counted) == [0, 1, 2, 3]
+        assert swarm.nodes[3]._stalled_at == {}  # it ran a round: its rounds are waited for again
+        swarm.allreduce(_codes("sign", 4, numel, seed=10), step=10, family="vote", prepare=False, delays={3: 1.0})
+        assert swarm.reports[0].parts[3].status == "ok"  # started 1 s late, within the join timeout: held
     assert elapsed[7] >= config.join_timeout, elapsed
     assert elapsed[8] < elapsed[7] - config.join_timeout / 2, elapsed
     assert "refused at once" in caplog.text

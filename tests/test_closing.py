@@ -80,12 +80,18 @@ def test_a_verdict_is_taken_once_no_member_still_to_announce_can_change_it():
     assert settled_on({**finals, "e": "aa"}, ["d"], GROUP) == "aa"  # 3 of 5: nothing "d" says changes it
     assert settled_on({"a": "aa", "b": "aa"}, ["c", "d"], GROUP) is None  # 2 of 4
     assert settled_on({"c": "bb"}, ["a", "b"], GROUP) is None
-    for values in itertools.product(["0a", "1b"], repeat=4):  # whatever the pending members announce later
-        finals = dict(zip("abcd", values))
-        verdict = settled_on(finals, ["e", "f"], GROUP)
-        if verdict is not None:
-            for later in itertools.product(["0a", "1b", "2c"], repeat=2):
-                assert agreed({**finals, **dict(zip("ef", later))}, GROUP) == verdict, (finals, later)
+    verdicts = 0
+    for announced in range(1, 6):  # every split of the 6 members into announced and pending...
+        for values in itertools.product(["0a", "1b", "2c"], repeat=announced):  # ...and every announcement
+            finals, pending = dict(zip("abcdef", values)), list("abcdef"[announced:])
+            verdict = settled_on(finals, pending, GROUP)
+            held = max(sum(v == d for v in values) for d in values)
+            assert (verdict is not None) == (2 * held > 6), (finals, pending)  # a strict majority of all six
+            if verdict is not None:  # whatever the pending members announce later, the same verdict
+                verdicts += 1
+                for later in itertools.product(["0a", "1b", "2c", "3d"], repeat=len(pending)):
+                    assert agreed({**finals, **dict(zip(pending, later))}, GROUP) == verdict, (finals, later)
+    assert verdicts == 36  # the announcements where 4 or 5 members already hold one digest
 
 
 def _sync_with(monkeypatch, served: tuple[int, bytes, bytes]) -> tuple[StateSync, LionCub, BackgroundLoop]:

@@ -164,8 +164,10 @@ class VoteNode:
         # group's fastest member is, seen within a round trip (its record says so seconds later)
         self.asked_step: dict[str, int] = {}
         # family -> the step of a round asked for here that this peer did not start within the join
-        # timeout, until it runs a round of that family again (``_find_round``: its training thread hangs)
+        # timeout while it ran no round at all, until it runs one (``_find_round``: its training thread hangs)
         self._stalled_at: dict[str, int] = {}
+        self._runs = 0  # rounds this peer ran (``_ran``)
+        self._active = 0  # its rounds in progress (run_round, follow_round)
         self._waiters: Counter[bytes] = Counter()
         self._pending_by_peer: Counter[str] = Counter()
         self._kept: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
@@ -272,6 +274,23 @@ class VoteNode:
 
     async def run_round(self, spec: RoundSpec, upload: torch.Tensor, tag: bytes = b"", *,
                         one_at_a_time: bool = False) -> tuple[torch.Tensor, RoundReport]:
+        """``_vote_round``, counted among this peer's rounds in progress (``_find_round``)."""
+        self._active += 1
+        try:
+            return await self._vote_round(spec, upload, tag, one_at_a_time=one_at_a_time)
+        finally:
+            self._active -= 1
+
+    async def follow_round(self, spec: RoundSpec, tag: bytes = b"") -> tuple[torch.Tensor, RoundReport]:
+        """``_follow_round``, counted among this peer's rounds in progress (``_find_round``)."""
+        self._active += 1
+        try:
+            return await self._follow_round(spec, tag)
+        finally:
+            self._active -= 1
+
+    async def _vote_round(self, spec: RoundSpec, upload: torch.Tensor, tag: bytes = b"", *,
+                          one_at_a_time: bool = False) -> tuple[torch.Tensor, RoundReport]:
         """Vote with ``upload`` ((planes, nbytes) uint8 codes) and return (update, report).
         ``one_at_a_time``: recover missing parts as a follower does (a follower's probe vote).
 
@@ -322,7 +341,7 @@ class VoteNode:
         report.timings["results"] = time.perf_counter() - started
         return await self._conclude(state, roots, one_at_a_time=one_at_a_time)
 
-    async def follow_round(self, spec: RoundSpec, tag: bytes = b"") -> tuple[torch.Tensor, RoundReport]:
+    async def _follow_round(self, spec: RoundSpec, tag: bytes = b"") -> tuple[torch.Tensor, RoundReport]:
         """Receive a round's results without voting: for a peer behind the group, whose votes would
         reach parts that closed long ago (``punctuality.py``). Each part is asked of its reducer first
         (finished rounds are kept, ``archive.py``), then of one other member at a time, so a slow link
@@ -417,10 +436,11 @@ class VoteNode:
     def _ran(self, spec: RoundSpec) -> None:
         """This peer runs ``spec`` (votes or follows): no other round of its family and step will run here.
         (A prepared round is no such promise: a group change before the step prepares another.)"""
+        self._runs += 1
+        self._stalled_at.clear()  # its training thread runs again: wait for its rounds
         if not spec.family:
             return
         key = (spec.family, spec.step)
-        self._stalled_at.pop(spec.family, None)  # its training thread runs again: wait for its rounds
         self._by_step[key] = spec.round_id
         while len(self._by_step) > self._finished.maxlen:
             self._by_step.popitem(last=False)
@@ -1220,15 +1240,20 @@ class VoteNode:
             self._waiting_key[round_id] = (family, step)
         self._waiters[round_id] += 1
         self._pending_by_peer[peer] += 1
+        runs = self._runs
         try:
             started = await _set_within(event, self.config.join_timeout)
             if not started and self._running_step_before(family, step):
                 started = await _set_within(event, self.config.upload_timeout)
             if not started:
-                # its later rounds are refused at once until it runs one (a hung training thread made every
-                # round wait the join timeout for it: steps of 3-12 s until it was dropped); only a family it
-                # runs itself, so that an asker cannot grow the table
-                if family and (family in self._stalled_at or any(f == family for f, _ in self._by_step)):
+                # it started no round meanwhile and runs none now: its later rounds are refused at once until it
+                # runs one (a hung training thread made every round wait the join timeout for it: steps of 3-12 s
+                # until it was dropped). Not when it ran any (a round it skipped, a bogus step asked: it is
+                # alive), nor while one of its rounds is still in progress (a slow round holds it up: refusing
+                # made the next rounds slow in turn, measured), and only a family it runs itself, so that an
+                # asker cannot grow the table
+                if family and self._runs == runs and not self._active and (family in self._stalled_at
+                                                      or any(f == family for f, _ in self._by_step)):
                     self._stalled_at[family] = min(self._stalled_at.get(family, step), step)
                 raise WireError(f"unknown round {round_id.hex()[:16]} (not started here within the join timeout)")
         finally:
