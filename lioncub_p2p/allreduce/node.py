@@ -55,7 +55,7 @@ import random
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -275,17 +275,19 @@ class VoteNode:
     async def run_round(self, spec: RoundSpec, upload: torch.Tensor, tag: bytes = b"", *,
                         one_at_a_time: bool = False) -> tuple[torch.Tensor, RoundReport]:
         """``_vote_round``, counted among this peer's rounds in progress (``_find_round``)."""
-        self._active += 1
-        try:
+        with self._in_progress():
             return await self._vote_round(spec, upload, tag, one_at_a_time=one_at_a_time)
-        finally:
-            self._active -= 1
 
     async def follow_round(self, spec: RoundSpec, tag: bytes = b"") -> tuple[torch.Tensor, RoundReport]:
         """``_follow_round``, counted among this peer's rounds in progress (``_find_round``)."""
+        with self._in_progress():
+            return await self._follow_round(spec, tag)
+
+    @contextlib.contextmanager
+    def _in_progress(self) -> Iterator[None]:
         self._active += 1
         try:
-            return await self._follow_round(spec, tag)
+            yield
         finally:
             self._active -= 1
 

@@ -4,12 +4,12 @@ A round's result is checked by the next round's state tags (``pipeline.finish`` 
 differs from most votes). The last step has no next round, so a split there stays: a round that failed
 for some members and not others, a group change at the last step (seen in a two-level run: 3 of 6
 peers ended on another state). After its last step (``Swarm.settle_final_state``) each peer announces
-its parameters' digest in its record (``PeerRecord.final``); once every live member of the group has,
-a peer holding another digest than most downloads the parameters from those who hold it, refusing
-any that do not hash to that digest.
+its parameters' digest in its record (``PeerRecord.final``); once the members still to announce one
+cannot change the verdict (``settled_on``), a peer holding another digest than the group settles on
+(``agreed``) downloads the parameters from those who hold it, refusing any that do not hash to it.
 
 After that, a peer lingers while members are behind, leading and serving this final state
-(``RunEnd.linger``). ``finals_at`` and ``agreed`` are pure and unit-tested without a network;
+(``RunEnd.linger``). ``finals_at``, ``agreed`` and ``settled_on`` are pure and unit-tested without a network;
 ``RunEnd`` does the waiting and the download on the training thread (``Swarm.settle_final_state`` and
 ``Swarm.linger`` hand it the optimizer).
 """
