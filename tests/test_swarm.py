@@ -489,7 +489,8 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
 
     ``perturb=(peer, step, index)`` adds 1e-3 to the first parameter of that peer before that step
     (all of it, or only flat element ``index``; ``peer`` may be a predicate of (i, swarm)); ``instrument(i, swarm)`` runs before training;
-    ``late=(peer, step)``: that peer joins once peer 0 reached that step (the others start without it);
+    ``late=(peer, step)``: that peer joins once peer 0 reached that step (the others start without it,
+    and step slowly from 10 steps before the end until it has joined);
     ``stall=(peer, step, seconds)``: that peer sleeps before that step (``peer="last"``: the one last in
     group order; a predicate of (i, swarm), asked at that step; ``out["stalled"]``); ``slow=(peer, seconds)``: that peer
     sleeps so long after every step (the others 0.02 s); ``diverge_at_end``: that peer shifts its parameters
@@ -552,7 +553,11 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
                     out.setdefault("followed", {}).setdefault(i, []).append(before)
                 if swarm.last_report is not None and swarm.last_report.combine is not None:  # two-level
                     out.setdefault("combined", {}).setdefault(i, []).append(before)
-                time.sleep(slow[1] if slow and slow[0] == i else 0.02)
+                pause = slow[1] if slow and slow[0] == i else 0.02
+                if late and late[0] != i and opt.step_count >= steps - 10 and late[0] not in out.get("start", {}):
+                    pause = 0.5  # the late peer is still joining: leave it steps to join at (a loaded CI machine
+                    # once ran all 40 steps before its join was through, and it joined the final state)
+                time.sleep(pause)
             if diverge_at_end == i:  # after its last round: nothing but the closing check can tell
                 with torch.no_grad():
                     next(model.parameters()).add_(1e-3)
@@ -766,16 +771,17 @@ def test_a_member_of_another_group_that_stalls_is_dropped_on_its_group_mates_rep
     configs = [_config("two-level-stall", max_group=2) for _ in range(6)]
     seen: dict[int, Swarm] = {}
     with caplog.at_level(logging.INFO, logger="lioncub_p2p.swarm"):
-        out = _train_swarm(configs, 100, stall=(_outside_the_leaders_group, 15, 12.0),
+        # 70 steps: seen alone, dropped at step 24 and back on probation at 43 (the closing check covers the end)
+        out = _train_swarm(configs, 70, stall=(_outside_the_leaders_group, 15, 12.0),
                            instrument=lambda i, s: seen.setdefault(i, s))
-    assert {out[i][0] for i in range(6)} == {100}
+    assert {out[i][0] for i in range(6)} == {70}
     assert len({out[i][1] for i in range(6)}) == 1, (out["stalled"], [out[i][1].hex()[:8] for i in range(6)],
                                                      out.get("all_repair_steps"), out.get("followed"),
                                                      out["final_repairs"])
     stalled = seen[out["stalled"]].peer_id
     watcher = seen[(out["stalled"] + 1) % 6]
     groups = sorted(watcher.history.by_epoch.values(), key=lambda g: g.epoch)
-    members = [(g.from_step, stalled in g.member_ids()) for g in groups if g.from_step < 100]
+    members = [(g.from_step, stalled in g.member_ids()) for g in groups if g.from_step < 70]
     dropped = [step for k, (step, member) in enumerate(members) if k > 0 and members[k - 1][1] and not member]
     assert dropped and dropped[0] > 15, members  # dropped after its stall began...
     assert f"{stalled} rejoins without a part, on probation" in caplog.text, caplog.text[-3000:]  # ...and back
