@@ -350,8 +350,10 @@ def test_a_reducer_that_did_not_start_a_round_in_the_join_timeout_is_refused_at_
     """Peer 3's training thread hangs (its event loop still serves): it starts neither step 7's round nor
     step 8's. Step 7's votes for its part wait the join timeout; step 8's are refused at once, so step 8
     ends a join timeout sooner (in namespaces every step of a hang took 3-12 s until the peer was
-    dropped). Both steps give the numpy vote of peers 0-2 with part 3 missing; once peer 3 runs a round
-    again (step 9) its part is reduced as before."""
+    dropped). Both steps (and step 9) give the numpy vote of peers 0-2 with part 3 missing. Peer 3 then
+    resumes behind (it runs its round of step 7 after step 9 was asked of it): step 10 is still refused at
+    once (waiting for it made steps of 6-9 s in namespaces). Once it runs the round asked of it (step 11),
+    its part is reduced as before."""
     config = AllReduceConfig(chunk_bytes=1024, upload_timeout=1.5, result_timeout=20.0, join_timeout=5.0,
                              recovery_timeout=1.0)
     numel = 8 * 4000
@@ -362,7 +364,7 @@ def test_a_reducer_that_did_not_start_a_round_in_the_join_timeout_is_refused_at_
     elapsed = {}
     with LocalSwarm(4, config=config) as swarm:
         swarm.allreduce(_codes("sign", 4, numel, seed=20), step=6, family="vote")  # peer 3 ran a vote round
-        for step in (7, 8):
+        for step in (7, 8, 9):
             codes = _codes("sign", 4, numel, seed=step)
             start = time.monotonic()
             with caplog.at_level(logging.INFO, logger="lioncub_p2p"):
@@ -374,13 +376,29 @@ def test_a_reducer_that_did_not_start_a_round_in_the_join_timeout_is_refused_at_
             expected[8 * missing.start:8 * missing.stop] = 0.0
             for i in range(3):
                 np.testing.assert_array_equal(as_values(results[i], numel), expected)
-        swarm.allreduce(_codes("sign", 4, numel, seed=9), step=9, family="vote")
+
+        async def resume_at_step_7() -> None:  # its training thread runs again, behind: the others ran step 7 long ago
+            codes = _codes("sign", 4, numel, seed=7)[3].reshape(1, -1)
+            spec = RoundSpec(round_id=b"stale-7", step=7, group=swarm.group, nbytes=codes.shape[1],
+                             upload=upload_codec("sign"), result=result_codec("majority"), family="vote")
+            task = asyncio.create_task(swarm.nodes[3].run_round(spec, codes))
+            await asyncio.sleep(0.5)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        swarm.run(resume_at_step_7())
+        start = time.monotonic()
+        swarm.allreduce(_codes("sign", 4, numel, seed=10), step=10, family="vote", prepare=False, behaviors={3: hung})
+        elapsed[10] = time.monotonic() - start
+        assert swarm.reports[0].parts[3].status == "missing" and swarm.nodes[3]._stalled_at == {"vote": 7}
+        swarm.allreduce(_codes("sign", 4, numel, seed=11), step=11, family="vote")
         assert swarm.reports[0].parts[3].status == "ok" and sorted(swarm.reports[0].parts[3].counted) == [0, 1, 2, 3]
-        assert swarm.nodes[3]._stalled_at == {}  # it ran a round: its rounds are waited for again
-        swarm.allreduce(_codes("sign", 4, numel, seed=10), step=10, family="vote", prepare=False, delays={3: 1.0})
+        assert swarm.nodes[3]._stalled_at == {}  # it runs the round asked of it: its rounds are waited for again
+        swarm.allreduce(_codes("sign", 4, numel, seed=12), step=12, family="vote", prepare=False, delays={3: 1.0})
         assert swarm.reports[0].parts[3].status == "ok"  # started 1 s late, within the join timeout: held
     assert elapsed[7] >= config.join_timeout, elapsed
-    assert elapsed[8] < elapsed[7] - config.join_timeout / 2, elapsed
+    for step in (8, 9, 10):  # refused at once, and still after it resumed behind
+        assert elapsed[step] < elapsed[7] - config.join_timeout / 2, elapsed
     assert "refused at once" in caplog.text
 
 
