@@ -402,6 +402,33 @@ def test_a_reducer_that_did_not_start_a_round_in_the_join_timeout_is_refused_at_
     assert "refused at once" in caplog.text
 
 
+def test_a_part_stops_waiting_for_the_votes_of_a_peer_that_refuses_any_round_as_held_up():
+    """A group of 2 (its quorum: both votes) whose peer 1 hangs. Step 7: peer 0's part waits the upload
+    timeout for peer 1's votes, and peer 1 is flagged (it started no round within the join timeout).
+    Step 8's momentum round: peer 1 refuses peer 0's votes at once as held up (a hung training thread
+    starts no round of any family), so it will send none either: peer 0's part stops waiting for them
+    and the round ends at once, with no result (below its quorum), as before."""
+    config = AllReduceConfig(chunk_bytes=1024, upload_timeout=3.0, result_timeout=20.0, join_timeout=2.0,
+                             recovery_timeout=0.5)
+    numel = 8 * 2000
+
+    async def hung(node, spec, codes):
+        return None
+
+    elapsed = {}
+    with LocalSwarm(2, config=config) as swarm:
+        swarm.allreduce(_codes("sign", 2, numel, seed=6), step=6, family="vote")  # peer 1 ran a vote round
+        for step, family in ((7, "vote"), (8, "momentum")):
+            start = time.monotonic()
+            results = swarm.allreduce(_codes("sign", 2, numel, seed=step), step=step, family=family, prepare=False,
+                                      behaviors={1: hung})
+            elapsed[step] = time.monotonic() - start
+            assert [p.status for p in swarm.reports[0].parts] == ["missing", "missing"], swarm.reports[0].parts
+            assert not as_values(results[0], numel).any()  # no part: a zero update
+    assert elapsed[7] >= config.upload_timeout, elapsed
+    assert elapsed[8] < config.upload_timeout / 2, elapsed
+
+
 REASONS = {"oversized": "exceeds", "garbage": ("undecodable", "protocol version"), "duplicate": "expected 8", "wrong_round": "unknown round",
            "wrong_part": "not reduced by this peer", "wrong_size": "expected 1 planes", "unknown_encoding": "encoding",
            "old_version": "protocol version"}

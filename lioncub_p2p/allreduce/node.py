@@ -90,6 +90,7 @@ RESULT_FRAME_BYTES = MAX_FRAME_BYTES + MAX_HEADER_BYTES + 1024  # a first result
 MAX_AUDITS_IN_FLIGHT = 8
 CATCH_UP_STEPS = 100  # a stalled peer's later rounds are refused at most this many steps past its stall (``_ran``)
 OTHER_GROUP = "in another group"  # how a reducer refuses votes for a step it ran under another round id
+HELD_UP = "its training is held up"  # how a stalled peer refuses rounds it has not started (``_find_round``)
 
 
 class StreamClosed(WireError):
@@ -605,6 +606,8 @@ class VoteNode:
             note = f"no result from reducer {j}: {type(e).__name__}: {e}"
             report.parts[j].note, report.parts[j].other_group = note, OTHER_GROUP in str(e)
             logger.info("round %s: part %d %s", spec.round_id.hex()[:12], j, note)
+            if HELD_UP in str(e) and state.reduction is not None:  # it has not started this round: no votes of
+                state.reduction.drop(j, HELD_UP)  # its will come either, so this part stops waiting for them
         finally:
             if writer is not None:
                 writer.close()
@@ -1240,9 +1243,9 @@ class VoteNode:
         if round_id in self._finished:
             raise WireError("round already finished")
         self._refuse_other_group(round_id, family, step)
-        if family and self._stalled_at.get(family, step + 1) <= step:
-            raise WireError(f"this peer has not started its {family[:MAX_FAMILY_CHARS]} round of step "
-                            f"{self._stalled_at[family]} yet (its training is held up): refused at once")
+        held_at = min(self._stalled_at.values(), default=step + 1)  # any family: a hung training thread starts none
+        if family and held_at <= step:
+            raise WireError(f"this peer has not started its rounds of step {held_at} yet ({HELD_UP}): refused at once")
         if self._pending_by_peer[peer] >= self.config.max_pending_rounds:
             raise WireError("too many rounds not started here yet")
         event = self._waiting.setdefault(round_id, asyncio.Event())
@@ -1256,9 +1259,10 @@ class VoteNode:
             if not started and self._running_step_before(family, step):
                 started = await _set_within(event, self.config.upload_timeout)
             if not started:
-                # it started no round meanwhile and runs none now: its later rounds are refused at once until it
-                # runs one (a hung training thread made every round wait the join timeout for it: steps of 3-12 s
-                # until it was dropped). Not when it ran any (a round it skipped, a bogus step asked: it is
+                # it started no round meanwhile and runs none now: its later rounds, of any family, are refused
+                # at once until it catches up (``_ran``; a hung training thread made every round wait the join
+                # timeout for it: steps of 3-12 s until it was dropped). The askers' parts stop waiting for
+                # its votes (``_vote_remote``). Not when it ran any (a round it skipped, a bogus step asked: it is
                 # alive), nor while one of its rounds is still in progress (a slow round holds it up: refusing
                 # made the next rounds slow in turn, measured), and only a family it runs itself, so that an
                 # asker cannot grow the table
