@@ -353,7 +353,7 @@ def test_a_reducer_that_did_not_start_a_round_in_the_join_timeout_is_refused_at_
     dropped). Both steps (and step 9) give the numpy vote of peers 0-2 with part 3 missing. Peer 3 then
     resumes behind (it runs its round of step 7 after step 9 was asked of it): step 10 is still refused at
     once (waiting for it made steps of 6-9 s in namespaces). Once it runs the round asked of it (step 11),
-    its part is reduced as before."""
+    its part is reduced as before; a step asked far ahead holds a flag at most ``CATCH_UP_STEPS``."""
     config = AllReduceConfig(chunk_bytes=1024, upload_timeout=1.5, result_timeout=20.0, join_timeout=5.0,
                              recovery_timeout=1.0)
     numel = 8 * 4000
@@ -394,7 +394,17 @@ def test_a_reducer_that_did_not_start_a_round_in_the_join_timeout_is_refused_at_
         swarm.allreduce(_codes("sign", 4, numel, seed=11), step=11, family="vote")
         assert swarm.reports[0].parts[3].status == "ok" and sorted(swarm.reports[0].parts[3].counted) == [0, 1, 2, 3]
         assert swarm.nodes[3]._stalled_at == {}  # it runs the round asked of it: its rounds are waited for again
-        swarm.allreduce(_codes("sign", 4, numel, seed=12), step=12, family="vote", prepare=False, delays={3: 1.0})
+
+        async def asked_far_ahead() -> None:  # what an asker naming step 10**9 leaves behind
+            swarm.nodes[3]._stalled_at["vote"] = 11
+            swarm.nodes[3].asked_step["vote"] = 10 ** 9
+
+        swarm.run(asked_far_ahead())
+        swarm.allreduce(_codes("sign", 4, numel, seed=12), step=12, family="vote")  # prepared: found, not refused
+        assert swarm.reports[0].parts[3].status == "ok" and swarm.nodes[3]._stalled_at == {"vote": 11}
+        swarm.allreduce(_codes("sign", 4, numel, seed=21), step=21, family="vote")
+        assert swarm.nodes[3]._stalled_at == {}  # CATCH_UP_STEPS (10) past its stall at most, whatever was asked
+        swarm.allreduce(_codes("sign", 4, numel, seed=22), step=22, family="vote", prepare=False, delays={3: 1.0})
         assert swarm.reports[0].parts[3].status == "ok"  # started 1 s late, within the join timeout: held
     assert elapsed[7] >= config.join_timeout, elapsed
     for step in (8, 9, 10):  # refused at once, and still after it resumed behind

@@ -88,7 +88,7 @@ AUDIT_PROTOCOL = "lioncub/audit/1"
 NETWORK_ERRORS = (ConnectionError, asyncio.IncompleteReadError, OSError, EOFError)
 RESULT_FRAME_BYTES = MAX_FRAME_BYTES + MAX_HEADER_BYTES + 1024  # a first result chunk carries the header
 MAX_AUDITS_IN_FLIGHT = 8
-CATCH_UP_STEPS = 100  # a stalled peer's later rounds are refused at most this many steps past its stall (``_ran``)
+CATCH_UP_STEPS = 10  # a stalled peer's later rounds are refused at most this many steps past its stall (``_ran``)
 OTHER_GROUP = "in another group"  # how a reducer refuses votes for a step it ran under another round id
 HELD_UP = "its training is held up"  # how a stalled peer refuses rounds it has not started (``_find_round``)
 
@@ -437,6 +437,11 @@ class VoteNode:
             self._finished.append(old)
         if rid in self._waiting:
             self._waiting.pop(rid).set()
+
+    def resumed(self) -> None:
+        """This peer loaded a newer state (a rejoin, a skip ahead, a repair): whatever held it up is past,
+        and its rounds are waited for again (``_stalled_at``)."""
+        self._stalled_at.clear()
 
     def _ran(self, spec: RoundSpec) -> None:
         """This peer runs ``spec`` (votes or follows): no other round of its family and step will run here.

@@ -285,6 +285,7 @@ class Swarm:
                                admission=self.admission, upkeep=self.upkeep, liars=lambda: self.liars,
                                max_uploads=config.max_state_uploads, join_timeout=config.join_timeout,
                                round_bound=self._round_bound())
+        self.state.on_load = lambda: self.loop.loop.call_soon_threadsafe(self.node.resumed)
         settings = PipelineSettings(config.run_id, bool(config.client_mode), self.config.full_digest_every, self.delay,
                                     self._round_bound())
         self.rounds = VotePipeline(peer_id=self.peer_id, settings=settings, loop=self.loop, node=self.node,

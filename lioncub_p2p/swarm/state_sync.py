@@ -45,6 +45,7 @@ class StateSync:
         self._in_step = False
         self.synced = False
         self.loads = 0  # states loaded from others (a download replaces this peer's momenta too)
+        self.on_load: Callable[[], None] = lambda: None  # after each load (the swarm: ``VoteNode.resumed``)
 
     @property
     def synced(self) -> bool:
@@ -153,4 +154,5 @@ class StateSync:
             snapshot.load(self.optimizer, blob, expect_digest=digest)
         self.server.forget()  # a snapshot it cached of this step holds the state replaced
         self.loads += 1
+        self.on_load()
         logger.info("loaded the swarm's state at step %d (%.1f MB)", step, len(blob) / 1e6)
