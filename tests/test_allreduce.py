@@ -617,6 +617,17 @@ def _result_leg(swarm: LocalSwarm) -> tuple[int, int, int]:
             sum(r.delta_parts for r in reports))
 
 
+def _vote_of_counted(codes: list[torch.Tensor], report, numel: int, seed: int, step: int) -> np.ndarray:
+    """The numpy vote, part by part, of the voters each part's reducer counted: a voter late under load
+    is left out once the quorum is in (seen in CI: one part of 4 counted 3 voters)."""
+    want = np.zeros(numel)
+    for part in report.parts:
+        assert part.status in ("ok", "recovered") and 2 * len(part.counted) > len(codes), part
+        voted = numpy_vote([codes[i].reshape(1, -1) for i in part.counted], "sign", "majority", numel, seed, step)
+        want[8 * part.start:8 * part.stop] = voted[8 * part.start:8 * part.stop]
+    return want
+
+
 @pytest.mark.parametrize("deltas", [True, False])
 def test_results_come_back_as_deltas_and_stay_exact(deltas):
     """Consecutive majority rounds whose votes change by ~10% per round: from the second round on,
@@ -629,9 +640,8 @@ def test_results_come_back_as_deltas_and_stay_exact(deltas):
     with LocalSwarm(n, config=config) as swarm:
         for r, codes in enumerate(_drifting_codes(n, numel, rounds, flip=0.1)):
             results = swarm.allreduce(codes, step=r, seed=7)
-            want = numpy_vote([c.reshape(1, -1) for c in codes], "sign", "majority", numel, 7, r)
-            for update in results:
-                np.testing.assert_array_equal(as_values(update, numel), want)
+            for update, report in zip(results, swarm.reports):
+                np.testing.assert_array_equal(as_values(update, numel), _vote_of_counted(codes, report, numel, 7, r))
             down, plain, delta_parts = _result_leg(swarm)
             assert plain == n * (n - 1) * numel // 8 // n  # each peer gets the n-1 parts it does not reduce
             if deltas and r > 0:

@@ -2,7 +2,8 @@
 digests, checkpoints, momentum averaging."""
 from .manifest import Manifest, ManifestError, publish_manifest
 from .membership import Directory, GroupRecord, PeerRecord
-from .peer import AdmissionRefused, SettingsMismatch, Swarm, SwarmConfig, SwarmError
+from .errors import AdmissionRefused, SettingsMismatch, SwarmError
+from .peer import Swarm, SwarmConfig
 from .pipeline import StepStats
 
 __all__ = ["Swarm", "SwarmConfig", "SwarmError", "AdmissionRefused", "SettingsMismatch", "StepStats", "Directory",

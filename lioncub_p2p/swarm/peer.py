@@ -24,8 +24,10 @@ step, fp8 on the wire, trimmed mean; a failed sync is logged and skipped), snaps
 Anything that goes wrong in a round is a missed round (a zero update, repaired by the digest if it
 split anyone), never an exception out of ``optimizer.step()``.
 
-Rooms and threads (each field has one writer): ``Swarm`` is the facade and the joining logic (training
-thread; ``RunFinder``, ``finding.py``, reads the run's records and asks for admission); ``VotePipeline``
+Rooms and threads (each field has one writer): ``Swarm`` is the facade (training thread); ``Joining``
+(``joining.py``) finds or founds the run, gets this peer listed and its state, waits for peers (training
+thread; ``RunFinder``, ``finding.py``, reads the run's records and asks for admission; ``RunSettings``,
+``settings.py``, resolves this peer's settings against the run's manifest); ``VotePipeline``
 (``pipeline.py``) runs each step's vote round and owns the per-step counters (``stats``, ``repairs``,
 ``follow``, ``failures``, ...: training thread); ``StateSync`` (``state_sync.py``) holds the step lock
 and serves and downloads state (training thread; the state server's worker thread only reads, under the
@@ -65,16 +67,18 @@ from .accuse import AccuseServer, Suspicions, send_accusation
 from .admit import AdmitServer
 from .closing import RunEnd
 from .dht_process import start_dht, stop_dht
-from .errors import AdmissionRefused, SettingsMismatch, SwarmError
+from .errors import SwarmError
 from .finding import RunFinder
-from .manifest import DEFAULTS, Manifest, ManifestError, ManifestMismatch
-from .membership import Directory, GroupHistory, GroupRecord, PeerRecord, assigned_weight, reducer_floor
+from .manifest import Manifest, ManifestError
+from .membership import Directory, GroupHistory, PeerRecord
 from .momentum_sync import MomentumRounds, MomentumSync
 from .probe import serve_probe
 from .records import RateLimitedLog, RunRecordValidator
 from .pipeline import PipelineSettings, RoundInFlight, VotePipeline
 from .state_sync import StateSync
+from .joining import Joining
 from .round_book import RoundBook, RoundShape
+from .settings import RunSettings
 from .upkeep import Local, Upkeep
 from .verdicts import Verdicts
 
@@ -268,11 +272,19 @@ class Swarm:
                                 upkeep=self.upkeep, admission=self.admission, identity=self.identity,
                                 run_id=config.run_id, peer_id=self.peer_id, anchors=_anchor_ids(config.initial_peers),
                                 log=self.log)
-        self.run_manifest: Manifest | None = None  # the run's, as published by its leader (or a coordinator)
-        self.manifest = self.opinions.merged(DEFAULTS)  # this peer's settings (the run's, adopted)
-        self._discover()
-        self._apply_settings()
+        self.settings = RunSettings(config.run_id, self.opinions)
         self.node = VoteNode(self.p2p, config.allreduce, self.admission, identity=self.identity)
+        self.state = StateSync(p2p=self.p2p, loop=self.loop, run_id=config.run_id, peer_id=self.peer_id,
+                               admission=self.admission, upkeep=self.upkeep, liars=lambda: self.liars,
+                               max_uploads=config.max_state_uploads, join_timeout=config.join_timeout,
+                               round_bound=self._round_bound())
+        self.state.on_load = lambda: self.loop.loop.call_soon_threadsafe(self.node.resumed)
+        self.joining = Joining(run_id=config.run_id, peer_id=self.peer_id, client_mode=bool(config.client_mode),
+                               refresh_period=config.refresh_period, loop=self.loop, finder=self.finder,
+                               settings=self.settings, upkeep=self.upkeep, state=self.state, directory=self.directory,
+                               my_spec=self._my_spec)
+        self.joining.discover()
+        self._apply_settings()
         if self.history.latest is not None:
             self.node.group_epoch = self.history.latest.epoch
         self.upkeep.on_epoch = lambda epoch: setattr(self.node, "group_epoch", epoch)
@@ -281,11 +293,6 @@ class Swarm:
         self.upkeep.groups_of = self.book.groups_of  # who counts whose votes in a two-level vote
         self.gather = GatherNode(self.p2p, config.allreduce, self.admission) \
             if self.config.transport == "allgather" else None
-        self.state = StateSync(p2p=self.p2p, loop=self.loop, run_id=config.run_id, peer_id=self.peer_id,
-                               admission=self.admission, upkeep=self.upkeep, liars=lambda: self.liars,
-                               max_uploads=config.max_state_uploads, join_timeout=config.join_timeout,
-                               round_bound=self._round_bound())
-        self.state.on_load = lambda: self.loop.loop.call_soon_threadsafe(self.node.resumed)
         settings = PipelineSettings(config.run_id, bool(config.client_mode), self.config.full_digest_every, self.delay,
                                     self._round_bound())
         self.rounds = VotePipeline(peer_id=self.peer_id, settings=settings, loop=self.loop, node=self.node,
@@ -325,26 +332,17 @@ class Swarm:
         if not self.config.client_mode:  # tell joiners whether they can be dialed (reachability.py)
             await reachability.serve_dialback(self.p2p)
 
-    # -- finding the run -----------------------------------------------------------------------------
+    # -- the run's settings (``settings.py``) ------------------------------------------------------------
 
-    def _discover(self) -> None:
-        """Read the run's group and manifest; if a group exists, ask its author to admit this peer and
-        adopt the run's manifest. Raises AdmissionRefused or SettingsMismatch (one line each)."""
-        self.finder.find_group()
-        run = self.finder.read_manifest()
-        if run is not None:
-            try:
-                self.manifest = manifests.resolve(self.opinions, run, self.config.run_id).merged(DEFAULTS)
-            except ManifestMismatch as e:
-                raise self._mismatch(e, run) from None
-            self.run_manifest = run
+    @property
+    def manifest(self) -> Manifest:
+        """This peer's settings: the run's, adopted where it had no opinion (``settings.py``)."""
+        return self.settings.current
 
-    def _mismatch(self, error: ManifestMismatch, run: Manifest) -> SwarmError:
-        if run.secret_required is not None and run.secret_required != self.opinions.secret_required:
-            if run.secret_required:
-                return AdmissionRefused(f"run {self.config.run_id} is private: pass its --run-secret")
-            return AdmissionRefused(f"run {self.config.run_id} is open (no run secret): drop --run-secret")
-        return SettingsMismatch(str(error))
+    @property
+    def run_manifest(self) -> Manifest | None:
+        """The run's manifest as published by its founder or a coordinator (``settings.py``)."""
+        return self.settings.run
 
     def _apply_settings(self) -> None:
         """Make this peer run with ``self.manifest``'s swarm settings (codecs, schedule, ...)."""
@@ -362,7 +360,7 @@ class Swarm:
              wait_timeout: float = 300.0) -> int:
         """Become a voting member: resume a checkpoint, then start the run or fetch the swarm's state;
         ``wait_peers``: then wait up to ``wait_timeout`` s until the group has that many members holding
-        the state, so that all start together (``_wait_for_peers``). Returns the step training continues
+        the state, so that all start together (``joining.py``). Returns the step training continues
         from. Raises SwarmError (one line) for what the volunteer must fix: a refused admission, a model
         or settings that differ from the run's, no group in time.
 
@@ -386,39 +384,13 @@ class Swarm:
             restored = checkpoint.restore(self.config.checkpoint_dir, optimizer)
             if restored is not None:
                 logger.info("resumed checkpoint at step %d", restored)
-        self._start_step = optimizer.step_count  # before any download: where this peer came in
+        came_in_at = optimizer.step_count  # before any download
         deadline = time.monotonic() + (timeout or self.config.join_timeout)
-        self._discover()
-        if self.history.latest is None:
-            time.sleep(1.0)  # a group record stored moments ago may not have reached us yet
-            self._discover()
-        # the run's group exists but its author did not answer: wait for it or a new leader. A client
-        # cannot found a run (nobody could dial it to reduce): it waits for a group that can.
-        while self.history.latest is None and (self.finder.unreachable or self.config.client_mode) \
-                and time.monotonic() < deadline:
-            time.sleep(2.0)
-            self._discover()
-        if self.history.latest is None and self.finder.unreachable:  # founding a group of our own would split the run
-            raise SwarmError(f"the group of run {self.config.run_id} did not answer this peer's admission request "
-                             f"in time: can this machine reach its peers (firewall, --initial-peers)?")
-        if self.history.latest is None and self.config.client_mode:
-            raise SwarmError(f"no group of run {self.config.run_id} found in time, and a peer in client mode cannot "
-                             f"start one (nobody can dial it to reduce): start a listening peer first, or check "
-                             f"--run-id and --initial-peers")
-        self._settle_manifest(optimizer)
-        founded = False
-        if self.history.latest is None:
-            founded = self._found()
-            if not founded:  # another peer founded the run at the same moment: take its settings
-                self._discover()
-                self._settle_manifest(optimizer)
+        applied = Manifest(**{name: getattr(self.config, name) for name in manifests.SWARM_FIELDS})
+        founded = self.joining.find_or_found(optimizer, applied, deadline)
         self._joined = True
         self._refresher = asyncio.run_coroutine_threadsafe(self.upkeep.run_forever(), self.loop.loop)
-        latest = self.history.latest
-        if self.peer_id not in latest.member_ids():
-            self._sync_from_swarm(deadline)
-        elif not founded:  # the leader may list a peer as soon as it announces: being listed is not holding the state
-            self.state.download(min_step=latest.from_step, group=latest)
+        self.joining.hold_state(deadline, founded=founded)
         # Unless it waits for peers, the caller steps next: a group planned from here on must not start at
         # its step. One that did (planned between founding and a slow first step) made the first round
         # wait for a newcomer listed in it while the newcomer waited for the state of that step (10 s).
@@ -428,83 +400,16 @@ class Swarm:
         self.rounds.prepare(optimizer.step_count)
         if wait_peers:
             try:
-                self._wait_for_peers(wait_peers, time.monotonic() + wait_timeout)
+                self.joining.wait_for_peers(wait_peers, time.monotonic() + wait_timeout, came_in_at=came_in_at,
+                                            step=lambda: optimizer.step_count)
             finally:
                 self._idle = False
         return optimizer.step_count
-
-    def _settle_manifest(self, optimizer: LionCub) -> None:
-        """Add what the optimizer says (layout, lr, ...) to this peer's opinions and check them against
-        the run's manifest; the founder's become the run's."""
-        layout = snapshot.Layout.of(optimizer)
-        found = {"layout_hash": layout.digest(), "param_count": layout.param_count()}
-        for key in ("lr", "weight_decay", "betas"):
-            values = {tuple(g[key]) if key == "betas" else g[key] for g in optimizer.param_groups}
-            if len(values) == 1:  # one value for every group: part of the run's settings
-                found[key] = values.pop()
-        try:
-            from_optimizer = Manifest(**found)
-        except ManifestError:  # e.g. an lr beyond what a manifest holds: compare the layout only
-            from_optimizer = Manifest(layout_hash=found["layout_hash"], param_count=found["param_count"])
-        clash = from_optimizer.conflicts(self.opinions)
-        if clash:
-            name, mine, theirs = clash[0]
-            raise SettingsMismatch(f"the optimizer's {name}={mine} differs from this peer's setting {name}={theirs}")
-        own = self.opinions.merged(from_optimizer)
-        run = self.run_manifest
-        try:
-            settled = manifests.resolve(own, run, self.config.run_id).merged(DEFAULTS)
-        except ManifestMismatch as e:
-            if run is not None and run.layout_hash not in (None, own.layout_hash):
-                raise SettingsMismatch(
-                    f"this peer's model differs from run {self.config.run_id}'s ({own.param_count} parameters, layout "
-                    f"{own.layout_hash[:8]}; the run: {run.param_count} parameters, layout {run.layout_hash[:8]}): "
-                    f"build the run's model (task {run.task or '?'}, {run.task_args or {}})") from None
-            raise self._mismatch(e, run) from None
-        applied = Manifest(**{name: getattr(self.config, name) for name in manifests.SWARM_FIELDS})
-        changed = [name for name in manifests.SWARM_FIELDS if getattr(applied, name) != getattr(settled, name)]
-        if changed:
-            raise SettingsMismatch(f"run {self.config.run_id}'s manifest appeared after this Swarm was created and "
-                                   f"sets {', '.join(changed)} otherwise: create the Swarm again to adopt it")
-        self.manifest = settled
-        if self.history.latest is None:  # this peer founds the run: its settings become the run's
-            self.run_manifest = settled
 
     def wait_for_peers(self, count: int, timeout: float = 300.0) -> None:
         """Gone: waiting after ``join`` let the groups this peer leads start at a step it was not taking."""
         raise SwarmError(f"Swarm.wait_for_peers is gone: pass wait_peers={count} (and wait_timeout={timeout:g}) to "
                          f"join() instead, which waits before the first step")
-
-    def _wait_for_peers(self, count: int, deadline: float) -> None:
-        """Block until the group has ``count`` members holding the swarm's state (all start together).
-        This peer stays idle meanwhile, so the groups it leads take effect at once (``upkeep.lead``).
-
-        Returns at once when others trained past the step this peer came in at: a peer that comes back
-        to a run in progress must step with the group, not wait for a start that happened long ago."""
-        self.records = self.loop.run(self.directory.peers(), timeout=30)
-        while True:
-            if any(r.step > self._start_step for pid, r in self.records.items() if pid != self.peer_id):
-                return
-            latest = self.history.latest
-            synced = {pid for pid, r in self.records.items() if r.synced} | {self.peer_id}
-            floor = reducer_floor([self._weight_of(m) for m in latest.members if not m.client_mode]) if latest else 0.0
-
-            def weighted(m: PeerSpec) -> bool:  # the group gives it the part its record asks for (none: none)
-                record = self.records.get(m.peer_id)
-                if m.reduces or m.client_mode or record is None:
-                    return m.reduces or m.client_mode or m.weight == 0
-                return assigned_weight(record.weight, syncing=False, following=record.following, floor=floor,
-                                       lone_reducers=False) == 0
-
-            settled = latest is not None and all(  # every member synced, and the group says so (weights back)
-                m.peer_id in synced and weighted(m) for m in latest.members)
-            if settled and len(latest.members) >= count and latest.from_step <= self.optimizer.step_count:
-                return
-            if time.monotonic() > deadline:
-                members = len(latest.members) if latest else 0
-                raise SwarmError(f"the group did not reach {count} synced members in time ({members} members, "
-                                 f"{len(synced & set(latest.member_ids() if latest else []))} synced)")
-            time.sleep(self.config.refresh_period)
 
     def settle_final_state(self, seconds: float) -> bool:
         """After this peer's last step (``final_step``): make sure the group ends on one state, up to
@@ -524,39 +429,6 @@ class Swarm:
             return
         self._idle = True
         self.end.linger(self.optimizer, seconds)
-
-    def _found(self) -> bool:
-        """Start the run: publish its manifest and a group of this peer alone; True if this peer keeps it
-        (of two peers founding at once, the one with the smaller peer id does: ``RunFinder.found``)."""
-        record = GroupRecord(0, self.optimizer.step_count, (self._my_spec(),), author=self.peer_id)
-        kept = self.finder.found(record, self.run_manifest)
-        logger.info("no group found for run %s: %s", self.config.run_id,
-                    "started it" if kept else "another peer started it")
-        return kept
-
-    def _sync_from_swarm(self, deadline: float, *, params_only: bool = False) -> None:
-        """Wait until the leader adds this peer to a group, then download the state of that step
-        (``params_only``: a peer coming back keeps its own momenta, half the bytes)."""
-        logger.info("waiting to be added to the group of run %s", self.config.run_id)
-        asked = time.monotonic()
-        while True:
-            self.loop.run(self.upkeep.refresh_group(), timeout=30)
-            latest = self.history.latest
-            if latest is not None and self.peer_id in latest.member_ids():
-                break
-            if time.monotonic() > deadline:
-                raise SwarmError("no group took this peer in time. Is the run alive? Is --run-secret the run's? "
-                                 f"Does the run speak protocol version {PROTOCOL_VERSION} (upgrade lioncub-p2p if not)?")
-            if time.monotonic() - asked > 3.0:  # a new leader, or a lineage this peer lost: ask to be admitted again
-                asked = time.monotonic()
-                self.finder.ask_again(latest)
-            self.loop.run(self.upkeep.announce(), timeout=30)
-            time.sleep(self.config.refresh_period)
-        self.state.download(min_step=latest.from_step, group=latest, params_only=params_only)
-
-    def _weight_of(self, member: PeerSpec) -> float:
-        """A member's announced bandwidth weight (its group weight is 0 while it syncs)."""
-        return self.records[member.peer_id].weight if member.peer_id in self.records else member.weight
 
     def _my_spec(self) -> PeerSpec:
         return PeerSpec(self.peer_id, self.config.weight, self.config.client_mode)
@@ -594,7 +466,7 @@ class Swarm:
 
     def _rejoin(self) -> None:
         self.state.synced = False
-        self._sync_from_swarm(time.monotonic() + self.config.join_timeout, params_only=True)
+        self.joining.sync_from_swarm(time.monotonic() + self.config.join_timeout, params_only=True)
         self.state.synced = True
         self.rounds.prepare(self.optimizer.step_count)
 
@@ -686,10 +558,6 @@ class Swarm:
     @property
     def records(self) -> dict[str, PeerRecord]:
         return self.upkeep.records
-
-    @records.setter
-    def records(self, fresh: dict[str, PeerRecord]) -> None:  # a whole read made on the loop
-        self.upkeep.records = fresh
 
     def _local(self) -> Local:
         """What upkeep reads of this side (``upkeep.Local``), taken on the loop when it needs it."""
