@@ -13,7 +13,10 @@
 * ``wait_for_peers``: with ``join(wait_peers=n)``, until the group has n members holding the state.
 
 Each stop is a ``SwarmError`` of one line naming what the volunteer can check. Owned by the training
-thread; it reads the group history and records that ``Upkeep`` writes on the loop (replaced whole).
+thread. The group history and the records are written on the loop by ``Upkeep`` (records replaced
+whole), and on the training thread by ``RunFinder`` and ``wait_for_peers`` before ``Upkeep.run_forever``
+starts, or in a read made whole on the loop. This peer stays idle while it waits for peers, so the
+groups it leads meanwhile take effect at once (``Upkeep.lead``).
 """
 from __future__ import annotations
 

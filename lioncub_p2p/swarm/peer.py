@@ -14,7 +14,7 @@ Starting: the peer runs with a libp2p identity (a file, or a fresh key in a priv
 directory), reads the run's signed group and manifest records, and asks the group's author to admit
 it (``admit.py``): a private run's members and newcomers prove the run key to each other there, and
 a refused peer stops at once with one line (``AdmissionRefused``). It adopts the run's manifest
-where its config has no opinion (None) and stops with one line where it differs (``ManifestMismatch``).
+where its config has no opinion (None) and stops with one line where it differs (``SettingsMismatch``).
 
 Every step: this peer votes in the round of its step with the group it accepted for that step,
 sending a digest of its parameters along. If most voters' digest differs from its own, it diverged
@@ -38,7 +38,7 @@ liars; ``RoundBook`` (``round_book.py``) names every round from the group record
 rounds others report on. Shared across threads, written down where they are: the round counters of
 ``Upkeep.count_vote`` (counted by the training thread, reset by the leader on the loop, one key at a
 time), ``records`` (replaced whole, never mutated) and the group history (written by ``Upkeep`` on the
-loop only).
+loop, and while joining by ``RunFinder`` before the loop's upkeep starts).
 """
 from __future__ import annotations
 
