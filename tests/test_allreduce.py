@@ -345,6 +345,18 @@ def test_a_reducer_still_on_the_step_before_holds_votes_for_its_next_round_past_
     assert all(sorted(p.counted) == [1, 2, 3] for p in reports[1].parts[1:])
 
 
+async def _hung(node, spec, codes):  # its training thread hangs: it starts no round (its event loop serves)
+    return None
+
+
+def _hung_round(swarm: LocalSwarm, numel: int, step: int, family: str, peer: int):
+    """One round of ``step`` in which ``peer`` hangs: (codes, results, seconds the round took)."""
+    codes = _codes("sign", swarm.n, numel, seed=step)
+    start = time.monotonic()
+    results = swarm.allreduce(codes, step=step, family=family, prepare=False, behaviors={peer: _hung})
+    return codes, results, time.monotonic() - start
+
+
 @pytest.mark.slow
 def test_a_reducer_that_did_not_start_a_round_in_the_join_timeout_is_refused_at_once_until_it_runs_one(caplog):
     """Peer 3's training thread hangs (its event loop still serves): it starts neither step 7's round nor
@@ -357,19 +369,12 @@ def test_a_reducer_that_did_not_start_a_round_in_the_join_timeout_is_refused_at_
     config = AllReduceConfig(chunk_bytes=1024, upload_timeout=1.5, result_timeout=20.0, join_timeout=5.0,
                              recovery_timeout=1.0)
     numel = 8 * 4000
-
-    async def hung(node, spec, codes):
-        return None
-
     elapsed = {}
     with LocalSwarm(4, config=config) as swarm:
         swarm.allreduce(_codes("sign", 4, numel, seed=20), step=6, family="vote")  # peer 3 ran a vote round
         for step in (7, 8, 9):
-            codes = _codes("sign", 4, numel, seed=step)
-            start = time.monotonic()
             with caplog.at_level(logging.INFO, logger="lioncub_p2p"):
-                results = swarm.allreduce(codes, step=step, family="vote", prepare=False, behaviors={3: hung})
-            elapsed[step] = time.monotonic() - start
+                codes, results, elapsed[step] = _hung_round(swarm, numel, step, "vote", peer=3)
             expected = numpy_vote(codes[:3], "sign", "majority", numel, 0, step)
             missing = swarm.reports[0].parts[3]
             assert missing.status == "missing", missing
@@ -387,9 +392,7 @@ def test_a_reducer_that_did_not_start_a_round_in_the_join_timeout_is_refused_at_
             await asyncio.gather(task, return_exceptions=True)
 
         swarm.run(resume_at_step_7())
-        start = time.monotonic()
-        swarm.allreduce(_codes("sign", 4, numel, seed=10), step=10, family="vote", prepare=False, behaviors={3: hung})
-        elapsed[10] = time.monotonic() - start
+        _, _, elapsed[10] = _hung_round(swarm, numel, 10, "vote", peer=3)
         assert swarm.reports[0].parts[3].status == "missing" and swarm.nodes[3]._stalled_at == {"vote": 7}
         swarm.allreduce(_codes("sign", 4, numel, seed=11), step=11, family="vote")
         assert swarm.reports[0].parts[3].status == "ok" and sorted(swarm.reports[0].parts[3].counted) == [0, 1, 2, 3]
@@ -421,18 +424,11 @@ def test_a_part_stops_waiting_for_the_votes_of_a_peer_that_refuses_any_round_as_
     config = AllReduceConfig(chunk_bytes=1024, upload_timeout=3.0, result_timeout=20.0, join_timeout=2.0,
                              recovery_timeout=0.5)
     numel = 8 * 2000
-
-    async def hung(node, spec, codes):
-        return None
-
     elapsed = {}
     with LocalSwarm(2, config=config) as swarm:
         swarm.allreduce(_codes("sign", 2, numel, seed=6), step=6, family="vote")  # peer 1 ran a vote round
         for step, family in ((7, "vote"), (8, "momentum")):
-            start = time.monotonic()
-            results = swarm.allreduce(_codes("sign", 2, numel, seed=step), step=step, family=family, prepare=False,
-                                      behaviors={1: hung})
-            elapsed[step] = time.monotonic() - start
+            _, results, elapsed[step] = _hung_round(swarm, numel, step, family, peer=1)
             assert [p.status for p in swarm.reports[0].parts] == ["missing", "missing"], swarm.reports[0].parts
             assert not as_values(results[0], numel).any()  # no part: a zero update
     assert elapsed[7] >= config.upload_timeout, elapsed

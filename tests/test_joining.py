@@ -3,15 +3,12 @@ manifest; a peer that loses a founding race (another peer's group wins, ``RunFin
 the run again and adopts the winner's manifest. The DHT path: tests/test_swarm.py, test_manifest.py."""
 from types import SimpleNamespace
 
-from torch import nn
-
 from lioncub_p2p.allreduce import PeerSpec
-from lioncub_p2p.optim import LionCub
-from lioncub_p2p.swarm import manifest as manifests
 from lioncub_p2p.swarm.joining import Joining
 from lioncub_p2p.swarm.manifest import Manifest
 from lioncub_p2p.swarm.membership import GroupRecord
 from lioncub_p2p.swarm.settings import RunSettings
+from test_settings import _applied, _optimizer
 
 
 class Finder:
@@ -45,14 +42,6 @@ def _joining(finder_rival=None) -> tuple[Joining, Finder]:
                       settings=RunSettings("run", Manifest()), upkeep=upkeep, state=None, directory=None,
                       my_spec=lambda: PeerSpec("me", 1.0, False))
     return joining, finder
-
-
-def _optimizer(lr: float = 1e-3) -> LionCub:
-    return LionCub(nn.Linear(4, 2).named_parameters(), lr=lr)
-
-
-def _applied(settings: RunSettings) -> Manifest:
-    return Manifest(**{name: getattr(settings.current, name) for name in manifests.SWARM_FIELDS})
 
 
 def test_a_run_with_no_group_is_founded_with_this_peers_settled_manifest():

@@ -93,10 +93,11 @@ class RunEnd:
 
     def settle(self, optimizer: LionCub, seconds: float) -> bool:
         """Apply the update of a round still in flight, announce the parameters' digest and wait, up to
-        ``seconds``, for every live member of the group to announce one; if the group settles on
-        another digest (``agreed``), download those parameters from a member holding them, refusing any
-        that do not hash to it (this peer's momenta stay: they differ between peers anyway). True when
-        every member announced the same digest in time."""
+        ``seconds``, for the live members of the group to announce theirs; once the group settles on
+        another digest (``settled_on``: the members still to announce cannot change it), download those
+        parameters from a member holding them, refusing any that do not hash to it (this peer's momenta
+        stay: they differ between peers anyway). True when every member announced the same digest in
+        time."""
         step, deadline = optimizer.step_count, time.monotonic() + seconds
         optimizer.flush()  # overlapped rounds: the last round's update is part of what is compared
         self.state.server.forget()  # a snapshot cached before the flush holds the state without it
