@@ -13,10 +13,17 @@ logger = logging.getLogger(__name__)
 def _quiet_cancelled_connections(loop: asyncio.AbstractEventLoop, context: dict) -> None:
     """Python 3.11's StreamReaderProtocol asks a *cancelled* client_connected_cb task for its
     exception (fixed in 3.12), which raises CancelledError into the loop's handler: an ERROR and a
-    traceback each time a daemon's incoming connection is cut by an orderly shutdown. Only that case is
-    logged at DEBUG; everything else goes to asyncio's default handler."""
-    if isinstance(context.get("exception"), asyncio.CancelledError):
+    traceback each time a daemon's incoming connection is cut by an orderly shutdown. The same shutdown
+    can close a daemon connection before it sent a byte, and hivemind's handler then raises
+    IncompleteReadError with nothing read. Only these cases are logged at DEBUG; everything else
+    (a connection cut mid-message included) goes to asyncio's default handler."""
+    error = context.get("exception")
+    if isinstance(error, asyncio.CancelledError):
         logger.debug("connection handler cancelled at shutdown: %s", context.get("message"))
+        return
+    if isinstance(error, asyncio.IncompleteReadError) and not error.partial and "client_connected_cb" in str(
+            context.get("message")):  # the daemon cut a connection before its first byte: a shutdown, no data lost
+        logger.debug("connection closed before its first byte: %s", context.get("message"))
         return
     if loop.is_closed() and "task" in context:  # one that ignored its cancellation at stop(): logged there
         logger.debug("%s: %r", context.get("message"), context["task"])

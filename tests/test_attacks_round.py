@@ -598,6 +598,27 @@ def test_leaving_mid_round_logs_no_error_and_no_traceback(caplog, capfd):
     assert "Traceback" not in text and "CancelledError" not in text
 
 
+def test_a_daemon_connection_closed_before_its_first_byte_is_not_an_error(caplog):
+    """The shutdown race above has a second shape: the daemon closes a connection before it sent a byte
+    and hivemind's handler raises IncompleteReadError with nothing read. That is DEBUG; a connection cut
+    mid-message (bytes lost) and any other error still reach asyncio's handler at ERROR."""
+    from lioncub_p2p.aio import _quiet_cancelled_connections
+
+    loop = asyncio.new_event_loop()
+    try:
+        def report(error):
+            caplog.clear()
+            with caplog.at_level(logging.DEBUG):
+                _quiet_cancelled_connections(loop, {"message": "Unhandled exception in client_connected_cb",
+                                                    "exception": error})
+            return [r.levelno for r in caplog.records]
+        assert report(asyncio.IncompleteReadError(b"", 4)) == [logging.DEBUG]
+        assert logging.ERROR in report(asyncio.IncompleteReadError(b"\x01\x02", 4))
+        assert logging.ERROR in report(ValueError("a real bug"))
+    finally:
+        loop.close()
+
+
 def _ignore(call, *args, **kwargs):
     try:
         call(*args, **kwargs)
