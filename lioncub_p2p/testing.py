@@ -549,8 +549,7 @@ def fd_exhaustion(workdir: str, *, limit: int = 1024, streams: int = 700, rounds
     import sys
 
     from .aio import BackgroundLoop
-    from .allreduce import FETCH_PROTOCOL, VOTE_PROTOCOL
-    from .allreduce.node import AUDIT_PROTOCOL
+    from .allreduce import AUDIT_PROTOCOL, FETCH_PROTOCOL, VOTE_PROTOCOL
 
     def readline(proc, timeout: float) -> str:
         ready, _, _ = select.select([proc.stdout], [], [], timeout)

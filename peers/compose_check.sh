@@ -173,7 +173,7 @@ teardown() {
         done
         compose down -v --remove-orphans --timeout 20 > "$LOGS/compose-down.log" 2>&1
     fi
-    # every peer here is honest: a reducer "caught" (allreduce/node.py's warning) is a false accusation
+    # every peer here is honest: a reducer "caught" (allreduce/auditing.py's warning) is a false accusation
     local accused
     accused=$(cat "$LOGS"/lcc-vol*.log "$LOGS"/trainer.log "$LOGS"/docker-run-volunteer.log 2> /dev/null \
               | grep -E 'reducer [A-Za-z0-9]+ caught \(' || true)

@@ -35,11 +35,10 @@ from pathlib import Path
 import torch
 
 from .. import ops
-from ..allreduce import FETCH_PROTOCOL, VOTE_PROTOCOL, AllReduceConfig
+from ..allreduce import AUDIT_PROTOCOL, FETCH_PROTOCOL, VOTE_PROTOCOL, AllReduceConfig
 from ..allreduce.admission import Admission
 from ..allreduce.audit import check_evidence
 from ..allreduce.commit import leaf_bytes
-from ..allreduce.node import AUDIT_PROTOCOL
 from ..momentum import MomentumSchedule
 from ..swarm.probe import BLOCK, MAX_PROBE_BYTES, PROBE_PROTOCOL, measure, serve_probe
 from ..swarm.state_transfer import STATE_PROTOCOL, StateServer, download_state
