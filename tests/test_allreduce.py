@@ -15,6 +15,7 @@ from lioncub_p2p.allreduce.deadline import AdaptiveDeadline
 from lioncub_p2p.allreduce.punctuality import PROBE_EVERY
 from lioncub_p2p.allreduce.result_delta import encode_for
 from lioncub_p2p.allreduce.round import RoundSpec
+from lioncub_p2p.allreduce.shared import HELD_UP
 from lioncub_p2p.codecs import result_codec, upload_codec
 from lioncub_p2p.swarm.follow import FollowRule
 from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
@@ -433,6 +434,68 @@ def test_a_part_stops_waiting_for_the_votes_of_a_peer_that_refuses_any_round_as_
             assert not as_values(results[0], numel).any()  # no part: a zero update
     assert elapsed[7] >= config.upload_timeout, elapsed
     assert elapsed[8] < config.upload_timeout / 2, elapsed
+
+
+@pytest.mark.slow
+def test_a_refusal_read_after_the_reducer_cut_a_long_upload_still_stops_the_wait(monkeypatch):
+    """As above, with a part far larger than what a refusing reducer drains before it closes the stream
+    (``close_after_reply``'s ``max_bytes``, 4 MiB in a run; 4 KiB here against a 200 KB part): the
+    reducer closes the stream while the voter still writes (checked once: ``close_after_reply`` returned
+    before the voter closed). Its writes go on into its own daemon without an error, it reads the
+    refusal after them, and its part stops waiting for the held-up peer's votes: step 8 ends at once."""
+    import functools
+
+    from lioncub_p2p.allreduce import serving
+    from lioncub_p2p.wire import close_after_reply
+
+    monkeypatch.setattr(serving, "close_after_reply", functools.partial(close_after_reply, max_bytes=4096))
+    config = AllReduceConfig(chunk_bytes=4096, upload_timeout=3.0, result_timeout=20.0, join_timeout=2.0,
+                             recovery_timeout=0.5)
+    numel = 8 * 400_000
+    elapsed = {}
+    with LocalSwarm(2, config=config) as swarm:
+        swarm.allreduce(_codes("sign", 2, numel, seed=6), step=6, family="vote")
+        for step, family in ((7, "vote"), (8, "momentum")):
+            _, results, elapsed[step] = _hung_round(swarm, numel, step, family, peer=1)
+            assert not as_values(results[0], numel).any()
+        note = swarm.reports[0].parts[1].note
+    assert HELD_UP in note, note
+    assert elapsed[8] < config.upload_timeout / 2, elapsed
+
+
+def test_a_part_stops_waiting_for_the_votes_of_a_reducer_that_already_finished_the_round():
+    """Peer 1 of a group of 2 (its quorum: both votes) hangs through steps 7-9 while peer 0 runs them;
+    step 7's round then leaves peer 0's table of live rounds (``keep_rounds`` 2). Peer 1 resumes and runs
+    its step 7: peer 0 refuses its votes as a round already finished, so none of peer 0's will come to
+    peer 1's part either: that part stops waiting and the late round ends at once, not after the upload
+    timeout, with the zero update peer 0 applied (no part reached its quorum)."""
+    config = AllReduceConfig(chunk_bytes=1024, upload_timeout=3.0, result_timeout=20.0, join_timeout=1.0,
+                             recovery_timeout=0.5, keep_rounds=2)
+    numel = 8 * 2000
+    kept, late = {}, {}
+
+    async def hang_keeping_the_round(node, spec, codes):
+        kept.setdefault("round", (spec, codes))
+
+    async def run_the_kept_round(node, spec, codes):
+        late["outcome"] = await node.run_round(*kept["round"])
+
+    with LocalSwarm(2, config=config) as swarm:
+        swarm.allreduce(_codes("sign", 2, numel, seed=6), step=6, family="vote")  # peer 1 ran a vote round
+        for step in (7, 8, 9):
+            results = swarm.allreduce(_codes("sign", 2, numel, seed=step), step=step, family="vote", prepare=False,
+                                      behaviors={1: hang_keeping_the_round})
+            if step == 7:
+                assert not as_values(results[0], numel).any()  # peer 0 applied no part of step 7
+        start = time.monotonic()
+        swarm.allreduce(_codes("sign", 2, numel, seed=10), step=10, family="vote", prepare=False,
+                        behaviors={0: _hung, 1: run_the_kept_round})
+        elapsed = time.monotonic() - start
+    update, report = late["outcome"]
+    assert [p.status for p in report.parts] == ["missing", "missing"], report.parts
+    assert not as_values(update, numel).any()
+    assert "already finished" in report.parts[0].note
+    assert elapsed < config.upload_timeout / 2, elapsed
 
 
 REASONS = {"oversized": "exceeds", "garbage": ("undecodable", "protocol version"), "duplicate": "expected 8", "wrong_round": "unknown round",

@@ -9,7 +9,7 @@ from lioncub_p2p.allreduce import PartReport, PeerSpec, RoundReport, RoundSpec
 from lioncub_p2p.allreduce.punctuality import Punctuality, probe_round
 from lioncub_p2p.allreduce.reducer import PartReduction
 from lioncub_p2p.codecs import result_codec, upload_codec
-from lioncub_p2p.swarm.follow import FollowRule, link_role
+from lioncub_p2p.swarm.follow import FAR_BEHIND_STEPS, FollowRule, far_behind, link_role
 from lioncub_p2p.swarm.membership import PeerRecord, assigned_weight, reducer_floor
 
 
@@ -212,3 +212,12 @@ def test_a_follower_nobody_serves_any_more_stops_instead_of_training_on_zeros():
         assert torch.equal(update, torch.zeros(8))
     assert missed == list(range(SKIP_TRIES))
     assert "fell behind" in fake.stranded and "start it again" in fake.stranded and "\n" not in fake.stranded
+
+
+def test_far_behind_is_the_median_of_the_members_steps_past_the_limit():
+    assert far_behind(10, []) is None  # nobody to compare with
+    assert far_behind(10, [10 + FAR_BEHIND_STEPS] * 3) is None  # at the limit: it replays
+    assert far_behind(10, [11 + FAR_BEHIND_STEPS] * 3) == 1 + FAR_BEHIND_STEPS
+    assert far_behind(10, [12, 13, 10**9]) is None  # a forged far-future step alone moves nothing
+    assert far_behind(10, [0, 0, 500, 500]) is None  # the lower median: half the members near it is enough
+    assert far_behind(10, [9, 500, 500, 500]) == 490

@@ -118,3 +118,52 @@ def test_a_round_in_which_nothing_of_the_others_counted_counts_nobodys_votes_in_
     assert observe("ab", [alone, gone[0]]) == [{"b": False}]
     # a's only other voter c stalls while b follows: c's missed votes count (b's are late anyway)
     assert observe("abc", [alone, PartReport(1, 2, 16, 48, "missing")], followers="b") == [{"b": False, "c": False}]
+
+
+def test_back_from_a_stall_far_behind_the_group_a_peer_downloads_the_state_once_instead_of_replaying():
+    """``_skipped_after_stall``: only when its node refused rounds as held up (its training thread was
+    away) and the median of the other members' announced steps is more than ``FAR_BEHIND_STEPS`` past
+    its step; once per stall; a failed download falls back to the replay. A lying minority, a leaving
+    member and a peer outside the group move nothing."""
+    from lioncub_p2p.allreduce import PeerSpec
+    from lioncub_p2p.swarm.follow import FAR_BEHIND_STEPS
+    from lioncub_p2p.swarm.pipeline import StepStats
+
+    group = GroupRecord(3, 0, tuple(PeerSpec(pid, 1.0) for pid in "mabc"))
+    history = GroupHistory()
+    history.add(group)
+    downloads, prepared = [], []
+
+    def download(**kwargs):
+        downloads.append(kwargs)
+        if fail:
+            raise TimeoutError("no donor answered")
+
+    def pipeline(held: int | None, steps: dict[str, int], leaving: str = "") -> SimpleNamespace:
+        records = {pid: SimpleNamespace(step=s, leaving=pid in leaving) for pid, s in steps.items()}
+        return SimpleNamespace(node=SimpleNamespace(held_up_at=held), _far_skip_for=tried, peer_id="m",
+                               upkeep=SimpleNamespace(history=history, records=records), skips=0, stats=StepStats(),
+                               state=SimpleNamespace(download=download), optimizer=SimpleNamespace(step_count=20),
+                               follow=SimpleNamespace(following=False), prepare=prepared.append)
+
+    def skipped(p: SimpleNamespace) -> bool:
+        nonlocal tried
+        result = VotePipeline._skipped_after_stall(p, 21)
+        tried = p._far_skip_for
+        return result
+
+    tried, fail = None, False
+    far = 21 + FAR_BEHIND_STEPS + 1
+    assert not skipped(pipeline(None, {"a": 400, "b": 400, "c": 400}))  # never held up: it replays
+    assert not skipped(pipeline(21, {"a": far - 1, "b": far - 1, "c": 400}))  # the median is near enough
+    assert not skipped(pipeline(21, {"a": 21, "b": 22, "c": 10**6}))  # one liar cannot start a download
+    assert not skipped(pipeline(21, {"a": 21, "b": 400, "c": 400, "x": 400, "y": 400}, leaving="b"))  # x, y: not members
+    assert downloads == [] and tried is None
+    p = pipeline(21, {"a": far, "b": far, "c": 21, "m": 21})
+    assert skipped(p) and p.skips == 1 and p.stats.repaired and prepared == [20]
+    assert downloads == [dict(min_step=21, group=group, params_only=True, slow_link=False)]
+    assert not skipped(pipeline(21, {"a": far, "b": far, "c": far}))  # once per stall
+    fail = True
+    p = pipeline(40, {"a": 400, "b": 400, "c": 400})  # a new stall: tried, failed, replays
+    assert not skipped(p) and p.skips == 0 and len(downloads) == 2
+    assert not skipped(pipeline(40, {"a": 400, "b": 400, "c": 400})) and len(downloads) == 2

@@ -257,6 +257,12 @@ class VoteNode(VotingMixin, RecoveryMixin, AuditingMixin, ServingMixin):
         if rid in self._waiting:
             self._waiting.pop(rid).set()
 
+    @property
+    def held_up_at(self) -> int | None:
+        """The step from which this peer refuses the group's rounds as held up (its training thread
+        started none it was asked for), or None. Read by the training thread (one read of a dict)."""
+        return min(self._stalled_at.values(), default=None)
+
     def resumed(self) -> None:
         """This peer loaded a newer state (a rejoin, a skip ahead, a repair): whatever held it up is past,
         and its rounds are waited for again (``_stalled_at``)."""

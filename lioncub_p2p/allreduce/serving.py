@@ -35,7 +35,7 @@ from .reducer import PartReduction
 from .result_delta import check_declared, encode_for
 from .round import (MAX_FAMILY_CHARS, MAX_FIRST_FRAME_BYTES, PartResult, RoundReport, RoundSpec, chunk_spans,
                     result_wire)
-from .shared import HELD_UP, NETWORK_ERRORS, OTHER_GROUP, RoundState, _first_of, _set_within, logger
+from .shared import FINISHED, HELD_UP, NETWORK_ERRORS, OTHER_GROUP, RoundState, _first_of, _set_within, logger
 
 
 class ServingMixin:
@@ -167,7 +167,7 @@ class ServingMixin:
         if round_id in self._rounds:
             return self._rounds[round_id]
         if round_id in self._finished:
-            raise WireError("round already finished")
+            raise WireError(FINISHED)
         self._refuse_other_group(round_id, family, step)
         held_at = min(self._stalled_at.values(), default=step + 1)  # any family: a hung training thread starts none
         if family and held_at <= step:
@@ -208,7 +208,7 @@ class ServingMixin:
                     self._waiting.pop(round_id, None)
         if round_id not in self._rounds:
             self._refuse_other_group(round_id, family, step)
-            raise WireError("round already finished")
+            raise WireError(FINISHED)
         return self._rounds[round_id]
 
     def _running_step_before(self, family: str, step: int) -> bool:

@@ -26,6 +26,7 @@ NETWORK_ERRORS = (ConnectionError, asyncio.IncompleteReadError, OSError, EOFErro
 RESULT_FRAME_BYTES = MAX_FRAME_BYTES + MAX_HEADER_BYTES + 1024  # a first result chunk carries the header
 OTHER_GROUP = "in another group"  # how a reducer refuses votes for a step it ran under another round id
 HELD_UP = "its training is held up"  # how a stalled peer refuses rounds it has not started (``_find_round``)
+FINISHED = "round already finished"  # how a reducer refuses a round that left its table of live rounds
 
 
 class StreamClosed(WireError):

@@ -27,7 +27,7 @@ from .audit import check_statements, decoded, value_bound
 from .commit import MAX_TAG_BYTES, check_header, leaf_bytes, result_signed_bytes, root_of, statement_signed_bytes
 from .result_delta import decode_from
 from .round import AUDIT_MIN_RATE, Caught, PartResult, RoundReport, RoundSpec, chunk_spans, result_wire, upload_wire
-from .shared import (HELD_UP, NETWORK_ERRORS, OTHER_GROUP, RESULT_FRAME_BYTES, VOTE_PROTOCOL, RoundState,
+from .shared import (FINISHED, HELD_UP, NETWORK_ERRORS, OTHER_GROUP, RESULT_FRAME_BYTES, VOTE_PROTOCOL, RoundState,
                      StreamClosed, _set_within, logger)
 
 
@@ -219,8 +219,11 @@ class VotingMixin:
             note = f"no result from reducer {j}: {type(e).__name__}: {e}"
             report.parts[j].note, report.parts[j].other_group = note, OTHER_GROUP in str(e)
             logger.info("round %s: part %d %s", spec.round_id.hex()[:12], j, note)
-            if HELD_UP in str(e) and state.reduction is not None:  # it has not started this round: no votes of
-                state.reduction.drop(j, HELD_UP)  # its will come either, so this part stops waiting for them
+            # it has not started this round (held up), or it ran it and moved on (finished: a peer replaying
+            # steps it missed while the others went on): no votes of its will come, so this part stops waiting
+            reason = next((r for r in (HELD_UP, FINISHED) if r in str(e)), None)
+            if reason and state.reduction is not None:
+                state.reduction.drop(j, reason)
         finally:
             if writer is not None:
                 writer.close()

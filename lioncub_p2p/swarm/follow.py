@@ -16,15 +16,39 @@ again. A probe is cheap when the follower is still behind: reducers refuse a vot
 they closed at its first chunk. When it falls so far behind that nobody keeps its round any more (every
 part missing, and members say they no longer keep the round), it **skips ahead**: it downloads the state of a peer past its step, as a repair does;
 after three failed tries it stops with one line rather than train on zeros (``VotePipeline.skip_ahead``).
+A peer whose training thread was held up (its node refused the group's rounds as held up) and finds
+the group more than ``FAR_BEHIND_STEPS`` past it downloads the state at once instead of replaying
+(``far_behind``): replayed rounds are served only while members keep them, each costs a round trip,
+and a step it missed in its own part waited the upload timeout for votes that never came.
 
 Owned by the training thread; pure, tested without a network.
 """
 from __future__ import annotations
 
+import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..allreduce import RoundReport
 from ..allreduce.punctuality import probe_step
+
+# Held-up peers only, once per stall (at most one download too many per stall). A download is 32 bits per
+# parameter (fp32) in one transfer; a replayed step at least 1 bit and a round, whose parts wait for voters
+# that moved on (1.9 s a step in a two-level group of 2, measured), and the members' records, announced every
+# few seconds, understate their steps by tens at a tenth of a second a step (with 32 here, a hung peer
+# replayed 9 steps at 1.9 s before its download)
+FAR_BEHIND_STEPS = 10
+
+
+def far_behind(step: int, member_steps: Iterable[int], limit: int = FAR_BEHIND_STEPS) -> int | None:
+    """How many steps the group is past ``step``, when that is more than ``limit``; else None. From the
+    steps the other members announce, their median: a lying minority can neither start a download nor
+    hide the group's progress."""
+    steps = list(member_steps)
+    if not steps:
+        return None
+    ahead = statistics.median_low(steps) - step
+    return ahead if ahead > limit else None
 
 
 class FollowRule:

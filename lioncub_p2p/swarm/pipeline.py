@@ -30,7 +30,7 @@ from ..allreduce import RoundReport, RoundSpec, VoteNode
 from ..allreduce.allgather import GatherNode
 from ..optim import Resolved, TrainingView
 from . import snapshot
-from .follow import FollowRule
+from .follow import FollowRule, far_behind
 from .lead import failed_reducers
 from .membership import GroupRecord
 from .records import RateLimitedLog
@@ -112,6 +112,7 @@ class VotePipeline:
         self._alone_since: float | None = None
         self.part_failed_at = upkeep.part_failed_at  # written here, read there
         self.current = ("vote", 0)  # the kind and step of the round in progress, for failpoints
+        self._far_skip_for: int | None = None  # the held-up step of the stall a download was tried for
         self.pace = Pace()
 
     def prepare(self, step: int) -> None:
@@ -164,6 +165,8 @@ class VotePipeline:
             return Resolved(None)
         if self.settings.client_mode:  # it cannot lead: once no peer that can is left, it must stop
             self.check_stranded(step)
+        if self._skipped_after_stall(step):
+            return Resolved(None)
         spec = self.spec(group, step)
         tag = snapshot.state_tag(self.optimizer, full=step % self.settings.full_digest_every == 0)
         self.current = ("vote", step)
@@ -286,6 +289,33 @@ class VotePipeline:
         self.stats.repaired = True
         self.prepare(self.optimizer.step_count)
         return None
+
+    def _skipped_after_stall(self, step: int) -> bool:
+        """Back from a stall of the training thread (its node refused the group's rounds as held up) with
+        the group far past it (``follow.far_behind``): download the state now rather than replay. Tried
+        once per stall; a failed download falls back to the replay (and ``skip_ahead`` after it)."""
+        held = self.node.held_up_at
+        if held is None or held == self._far_skip_for:
+            return False
+        latest = self.upkeep.history.latest
+        members = set(latest.member_ids()) - {self.peer_id}
+        records = dict(self.upkeep.records)  # written on the loop
+        ahead = far_behind(step, [r.step for pid, r in records.items() if pid in members and not r.leaving])
+        if ahead is None:
+            return False
+        self._far_skip_for = held
+        logger.warning("step %d: this peer's training was held up while the group went %d steps past it: "
+                       "downloading the state instead of replaying the rounds", step, ahead)
+        try:
+            self.state.download(min_step=self.optimizer.step_count + 1, group=latest, params_only=True,
+                                slow_link=self.follow.following)
+        except Exception as e:
+            logger.warning("step %d: downloading the state failed (%s); replaying the rounds", step, e)
+            return False
+        self.skips += 1
+        self.stats.repaired = True
+        self.prepare(self.optimizer.step_count)
+        return True
 
     def _observe(self, spec: RoundSpec, report: RoundReport, started: float) -> None:
         self.last_report = report
