@@ -14,21 +14,34 @@ def _quiet_cancelled_connections(loop: asyncio.AbstractEventLoop, context: dict)
     """Python 3.11's StreamReaderProtocol asks a *cancelled* client_connected_cb task for its
     exception (fixed in 3.12), which raises CancelledError into the loop's handler: an ERROR and a
     traceback each time a daemon's incoming connection is cut by an orderly shutdown. The same shutdown
-    can close a daemon connection before it sent a byte, and hivemind's handler then raises
-    IncompleteReadError with nothing read. Only these cases are logged at DEBUG; everything else
-    (a connection cut mid-message included) goes to asyncio's default handler."""
+    can close a daemon connection before its stream info arrived (``_closed_before_its_stream_info``).
+    Only these cases are logged at DEBUG; everything else (a cut in this project's own handlers, or
+    after some bytes of a message) goes to asyncio's default handler."""
     error = context.get("exception")
     if isinstance(error, asyncio.CancelledError):
         logger.debug("connection handler cancelled at shutdown: %s", context.get("message"))
         return
-    if isinstance(error, asyncio.IncompleteReadError) and not error.partial and "client_connected_cb" in str(
-            context.get("message")):  # the daemon cut a connection before its first byte: a shutdown, no data lost
-        logger.debug("connection closed before its first byte: %s", context.get("message"))
+    if _closed_before_its_stream_info(error):
+        logger.debug("daemon connection closed before its stream info: %s", context.get("message"))
         return
     if loop.is_closed() and "task" in context:  # one that ignored its cancellation at stop(): logged there
         logger.debug("%s: %r", context.get("message"), context["task"])
         return
     loop.default_exception_handler(context)
+
+
+def _closed_before_its_stream_info(error: BaseException | None) -> bool:
+    """hivemind's daemon-connection handler (``control.py``'s ``_handler``) got end-of-stream before the
+    stream info's message (in its length prefix): the daemon closed the connection unused, as it does
+    at shutdown. Told apart by the traceback, so that the same error raised anywhere else still shows."""
+    if not isinstance(error, asyncio.IncompleteReadError) or error.partial:
+        return False
+    frames, tb = [], error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    daemon = [code.co_name for code in frames if "p2p_daemon_bindings" in code.co_filename]
+    return daemon[:1] == ["_handler"] and daemon[-1:] == ["read_unsigned_varint"]
 
 
 class BackgroundLoop:

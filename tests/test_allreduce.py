@@ -395,9 +395,11 @@ def test_a_reducer_that_did_not_start_a_round_in_the_join_timeout_is_refused_at_
         swarm.run(resume_at_step_7())
         _, _, elapsed[10] = _hung_round(swarm, numel, 10, "vote", peer=3)
         assert swarm.reports[0].parts[3].status == "missing" and swarm.nodes[3]._stalled_at == {"vote": 7}
+        assert swarm.nodes[3].held_up_at == 7  # what its training thread reads (``VotePipeline._skipped_after_stall``)
         swarm.allreduce(_codes("sign", 4, numel, seed=11), step=11, family="vote")
         assert swarm.reports[0].parts[3].status == "ok" and sorted(swarm.reports[0].parts[3].counted) == [0, 1, 2, 3]
         assert swarm.nodes[3]._stalled_at == {}  # it runs the round asked of it: its rounds are waited for again
+        assert swarm.nodes[3].held_up_at is None
 
         async def asked_far_ahead() -> None:  # what an asker naming step 10**9 leaves behind
             swarm.nodes[3]._stalled_at["vote"] = 11
@@ -449,7 +451,7 @@ def test_a_refusal_read_after_the_reducer_cut_a_long_upload_still_stops_the_wait
     from lioncub_p2p.wire import close_after_reply
 
     monkeypatch.setattr(serving, "close_after_reply", functools.partial(close_after_reply, max_bytes=4096))
-    config = AllReduceConfig(chunk_bytes=4096, upload_timeout=3.0, result_timeout=20.0, join_timeout=2.0,
+    config = AllReduceConfig(chunk_bytes=4096, upload_timeout=5.0, result_timeout=20.0, join_timeout=2.0,
                              recovery_timeout=0.5)
     numel = 8 * 400_000
     elapsed = {}
@@ -469,7 +471,7 @@ def test_a_part_stops_waiting_for_the_votes_of_a_reducer_that_already_finished_t
     its step 7: peer 0 refuses its votes as a round already finished, so none of peer 0's will come to
     peer 1's part either: that part stops waiting and the late round ends at once, not after the upload
     timeout, with the zero update peer 0 applied (no part reached its quorum)."""
-    config = AllReduceConfig(chunk_bytes=1024, upload_timeout=3.0, result_timeout=20.0, join_timeout=1.0,
+    config = AllReduceConfig(chunk_bytes=1024, upload_timeout=5.0, result_timeout=20.0, join_timeout=1.0,
                              recovery_timeout=0.5, keep_rounds=2)
     numel = 8 * 2000
     kept, late = {}, {}

@@ -9,6 +9,7 @@ import hashlib
 import logging
 import random
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -598,22 +599,41 @@ def test_leaving_mid_round_logs_no_error_and_no_traceback(caplog, capfd):
     assert "Traceback" not in text and "CancelledError" not in text
 
 
-def test_a_daemon_connection_closed_before_its_first_byte_is_not_an_error(caplog):
-    """The shutdown race above has a second shape: the daemon closes a connection before it sent a byte
-    and hivemind's handler raises IncompleteReadError with nothing read. That is DEBUG; a connection cut
-    mid-message (bytes lost) and any other error still reach asyncio's handler at ERROR."""
+def test_a_daemon_connection_closed_before_its_stream_info_is_not_an_error(caplog):
+    """The shutdown race above has a second shape: the daemon closes a connection before its stream info
+    arrived, and hivemind's handler raises IncompleteReadError with nothing of the message read. That is
+    DEBUG. A cut in the message itself, the same error raised elsewhere (this project's handlers) and any
+    other error still reach asyncio's handler at ERROR."""
+    from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
+
     from lioncub_p2p.aio import _quiet_cancelled_connections
 
     loop = asyncio.new_event_loop()
     try:
+        def raised(data: bytes, handler=ControlClient._handler) -> BaseException:
+            reader = asyncio.StreamReader(loop=loop)
+            reader.feed_data(data)
+            reader.feed_eof()
+            try:
+                loop.run_until_complete(handler(SimpleNamespace(handlers={}), reader, None))
+            except Exception as e:
+                return e
+            raise AssertionError("no error raised")
+
+        async def own_handler(self, reader, writer):
+            await reader.readexactly(4)
+
         def report(error):
             caplog.clear()
             with caplog.at_level(logging.DEBUG):
                 _quiet_cancelled_connections(loop, {"message": "Unhandled exception in client_connected_cb",
                                                     "exception": error})
             return [r.levelno for r in caplog.records]
-        assert report(asyncio.IncompleteReadError(b"", 4)) == [logging.DEBUG]
-        assert logging.ERROR in report(asyncio.IncompleteReadError(b"\x01\x02", 4))
+        assert report(raised(b"")) == [logging.DEBUG]
+        assert report(raised(b"\x80")) == [logging.DEBUG]  # cut inside the length prefix: nothing of the message
+        assert logging.ERROR in report(raised(b"\x05ab"))  # cut in the message itself
+        assert logging.ERROR in report(raised(b"", handler=own_handler))
+        assert logging.ERROR in report(asyncio.IncompleteReadError(b"", 4))  # no traceback: not the daemon's
         assert logging.ERROR in report(ValueError("a real bug"))
     finally:
         loop.close()

@@ -161,9 +161,29 @@ def test_back_from_a_stall_far_behind_the_group_a_peer_downloads_the_state_once_
     assert downloads == [] and tried is None
     p = pipeline(21, {"a": far, "b": far, "c": 21, "m": 21})
     assert skipped(p) and p.skips == 1 and p.stats.repaired and prepared == [20]
-    assert downloads == [dict(min_step=21, group=group, params_only=True, slow_link=False)]
+    # from a donor within FAR_BEHIND_STEPS of the group's median step (not one barely past its own)
+    assert downloads == [dict(min_step=far - FAR_BEHIND_STEPS, group=group, params_only=True, slow_link=False)]
     assert not skipped(pipeline(21, {"a": far, "b": far, "c": far}))  # once per stall
     fail = True
     p = pipeline(40, {"a": 400, "b": 400, "c": 400})  # a new stall: tried, failed, replays
     assert not skipped(p) and p.skips == 0 and len(downloads) == 2
     assert not skipped(pipeline(40, {"a": 400, "b": 400, "c": 400})) and len(downloads) == 2
+
+
+def test_a_step_whose_stall_download_succeeded_starts_no_round_and_applies_nothing():
+    """``_start``'s side of the rule above: after the download the step's update is None (the state was
+    replaced), and no round is specified or started."""
+    from lioncub_p2p.allreduce import PeerSpec
+    from lioncub_p2p.optim import Resolved
+
+    history = GroupHistory()
+    history.add(GroupRecord(3, 0, tuple(PeerSpec(pid, 1.0) for pid in "mabc")))
+
+    def no_round(group, step):
+        raise AssertionError("a round was specified after the download")
+
+    fake = SimpleNamespace(upkeep=SimpleNamespace(history=history), peer_id="m",
+                           settings=SimpleNamespace(client_mode=False), _skipped_after_stall=lambda step: True,
+                           spec=no_round)
+    result = VotePipeline._start(fake, torch.zeros(1), 21)
+    assert isinstance(result, Resolved) and result.wait() is None

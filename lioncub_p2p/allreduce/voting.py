@@ -220,10 +220,13 @@ class VotingMixin:
             report.parts[j].note, report.parts[j].other_group = note, OTHER_GROUP in str(e)
             logger.info("round %s: part %d %s", spec.round_id.hex()[:12], j, note)
             # it has not started this round (held up), or it ran it and moved on (finished: a peer replaying
-            # steps it missed while the others went on): no votes of its will come, so this part stops waiting
+            # steps it missed while the others went on): no votes of its will come, so this part stops waiting;
+            # not once some of them came (a fast two-level run can take a round out of j's table while j
+            # still votes in it)
             reason = next((r for r in (HELD_UP, FINISHED) if r in str(e)), None)
-            if reason and state.reduction is not None:
-                state.reduction.drop(j, reason)
+            red = state.reduction
+            if reason and red is not None and j not in red.next_offset:
+                red.drop(j, reason)
         finally:
             if writer is not None:
                 writer.close()

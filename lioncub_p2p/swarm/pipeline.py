@@ -30,7 +30,7 @@ from ..allreduce import RoundReport, RoundSpec, VoteNode
 from ..allreduce.allgather import GatherNode
 from ..optim import Resolved, TrainingView
 from . import snapshot
-from .follow import FollowRule, far_behind
+from .follow import FAR_BEHIND_STEPS, FollowRule, far_behind
 from .lead import failed_reducers
 from .membership import GroupRecord
 from .records import RateLimitedLog
@@ -306,12 +306,13 @@ class VotePipeline:
         self._far_skip_for = held
         logger.warning("step %d: this peer's training was held up while the group went %d steps past it: "
                        "downloading the state instead of replaying the rounds", step, ahead)
-        try:
-            self.state.download(min_step=self.optimizer.step_count + 1, group=latest, params_only=True,
-                                slow_link=self.follow.following)
+        try:  # a donor barely past this step would leave it far behind, its flag cleared by the download
+            self.state.download(min_step=max(self.optimizer.step_count + 1, step + ahead - FAR_BEHIND_STEPS),
+                                group=latest, params_only=True, slow_link=self.follow.following)
         except Exception as e:
             logger.warning("step %d: downloading the state failed (%s); replaying the rounds", step, e)
             return False
+        self._skip_failures = 0
         self.skips += 1
         self.stats.repaired = True
         self.prepare(self.optimizer.step_count)
