@@ -14,10 +14,10 @@ import torch  # noqa: E402
 if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
 
-# The suite runs on three pytest-xdist workers (pyproject: -n 3 --dist loadgroup): many tests wait on
-# timeouts and peers, and a third worker fills the idle CPU (663-747 s against 853-906 s with two).
-# Two tests were flaky under that load and are fixed (the short comparison's windows, the shutdown
-# race in aio.py); if another one is, -n 2 is the fallback. Tests that run
+# The suite runs on two pytest-xdist workers (pyproject: -n 2 --dist loadgroup). Three were not worth
+# it: 845 s against 906 s with two (2026-12-06), and under their load a test failed that never does with
+# two (a healthy peer followed for 4 steps); before, 663-747 s against 853 s, with two other tests flaky
+# (since fixed). Tests that run
 # whole trainer processes (test_sim, test_multihost, test_swarm_processes, the NAT trainer) share the xdist group
 # "processes": one worker runs them one after another, so two of them never load the 2 cores at once;
 # every other test goes to whichever worker is free. Items are handed out in collection order, so the
