@@ -351,12 +351,9 @@ class AuditingMixin:
         peer = info.peer_id.to_base58()
         replied = False
         try:
-            req, _ = await asyncio.wait_for(read_frame(reader, pb.AuditRequest, 1024), self.config.first_frame_timeout)
+            req = await self._first_request(reader, pb.AuditRequest, peer)
             if req is None:
                 return
-            refused = self.admission.reason(peer, req.token)
-            if refused:
-                raise WireError(f"not admitted: {refused}")
             found = self._audited(req.round_id)
             if found is None:
                 raise WireError("unknown or forgotten round")

@@ -62,6 +62,7 @@ import torch
 from hivemind.p2p import P2P
 
 from ..identity import Identity, Verifier
+from ..wire import WireError, read_frame
 from ..wire.gate import StreamGate, guard
 from .admission import OPEN, Admission
 from .archive import RoundArchive
@@ -175,6 +176,14 @@ class VoteNode(VotingMixin, RecoveryMixin, AuditingMixin, ServingMixin):
 
     def _may_fetch(self, peer_id: str) -> bool:
         return self._is_member(peer_id) or self.in_run(peer_id)
+
+    async def _first_request(self, reader: asyncio.StreamReader, message, peer: str):
+        """A fetch or audit stream's one request (at most 1 KiB, within ``first_frame_timeout``), once its
+        sender is admitted; None when the stream closed first."""
+        req, _ = await asyncio.wait_for(read_frame(reader, message, 1024), self.config.first_frame_timeout)
+        if req is not None and (refused := self.admission.reason(peer, req.token)):
+            raise WireError(f"not admitted: {refused}")
+        return req
 
     def stop_waiting_for(self, peer_ids: set[str], reason: str) -> None:
         """Leave these peers' unfinished votes out of every part this peer still reduces (they said

@@ -365,12 +365,9 @@ class ServingMixin:
         peer = info.peer_id.to_base58()
         task = asyncio.current_task()
         try:
-            req, _ = await asyncio.wait_for(read_frame(reader, pb.FetchResult, 1024), self.config.first_frame_timeout)
+            req = await self._first_request(reader, pb.FetchResult, peer)
             if req is None:
                 return
-            refused = self.admission.reason(peer, req.token)
-            if refused:
-                raise WireError(f"not admitted: {refused}")
             state = self._rounds.get(req.round_id)
             if state is None and req.round_id not in self._finished and self.archive.get(req.round_id) is None:
                 # not started here yet (a follower caught up)
