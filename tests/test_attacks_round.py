@@ -522,6 +522,56 @@ def test_an_outsider_holding_hundreds_of_idle_streams_cannot_stop_rounds():
         assert min(dialed) >= 280
 
 
+def test_fetch_and_audit_streams_answer_members_and_refuse_peers_without_the_run_secret():
+    """Both members hold the run secret. Once a round ended, member 1 asking reducer 0 for that round's
+    result and an audit gets them; an outsider asking the same with a token of another secret, or with
+    none, is refused "not admitted" and gets no codes (a second-level round's results go to any
+    admitted peer, so membership alone is not the gate)."""
+    from lioncub_p2p.allreduce.node import AUDIT_PROTOCOL
+    from lioncub_p2p.wire import read_frame
+
+    numel = 8 * 4000
+    codes = _codes("sign", 2, numel, seed=62)
+    with LocalSwarm(2) as swarm:
+        reducer, member = swarm.nodes
+        run = Admission(run_id="r", secret=b"s3cret")
+        for node in swarm.nodes:
+            node.admission = run
+        swarm.allreduce(codes)
+        round_id = bytes.fromhex(swarm.reports[0].round_id)
+        outsider = swarm.run(start_outsider(swarm))
+        outsider_id = outsider.peer_id.to_base58()
+
+        async def ask(p2p, protocol: str, request, reply_type):
+            _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(reducer.peer_id), protocol)
+            try:
+                await write_frame(writer, request)
+                reply, _ = await asyncio.wait_for(read_frame(reader, reply_type), 10)
+                return reply
+            finally:
+                writer.close()
+
+        def fetch(p2p, token: bytes):
+            return swarm.run(ask(p2p, FETCH_PROTOCOL, pb.FetchResult(version=PROTOCOL_VERSION, round_id=round_id,
+                                                                     part=0, token=token), pb.ResultChunk))
+
+        def audit(p2p, token: bytes):
+            return swarm.run(ask(p2p, AUDIT_PROTOCOL, pb.AuditRequest(version=PROTOCOL_VERSION, round_id=round_id,
+                                                                      part=0, leaves=[0], token=token), pb.AuditAnswer))
+
+        try:
+            mine = run.token(member.peer_id)
+            result, opened = fetch(member.p2p, mine), audit(member.p2p, mine)
+            assert not result.error and result.header and result.signature, result.error
+            assert not opened.error and opened.codes, opened.error
+            for token in (Admission(run_id="r", secret=b"guess").token(outsider_id), b""):
+                refused, unopened = fetch(outsider, token), audit(outsider, token)
+                assert refused.error == "not admitted: wrong or missing run secret" and not refused.data
+                assert unopened.error == "not admitted: wrong or missing run secret" and not unopened.codes
+        finally:
+            swarm.run(outsider.shutdown())
+
+
 @pytest.mark.slow
 def test_fake_rounds_cannot_fill_the_table_of_rounds_not_started_yet():
     """A member and an outsider announce votes for 20 rounds that do not exist while reducer 0 starts
