@@ -100,7 +100,12 @@ class Upkeep:
 
     def trust(self, group: GroupRecord) -> None:
         """Accept ``group`` as the newest; its members (and those of older groups kept) are admitted."""
+        newer = self.history.latest is None or group.epoch > self.history.latest.epoch
         self.history.add(group)
+        if newer and self.history.latest is group:  # how much notice it came with: a member at or past
+            step = self.local().step  # its first step when it reads it ran that step in the old group
+            logger.info("group epoch %d from step %d read at step %d (%d steps of notice)", group.epoch,
+                        group.from_step, step, group.from_step - step)
         for g in self.history.by_epoch.values():
             self.admitted.update(g.member_ids())
         if self.on_epoch is not None:
