@@ -18,7 +18,10 @@ The rules:
 * the **leader** is the first healthy member that reduces, in group order (``leader_of``);
 * the unhealthy are dropped; a peer not in the group joins when its record is newer than the one it
   had when it was dropped (a dead peer's record lingers until it expires), it is not suspected and
-  ``may_join`` admits it (protocol version, manifest, allow-list, run secret);
+  ``may_join`` admits it (protocol version, manifest, allow-list, run secret); one dropped for missed
+  votes comes back once its record shows its training acted since: it asks to rejoin (not synced)
+  or announces a later step (a peer whose training thread hangs still announces from its event loop:
+  re-added while it slept, it cost every member the upload timeout at each of its steps);
 * weights: ``membership.assigned_weight``, with the floor computed over the members' and newcomers'
   announced weights, and the lone-reducer exception when no member that could reduce reaches it;
 * members that follow or are on probation are no **voters** (``PeerSpec.voter``): the quorum is a
@@ -37,7 +40,7 @@ The rules:
 * a new group takes effect ``lead_steps`` past the fastest member's step (its record's, or the newest
   step a member asked the leader to count votes for: a leader behind its group sees it there long
   before records say it), and further on a group that steps fast: every member must read the record
-  before it reaches that step (``steps_ahead``), or the members split between the two groups for a
+  before it reaches that step (``notice_s``, ``steps_ahead``), or the members split between the two groups for a
   round (a member that ran the step in the older group receives it again: ``pipeline.py``).
 """
 from __future__ import annotations
@@ -50,9 +53,6 @@ from ..allreduce import PeerSpec
 from ..allreduce.round import PartReport
 from .membership import MAX_REPORTED, GroupRecord, PeerRecord, assigned_weight, reducer_floor
 
-# seconds most members need to read a new group record: one refresh period (0.5 s by default); a
-# member that reads it later misses one round and repairs (the group epoch travels in every result)
-NOTICE_S = 0.5
 SYNC_GRACE_ROUNDS = 30  # rounds a joining member may miss before it is dropped (it downloads the state)...
 DROP_AFTER_S = 5.0  # ...and seconds any member may miss rounds: fast rounds must not drop a peer that is starting up
 REST_S = 30.0  # seconds a member whose part failed reduces nothing (it votes)
@@ -152,9 +152,11 @@ class GroupPlan:
 
 
 def plan_group(latest: GroupRecord, healthy: Health, *, evicted: Mapping[str, float],
-               may_join: Callable[[PeerRecord], bool]) -> GroupPlan:
+               may_join: Callable[[PeerRecord], bool], missed_at: Mapping[str, int] | None = None) -> GroupPlan:
     """The next group as its leader makes it. ``evicted``: the expiry of a dropped peer's record when it
-    was dropped; ``may_join`` is asked only about peers that would join otherwise (it may log why not)."""
+    was dropped; ``missed_at``: the step a peer dropped for missed votes announced then; ``may_join`` is
+    asked only about peers that would join otherwise (it may log why not)."""
+    missed_at = missed_at or {}
     records, syncing = healthy.records, healthy.syncing
     following = healthy.following | healthy.probation  # neither gets a part
 
@@ -181,6 +183,7 @@ def plan_group(latest: GroupRecord, healthy: Health, *, evicted: Mapping[str, fl
     kept = [spec(m.peer_id, announced(m), m.client_mode) for m in latest.members if m not in dropped]
     joined = tuple(spec(r.peer_id, r.weight, r.client_mode) for r in records.values()
                    if r.peer_id not in known and not r.leaving and r.expires > evicted.get(r.peer_id, 0.0)
+                   and not (r.synced and r.step <= missed_at.get(r.peer_id, -1))
                    and r.peer_id not in healthy.suspects and may_join(r))
     return GroupPlan(tuple(sorted(kept + list(joined), key=lambda m: m.peer_id)), dropped, joined)
 
@@ -197,12 +200,22 @@ def failed_reducers(parts: Sequence[PartReport], group: Sequence[PeerSpec], me: 
     return failed if len(failed) < len(others) else []
 
 
-__all__ = ["Health", "GroupPlan", "leader_of", "plan_group", "failed_reducers", "SYNC_GRACE_ROUNDS", "DROP_AFTER_S",
+__all__ = ["Health", "GroupPlan", "leader_of", "plan_group", "failed_reducers", "notice_s", "SYNC_GRACE_ROUNDS", "DROP_AFTER_S",
            "REST_S", "STEADY_ROUNDS"]
 
 
-def steps_ahead(lead_steps: int, steps_per_s: float, notice_s: float = NOTICE_S) -> int:
+def notice_s(refresh_period: float, dht_s: float) -> float:
+    """Seconds every member needs to read a new group record. A member reads the groups once per upkeep
+    cycle: its refresh sleep and up to three DHT calls (the peer records, its own announcement, the
+    groups); the record is there once the leader's store lands (one call more, ``dht_s`` the leader's
+    slowest recent one); and a loaded loop wakes late by up to another sleep. One sleep and two calls
+    gave 4 steps of notice at ~5 steps/s in a two-level run: a member read the record after the group
+    had passed its first step, ran that step in the old group and received it again (6 s a step)."""
+    return 2 * refresh_period + 4 * dht_s
+
+
+def steps_ahead(lead_steps: int, steps_per_s: float, notice: float) -> int:
     """How far past the fastest member's step a new group starts: ``lead_steps``, or the steps the group
     makes while its members read the record, whichever is more (a fast small model makes dozens per
     second; a step of seconds over the internet makes ``lead_steps`` the rule)."""
-    return max(lead_steps, math.ceil(max(steps_per_s, 0.0) * notice_s))
+    return max(lead_steps, math.ceil(max(steps_per_s, 0.0) * notice))

@@ -26,8 +26,8 @@ from hivemind.utils import get_dht_time
 
 from ..wire import PROTOCOL_VERSION
 from . import manifest as manifests
-from .lead import (NOTICE_S, REST_S, STEADY_ROUNDS, Health, leader_of, missing_votes, plan_group, reported_by_most,
-                   reported_group, steady_votes, steps_ahead)
+from .lead import (REST_S, STEADY_ROUNDS, Health, leader_of, missing_votes, notice_s, plan_group,
+                   reported_by_most, reported_group, steady_votes, steps_ahead)
 from .manifest import Manifest
 from .membership import (Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group,
                          preferred_rival)
@@ -88,6 +88,7 @@ class Upkeep:
         self.counted_run: Counter[str] = Counter()  # rounds in a row a member's vote counted here...
         self.steady_at: dict[str, float] = {}  # ...when that run last reached lead.STEADY_ROUNDS
         self.missed_out: dict[str, float] = {}  # (here only) member dropped for missed votes -> when: probation
+        self.missed_at: dict[str, int] = {}  # ... -> the step its record announced then (``lead.plan_group``)
         self.on_epoch: Callable[[int], None] | None = None  # told the newest group's epoch (the vote node)
         self.stop_waiting_for: Callable[[set[str], str], None] | None = None  # reducers stop waiting for leavers
         # each member's group of a group record's two-level vote (RoundBook.groups_of; empty: a flat vote)
@@ -265,7 +266,7 @@ class Upkeep:
     def _prune_round_counters(self) -> None:
         """Bounded memory: forget counts of peers without a record, and part failures whose rest is over.
         Copies first (the training thread writes these); a failure rewritten meanwhile is kept."""
-        for counter in (self.steady_at, self.counted_run):
+        for counter in (self.steady_at, self.counted_run, self.missed_at):
             for pid in [p for p in list(counter) if p not in self.records]:
                 counter.pop(pid, None)
         now = time.monotonic()
@@ -298,7 +299,7 @@ class Upkeep:
         if me.run_manifest is not None and time.monotonic() - self.manifest_published > manifests.MANIFEST_TTL / 3:
             self.manifest_published = time.monotonic()  # the leader keeps the run's manifest alive
             await self.store_manifest(me.run_manifest)
-        plan = plan_group(latest, healthy, evicted=self.evicted,
+        plan = plan_group(latest, healthy, evicted=self.evicted, missed_at=self.missed_at,
                           may_join=lambda record: self.may_join(record, me.run_manifest))
         liars = self.verdicts.liars
         for m in plan.dropped:  # remember what the record of a dropped member said when it was dropped
@@ -306,6 +307,7 @@ class Upkeep:
                 self.evicted[m.peer_id] = self.records[m.peer_id].expires
             if healthy.dropped_alive(m.peer_id):
                 self.missed_out[m.peer_id] = time.monotonic()
+                self.missed_at[m.peer_id] = self.records[m.peer_id].step
             if m.peer_id in liars:
                 logger.warning("dropping %s from the group: it lied (%s)", m.peer_id, liars[m.peer_id])
             elif m.peer_id in suspects:
@@ -316,6 +318,7 @@ class Upkeep:
             self.log.warning(f"rest:{pid}", "%s reduces nothing for the next %.0f s: its part failed while the "
                              "others came through", pid, REST_S)
         for m in plan.joined:  # a returning peer starts with a clean slate
+            self.missed_at.pop(m.peer_id, None)
             self.failures[m.peer_id] = 0
             self.failing_since.pop(m.peer_id, None)
             if m.peer_id in healthy.probation:
@@ -345,7 +348,7 @@ class Upkeep:
         # the members must read the record before the group reaches its first step: a store and a read
         # take seconds on a loaded machine (a record stored in 3 s started at a step the group had
         # reached: the members that read it in time split from the rest, measured)
-        notice = NOTICE_S + 2 * self.dht_s
+        notice = notice_s(self.refresh_period, self.dht_s)
         # a waiting leader starts a group at once, unless a member already asked it to count votes of its
         # step: that member did not wait and is stepping it, so a group from there would split that step
         waiting = me.idle and ahead == step and me.asked_step < step
