@@ -9,10 +9,8 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import numpy as np

@@ -186,7 +186,7 @@ def test_a_member_dropped_for_missed_votes_comes_back_on_probation_until_a_vote_
     assert not Health(records, me="a", now=NOW, failures={}, failing_since={}, suspects=set()).dropped_alive("c")
 
 
-def test_a_member_dropped_for_missed_votes_comes_back_only_once_its_record_shows_its_training_acted():
+def test_a_member_dropped_for_missed_votes_comes_back_only_once_its_record_shows_its_training_acted(caplog):
     """A peer whose training thread hangs still announces from its event loop, synced at the step it
     hangs at: re-added (on probation) 1 s after its drop, it cost every member the upload timeout at each
     step until it woke. The leader re-adds it once its record asks to rejoin or shows a later step."""
@@ -209,7 +209,9 @@ def test_a_member_dropped_for_missed_votes_comes_back_only_once_its_record_shows
         return upkeep.directory.published[-1]
 
     upkeep, directory = leader_dropping_c()
-    assert lead_with(upkeep).epoch == 4  # a newer record, still synced at step 10: asleep, not re-added
+    with caplog.at_level(logging.WARNING, logger="test"):
+        assert lead_with(upkeep).epoch == 4  # a newer record, still synced at step 10: asleep, not re-added
+    assert "c stays out of the group: dropped for missed votes at step 10" in caplog.text
     readded = lead_with(upkeep, synced=False)  # it found itself dropped and asks to rejoin
     assert readded.epoch == 5 and "c" in readded.member_ids() and "c" in upkeep.missed_out  # on probation
     assert upkeep.missed_at == {}

@@ -65,7 +65,7 @@ def test_readme_commands_on_separate_hosts_with_latency_and_nat(tmp_path):
         coord = net.add_public("coord", delay_ms=20)
         for name, delay in (("v1", 20), ("v2", 40), ("late", 25)):
             net.add_public(name, delay_ms=delay)
-        home = net.add_private("home", delay_ms=30)
+        net.add_private("home", delay_ms=30)
         def pids(host: str) -> set[str]:
             return set(subprocess.run(["ip", "netns", "pids", net.hosts[host].namespace], capture_output=True,
                                       text=True).stdout.split())

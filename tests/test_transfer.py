@@ -23,7 +23,7 @@ from lioncub_p2p.codecs import result_codec, upload_codec
 from lioncub_p2p.swarm.probe import measure, serve_probe
 from lioncub_p2p.swarm.state_transfer import StateServer, download_state
 from lioncub_p2p.testing import FAST_CONFIG, LISTEN, LocalSwarm
-from lioncub_p2p.wire import LINGER_S, PROTOCOL_VERSION, close_after_reply, pb, write_frame
+from lioncub_p2p.wire import PROTOCOL_VERSION, close_after_reply, pb, write_frame
 
 from reference import unpack
 

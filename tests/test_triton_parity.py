@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lioncub_p2p.ops import step_zero_keys, tie_key, torch_impl, triton_impl, zero_sign_key, zero_sign_keys
+from lioncub_p2p.ops import step_zero_keys, tie_key, torch_impl, triton_impl, zero_sign_key
 from lioncub_p2p.ops.multi_tensor import _TritonBatch
 
 from reference import pack

@@ -60,7 +60,7 @@ class VotingMixin:
         self._ran(state.spec)
         if self.config.result_deltas and spec.result.name == "majority":
             state.declared = self.bases.declared(spec.nbytes)
-        me, report, parts = state.me, state.report, state.report.parts
+        me, report = state.me, state.report
         report.started = started
         codes = upload.numpy()
         roots = {j: root_of(codes[:, a:b], leaf_bytes(b - a, spec.upload.planes))

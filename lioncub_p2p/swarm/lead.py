@@ -21,7 +21,8 @@ The rules:
   ``may_join`` admits it (protocol version, manifest, allow-list, run secret); one dropped for missed
   votes comes back once its record shows its training acted since: it asks to rejoin (not synced)
   or announces a later step (a peer whose training thread hangs still announces from its event loop:
-  re-added while it slept, it cost every member the upload timeout at each of its steps);
+  re-added while it slept, it cost every member the upload timeout at each of its steps). The leader
+  that dropped it knows this (``Upkeep.missed_at``); a new leader re-adds it as before;
 * weights: ``membership.assigned_weight``, with the floor computed over the members' and newcomers'
   announced weights, and the lone-reducer exception when no member that could reduce reaches it;
 * members that follow or are on probation are no **voters** (``PeerSpec.voter``): the quorum is a

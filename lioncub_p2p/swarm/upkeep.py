@@ -101,12 +101,7 @@ class Upkeep:
 
     def trust(self, group: GroupRecord) -> None:
         """Accept ``group`` as the newest; its members (and those of older groups kept) are admitted."""
-        newer = self.history.latest is None or group.epoch > self.history.latest.epoch
         self.history.add(group)
-        if newer and self.history.latest is group:  # how much notice it came with: a member at or past
-            step = self.local().step  # its first step when it reads it ran that step in the old group
-            logger.info("group epoch %d from step %d read at step %d (%d steps of notice)", group.epoch,
-                        group.from_step, step, group.from_step - step)
         for g in self.history.by_epoch.values():
             self.admitted.update(g.member_ids())
         if self.on_epoch is not None:
@@ -149,6 +144,11 @@ class Upkeep:
                             run_step=announced_step(self.history.latest, self.records), refused=liars, log=self.log)
         if chosen is not None:
             self.trust(chosen)
+            # how much notice it came with: a member at or past its first step when it reads it ran that
+            # step in the old group (not logged in ``trust``: a joining peer trusts its first group before
+            # it has a step to compare)
+            logger.info("group epoch %d from step %d read at step %d (%d steps of notice)", chosen.epoch,
+                        chosen.from_step, step, chosen.from_step - step)
             return
         rival = preferred_rival(candidates, self.history, step=step, refused=liars)
         if rival is not None:
@@ -317,6 +317,12 @@ class Upkeep:
         for pid in sorted(healthy.resting & reducing & {m.peer_id for m in plan.members}):
             self.log.warning(f"rest:{pid}", "%s reduces nothing for the next %.0f s: its part failed while the "
                              "others came through", pid, REST_S)
+        for pid, step_then in self.missed_at.items():  # held out by ``plan_group``: say why, once a minute
+            record = self.records.get(pid)
+            if record is not None and record.synced and record.step <= step_then and pid not in latest.member_ids():
+                self.log.warning(f"asleep:{pid}", "%s stays out of the group: dropped for missed votes at step %d, "
+                                 "its record still says it holds the state at that step (its training may hang)",
+                                 pid, step_then)
         for m in plan.joined:  # a returning peer starts with a clean slate
             self.missed_at.pop(m.peer_id, None)
             self.failures[m.peer_id] = 0

@@ -125,7 +125,7 @@ class TrainingTask:
                             f"{type(loss).__name__}{list(loss.shape) if torch.is_tensor(loss) else ''}")
         if not loss.requires_grad:
             raise TaskError("no gradient flows from the loss to the model's parameters "
-                            f"(computed under torch.no_grad(), or detached?)")
+                            "(computed under torch.no_grad(), or detached?)")
         return loss
 
 
