@@ -121,13 +121,11 @@ def test_a_new_group_starts_far_enough_ahead_for_every_member_to_read_it():
     its members read the record (else the leader steps into the new group alone and fails its round)."""
     import math
 
-    from lioncub_p2p.swarm.lead import notice_s, steps_ahead
+    from lioncub_p2p.swarm.lead import NOTICE_S, steps_ahead
 
-    quiet = notice_s(0.5, 0.0)  # two refresh sleeps of 0.5 s, nothing slow measured: 1 s
-    assert quiet == 1.0 and notice_s(0.5, 0.3) == 1.0 + 4 * 0.3  # + the reader's three calls and the store
-    assert steps_ahead(3, 0.0, quiet) == steps_ahead(3, 1.0, quiet) == 3  # idle, or a step a second: lead_steps
-    assert steps_ahead(3, 35.0, quiet) == 35 == math.ceil(35 * quiet)  # a small model on loopback
-    assert steps_ahead(3, 35.0, 0.05) == 3
+    assert steps_ahead(3, 0.0) == steps_ahead(3, 1.0) == 3  # idle, or a step a second: lead_steps
+    assert steps_ahead(3, 35.0) == 18 == math.ceil(35 * NOTICE_S)  # a small model on loopback
+    assert steps_ahead(3, 35.0, notice_s=0.05) == 3
 
 
 def test_a_member_whose_part_failed_alone_rests_without_a_part_then_gets_one_back():
@@ -345,7 +343,7 @@ def test_a_founder_alone_starts_a_group_that_adds_a_newcomer_as_far_ahead_as_its
 
     alone = {"a": _records()["a"]}
     assert planned({"a": replace(alone["a"], weight=2.0)}) == 40 + 2  # its own weight changed: lead_steps
-    assert planned({**alone, "b": replace(_records()["b"], synced=False)}) == 40 + 60  # 60 steps/s x 2 x 0.5 s
+    assert planned({**alone, "b": replace(_records()["b"], synced=False)}) == 40 + 30  # 60 steps/s x 0.5 s
     # a toy model's pace: no further than members accept a record (2 x STEP_WINDOW + lead_steps past the run)
     assert planned({**alone, "b": replace(_records()["b"], synced=False)}, 2000.0) == 40 + upkeep_module.STEP_WINDOW
 
@@ -364,13 +362,13 @@ def test_a_slow_dht_moves_a_new_group_further_ahead():
     upkeep.trust(GroupRecord(3, 5, tuple(PeerSpec(pid) for pid in "abcd")))
     upkeep.records = {pid: r for pid, r in _records().items() if pid != "d"}
     asyncio.run(upkeep.lead())
-    assert directory.published[-1].from_step == 100 + 10  # 10 steps/s x two 0.5 s refreshes: nothing measured yet
+    assert directory.published[-1].from_step == 100 + 5  # 10 steps/s x 0.5 s: nothing measured yet
     assert 0.3 <= upkeep.dht_s < 1.0
-    upkeep.records = {pid: r for pid, r in _records().items() if pid in "ab"}  # c gone at step 111: the next
-    # group starts 10 x (2 x 0.5 + 4 x 0.3) steps on
-    upkeep.local = lambda: Local(joined=True, step=111, synced=True, idle=False, steps_per_s=10.0)
+    upkeep.records = {pid: r for pid, r in _records().items() if pid in "ab"}  # c gone at step 106: the next
+    # group starts 10 x (0.5 + 2 x 0.3) steps on
+    upkeep.local = lambda: Local(joined=True, step=106, synced=True, idle=False, steps_per_s=10.0)
     asyncio.run(upkeep.lead())
-    assert directory.published[-1].epoch == 5 and directory.published[-1].from_step >= 111 + 22
+    assert directory.published[-1].epoch == 5 and directory.published[-1].from_step >= 106 + 11
 
 
 def test_a_leader_behind_its_group_starts_the_next_group_past_the_step_its_members_ask_it_for():

@@ -41,7 +41,7 @@ The rules:
 * a new group takes effect ``lead_steps`` past the fastest member's step (its record's, or the newest
   step a member asked the leader to count votes for: a leader behind its group sees it there long
   before records say it), and further on a group that steps fast: every member must read the record
-  before it reaches that step (``notice_s``, ``steps_ahead``), or the members split between the two groups for a
+  before it reaches that step (``steps_ahead``), or the members split between the two groups for a
   round (a member that ran the step in the older group receives it again: ``pipeline.py``).
 """
 from __future__ import annotations
@@ -54,6 +54,12 @@ from ..allreduce import PeerSpec
 from ..allreduce.round import PartReport
 from .membership import MAX_REPORTED, GroupRecord, PeerRecord, assigned_weight, reducer_floor
 
+# seconds most members need to read a new group record: one refresh period (0.5 s by default); a
+# member that reads it later misses one round and repairs (the group epoch travels in every result).
+# Twice the refresh period plus four DHT calls (a member's whole read cycle) was tried: at an overlapped
+# run's pace it put group changes 100 steps ahead (the cap), and a group in which every other step
+# waited the upload timeout for a newcomer lasted 100 steps instead of ~50 (a CI failure, 227f01b)
+NOTICE_S = 0.5
 SYNC_GRACE_ROUNDS = 30  # rounds a joining member may miss before it is dropped (it downloads the state)...
 DROP_AFTER_S = 5.0  # ...and seconds any member may miss rounds: fast rounds must not drop a peer that is starting up
 REST_S = 30.0  # seconds a member whose part failed reduces nothing (it votes)
@@ -201,22 +207,12 @@ def failed_reducers(parts: Sequence[PartReport], group: Sequence[PeerSpec], me: 
     return failed if len(failed) < len(others) else []
 
 
-__all__ = ["Health", "GroupPlan", "leader_of", "plan_group", "failed_reducers", "notice_s", "SYNC_GRACE_ROUNDS", "DROP_AFTER_S",
+__all__ = ["Health", "GroupPlan", "leader_of", "plan_group", "failed_reducers", "SYNC_GRACE_ROUNDS", "DROP_AFTER_S",
            "REST_S", "STEADY_ROUNDS"]
 
 
-def notice_s(refresh_period: float, dht_s: float) -> float:
-    """Seconds every member needs to read a new group record. A member reads the groups once per upkeep
-    cycle: its refresh sleep and up to three DHT calls (the peer records, its own announcement, the
-    groups); the record is there once the leader's store lands (one call more, ``dht_s`` the leader's
-    slowest recent one); and a loaded loop wakes late by up to another sleep. One sleep and two calls
-    gave 4 steps of notice at ~5 steps/s in a two-level run: a member read the record after the group
-    had passed its first step, ran that step in the old group and received it again (6 s a step)."""
-    return 2 * refresh_period + 4 * dht_s
-
-
-def steps_ahead(lead_steps: int, steps_per_s: float, notice: float) -> int:
+def steps_ahead(lead_steps: int, steps_per_s: float, notice_s: float = NOTICE_S) -> int:
     """How far past the fastest member's step a new group starts: ``lead_steps``, or the steps the group
     makes while its members read the record, whichever is more (a fast small model makes dozens per
     second; a step of seconds over the internet makes ``lead_steps`` the rule)."""
-    return max(lead_steps, math.ceil(max(steps_per_s, 0.0) * notice))
+    return max(lead_steps, math.ceil(max(steps_per_s, 0.0) * notice_s))

@@ -26,8 +26,8 @@ from hivemind.utils import get_dht_time
 
 from ..wire import PROTOCOL_VERSION
 from . import manifest as manifests
-from .lead import (REST_S, STEADY_ROUNDS, Health, leader_of, missing_votes, notice_s, plan_group,
-                   reported_by_most, reported_group, steady_votes, steps_ahead)
+from .lead import (NOTICE_S, REST_S, STEADY_ROUNDS, Health, leader_of, missing_votes, plan_group, reported_by_most,
+                   reported_group, steady_votes, steps_ahead)
 from .manifest import Manifest
 from .membership import (Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group,
                          preferred_rival)
@@ -354,7 +354,7 @@ class Upkeep:
         # the members must read the record before the group reaches its first step: a store and a read
         # take seconds on a loaded machine (a record stored in 3 s started at a step the group had
         # reached: the members that read it in time split from the rest, measured)
-        notice = notice_s(self.refresh_period, self.dht_s)
+        notice = NOTICE_S + 2 * self.dht_s
         # a waiting leader starts a group at once, unless a member already asked it to count votes of its
         # step: that member did not wait and is stepping it, so a group from there would split that step
         waiting = me.idle and ahead == step and me.asked_step < step
