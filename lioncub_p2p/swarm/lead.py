@@ -158,6 +158,12 @@ class GroupPlan:
     joined: tuple[PeerSpec, ...]
 
 
+def asleep_since_drop(record: PeerRecord, missed_at: Mapping[str, int]) -> bool:
+    """Dropped for missed votes (``missed_at``: the step its record announced then), and its record still
+    says it holds the state at that step: its training has not acted since (it may hang)."""
+    return record.synced and record.step <= missed_at.get(record.peer_id, -1)
+
+
 def plan_group(latest: GroupRecord, healthy: Health, *, evicted: Mapping[str, float],
                may_join: Callable[[PeerRecord], bool], missed_at: Mapping[str, int] | None = None) -> GroupPlan:
     """The next group as its leader makes it. ``evicted``: the expiry of a dropped peer's record when it
@@ -190,7 +196,7 @@ def plan_group(latest: GroupRecord, healthy: Health, *, evicted: Mapping[str, fl
     kept = [spec(m.peer_id, announced(m), m.client_mode) for m in latest.members if m not in dropped]
     joined = tuple(spec(r.peer_id, r.weight, r.client_mode) for r in records.values()
                    if r.peer_id not in known and not r.leaving and r.expires > evicted.get(r.peer_id, 0.0)
-                   and not (r.synced and r.step <= missed_at.get(r.peer_id, -1))
+                   and not asleep_since_drop(r, missed_at)
                    and r.peer_id not in healthy.suspects and may_join(r))
     return GroupPlan(tuple(sorted(kept + list(joined), key=lambda m: m.peer_id)), dropped, joined)
 
@@ -207,8 +213,8 @@ def failed_reducers(parts: Sequence[PartReport], group: Sequence[PeerSpec], me: 
     return failed if len(failed) < len(others) else []
 
 
-__all__ = ["Health", "GroupPlan", "leader_of", "plan_group", "failed_reducers", "SYNC_GRACE_ROUNDS", "DROP_AFTER_S",
-           "REST_S", "STEADY_ROUNDS"]
+__all__ = ["Health", "GroupPlan", "leader_of", "plan_group", "asleep_since_drop", "failed_reducers",
+           "SYNC_GRACE_ROUNDS", "DROP_AFTER_S", "REST_S", "STEADY_ROUNDS"]
 
 
 def steps_ahead(lead_steps: int, steps_per_s: float, notice_s: float = NOTICE_S) -> int:

@@ -26,8 +26,8 @@ from hivemind.utils import get_dht_time
 
 from ..wire import PROTOCOL_VERSION
 from . import manifest as manifests
-from .lead import (NOTICE_S, REST_S, STEADY_ROUNDS, Health, leader_of, missing_votes, plan_group, reported_by_most,
-                   reported_group, steady_votes, steps_ahead)
+from .lead import (NOTICE_S, REST_S, STEADY_ROUNDS, Health, asleep_since_drop, leader_of, missing_votes, plan_group,
+                   reported_by_most, reported_group, steady_votes, steps_ahead)
 from .manifest import Manifest
 from .membership import (Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group,
                          preferred_rival)
@@ -317,9 +317,10 @@ class Upkeep:
         for pid in sorted(healthy.resting & reducing & {m.peer_id for m in plan.members}):
             self.log.warning(f"rest:{pid}", "%s reduces nothing for the next %.0f s: its part failed while the "
                              "others came through", pid, REST_S)
+        members = set(latest.member_ids())
         for pid, step_then in self.missed_at.items():  # held out by ``plan_group``: say why, once a minute
             record = self.records.get(pid)
-            if record is not None and record.synced and record.step <= step_then and pid not in latest.member_ids():
+            if record is not None and pid not in members and asleep_since_drop(record, self.missed_at):
                 self.log.warning(f"asleep:{pid}", "%s stays out of the group: dropped for missed votes at step %d, "
                                  "its record still says it holds the state at that step (its training may hang)",
                                  pid, step_then)
