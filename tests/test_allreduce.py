@@ -465,6 +465,52 @@ def test_a_refusal_read_after_the_reducer_cut_a_long_upload_still_stops_the_wait
     assert elapsed[8] < config.upload_timeout / 2, elapsed
 
 
+class _LostWrites:
+    """A stream writer cut by its first write, which never arrives: a refusal discarded by the reset that
+    cuts a long upload."""
+
+    def __init__(self, writer: asyncio.StreamWriter):
+        self._writer = writer
+
+    def write(self, data: bytes) -> None:
+        self._writer.close()
+
+    async def drain(self) -> None:
+        pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._writer, name)
+
+
+@pytest.mark.slow
+def test_a_held_up_reducer_whose_refusal_is_lost_is_asked_again_and_the_part_stops_waiting(monkeypatch):
+    """As the held-up test above, but peer 1's refusal on the vote stream never arrives (the test above
+    lost it under load: the reset of a cut upload discards it). Peer 0 sees the fresh stream closed
+    without a word, asks peer 1 for the part on a fetch stream, reads the refusal there, and its own
+    part stops waiting for peer 1's votes: step 8 ends at once, not after the upload timeout."""
+    from lioncub_p2p.allreduce.serving import ServingMixin
+
+    serve = ServingMixin._on_vote_stream
+
+    async def losing_writes_while_held_up(self, info, reader, writer):
+        await serve(self, info, reader, _LostWrites(writer) if self._stalled_at else writer)
+
+    monkeypatch.setattr(ServingMixin, "_on_vote_stream", losing_writes_while_held_up)
+    config = AllReduceConfig(chunk_bytes=1024, upload_timeout=3.0, result_timeout=20.0, join_timeout=2.0,
+                             recovery_timeout=0.5)
+    numel = 8 * 2000
+    elapsed = {}
+    with LocalSwarm(2, config=config) as swarm:
+        swarm.allreduce(_codes("sign", 2, numel, seed=6), step=6, family="vote")
+        for step, family in ((7, "vote"), (8, "momentum")):
+            _, results, elapsed[step] = _hung_round(swarm, numel, step, family, peer=1)
+            assert not as_values(results[0], numel).any()
+        note = swarm.reports[0].parts[1].note
+    assert HELD_UP in note and "peer refused" in note, note
+    assert elapsed[7] >= config.upload_timeout, elapsed
+    assert elapsed[8] < config.upload_timeout / 2, elapsed
+
+
 def test_a_part_stops_waiting_for_the_votes_of_a_reducer_that_already_finished_the_round():
     """Peer 1 of a group of 2 (its quorum: both votes) hangs through steps 7-9 while peer 0 runs them;
     step 7's round then leaves peer 0's table of live rounds (``keep_rounds`` 2). Peer 1 resumes and runs

@@ -7,7 +7,8 @@ Reads ``config``, ``p2p``, ``peer_id``, ``admission``, ``identity``, ``verifier`
 ``asked_step``; writes ``_kept`` (vote streams kept for the next round), ``bases`` (a complete majority
 result remembered), ``_new_caught`` (handed to the round's report) and the ``RoundState`` of the round
 it runs (``direct``, ``received``, ``recovered``, ``declared``, its report). Calls node.py's
-``prepare_round``, ``_ran`` and ``_emit``.
+``prepare_round``, ``_ran`` and ``_emit``, and recovery.py's ``_fetch`` (a reducer that closed a vote
+stream without a word is asked why, ``_ask_reducer``).
 
 Runs on the event loop thread that owns the node's P2P, as everything in ``VoteNode``.
 """
@@ -190,19 +191,19 @@ class VotingMixin:
                     try:
                         await self._send_votes(writer, state, j, upload, statement)
                     except NETWORK_ERRORS:
-                        if not kept:
-                            raise
                         writer.close()
                         writer = None
+                        if not kept:
+                            return await self._ask_reducer(state, j)
                         continue
                     report.timings["upload"] = max(report.timings.get("upload", 0.0), time.perf_counter() - started)
                 try:
                     outcome = await self._read_result(reader, state, j)
                 except (*NETWORK_ERRORS, StreamClosed):
-                    if not kept:
-                        raise
-                    writer.close()  # the reducer closed the kept stream meanwhile: dial afresh, once
+                    writer.close()  # a kept stream: the reducer closed it meanwhile: dial afresh, once
                     writer = None
+                    if not kept:
+                        return await self._ask_reducer(state, j)
                     continue
                 self._kept.setdefault(peer, []).append((reader, writer, time.monotonic()))
                 writer = None  # kept for the next round, not closed below
@@ -232,6 +233,28 @@ class VotingMixin:
                 writer.close()
             if not state.direct[j].done():
                 state.direct[j].set_result(outcome)
+
+    async def _ask_reducer(self, state: RoundState, j: int) -> PartResult:
+        """Part j's result asked of its reducer on a fetch stream, after it closed a fresh vote stream without
+        a word. A reducer that refuses a long upload cuts it after ``close_after_reply``'s drain, and the
+        reset that cuts it can discard the refusal written just before (seen under load): the voter then
+        waited for a held-up peer's votes until the upload timeout. A fetch request is short, so nothing
+        cuts the answer: the reducer refuses again with its reason (the caller reads it), or sends the
+        part. One that has not begun to answer within ``recovery_hedge_s`` is left to recovery."""
+        answering = asyncio.Event()
+        fetch = asyncio.create_task(self._fetch(state, j, j, answering))
+        begun = asyncio.create_task(answering.wait())
+        try:
+            await asyncio.wait({fetch, begun}, timeout=self.config.recovery_hedge_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not fetch.done() and not answering.is_set():
+                raise StreamClosed("stream closed before the first result chunk, and no answer to a fetch")
+            return await fetch
+        finally:
+            begun.cancel()
+            if not fetch.done():
+                fetch.cancel()
+                fetch.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _vote_stream(self, peer: str, *, fresh: bool = False):
         """(reader, writer, kept): a stream to ``peer``'s vote handler, kept from an earlier round
