@@ -546,6 +546,42 @@ def test_a_part_stops_waiting_for_the_votes_of_a_reducer_that_already_finished_t
     assert elapsed < config.upload_timeout / 2, elapsed
 
 
+@pytest.mark.slow
+def test_a_held_up_peer_that_runs_a_round_whose_votes_it_refused_does_not_wait_for_them():
+    """Peer 1 of a group of 2 (its quorum: both votes) hangs at step 7 (flagged held up after the join
+    timeout) and at step 8, whose votes it refuses at once; it keeps step 8's spec. It then loads the
+    state (``resumed``) and runs that very round: peer 0's votes, refused before, will not come again, so
+    its part is decided at once (below its quorum: no result) rather than after the upload timeout (a hung
+    peer that loaded the state mid-step made every group wait there, measured). A round whose refused
+    voters still leave a quorum within reach waits for the others as before (``PartReduction``)."""
+    config = AllReduceConfig(chunk_bytes=1024, upload_timeout=3.0, result_timeout=20.0, join_timeout=1.0,
+                             recovery_timeout=0.5)
+    numel = 8 * 2000
+    kept, late = {}, {}
+
+    async def hang_keeping_the_round(node, spec, codes):
+        kept["round"] = (spec, codes)
+
+    async def load_then_run_the_kept_round(node, spec, codes):
+        node.resumed()
+        start = time.monotonic()
+        late["outcome"] = await node.run_round(*kept["round"])
+        late["elapsed"] = time.monotonic() - start
+
+    with LocalSwarm(2, config=config) as swarm:
+        swarm.allreduce(_codes("sign", 2, numel, seed=6), step=6, family="vote")  # peer 1 ran a vote round
+        _hung_round(swarm, numel, 7, "vote", peer=1)
+        swarm.allreduce(_codes("sign", 2, numel, seed=8), step=8, family="vote", prepare=False,
+                        behaviors={1: hang_keeping_the_round})
+        assert HELD_UP in swarm.reports[0].parts[1].note, swarm.reports[0].parts[1].note
+        swarm.allreduce(_codes("sign", 2, numel, seed=9), step=9, family="vote", prepare=False,
+                        behaviors={0: _hung, 1: load_then_run_the_kept_round})
+    update, report = late["outcome"]
+    assert [p.status for p in report.parts] == ["missing", "missing"], report.parts
+    assert not as_values(update, numel).any()
+    assert late["elapsed"] < config.upload_timeout / 2, late["elapsed"]
+
+
 REASONS = {"oversized": "exceeds", "garbage": ("undecodable", "protocol version"), "duplicate": "expected 8", "wrong_round": "unknown round",
            "wrong_part": "not reduced by this peer", "wrong_size": "expected 1 planes", "unknown_encoding": "encoding",
            "old_version": "protocol version"}

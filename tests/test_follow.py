@@ -104,6 +104,9 @@ def test_a_reduction_stops_waiting_for_excused_voters_but_never_below_the_quorum
         assert not cut.only_excused_left.is_set()  # voter 2 is still awaited
         cut.drop(2, "stream closed before its last chunk")
         assert not cut.only_excused_left.is_set() and not cut.quorum_in.is_set()
+        assert not cut.all_in.is_set()  # voters 3 and 4 can still make the quorum of 3
+        cut.drop(3, "its votes were refused before this peer started the round")
+        assert cut.all_in.is_set() and cut.close() is None  # 2 left can make no quorum: decided at once
 
     asyncio.run(main())
 

@@ -119,7 +119,9 @@ class PartReduction:
         n = len(self.spec.group)
         if not self.probed - self.complete - self.dropped.keys():
             self.probed_in.set()
-        if len(self.complete) + len(self.dropped) >= n or (self.awaited_in() and len(self.complete) >= self.quorum):
+        # every vote in, the awaited ones in with a quorum, or too many dropped for any quorum: nothing to wait for
+        if len(self.complete) + len(self.dropped) >= n or (self.awaited_in() and len(self.complete) >= self.quorum) \
+                or n - len(self.dropped) < self.quorum:
             self.all_in.set()
             if not self.quorum_in.is_set():
                 self.quorum_time = time.perf_counter()

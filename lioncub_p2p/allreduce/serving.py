@@ -38,6 +38,9 @@ from .round import (MAX_FAMILY_CHARS, MAX_FIRST_FRAME_BYTES, PartResult, RoundRe
 from .shared import FINISHED, HELD_UP, NETWORK_ERRORS, OTHER_GROUP, RoundState, _first_of, _set_within, logger
 
 
+REFUSED_ROUNDS, REFUSED_PEERS = 16, 256  # bounds of ``_refused_before_start``
+
+
 class ServingMixin:
     """This peer's part reduced and answered, and results forwarded to members that missed them."""
 
@@ -247,7 +250,12 @@ class ServingMixin:
             refused = self.admission.reason(peer, chunk.token)
             if refused:
                 raise WireError(f"not admitted: {refused}")
-            state = await self._find_round(chunk.round_id, peer, chunk.family, chunk.step)
+            try:
+                state = await self._find_round(chunk.round_id, peer, chunk.family, chunk.step)
+            except WireError as e:
+                if FINISHED not in str(e):
+                    self._refused_before_start_of(chunk.round_id, peer)
+                raise
             state.handlers.add(task)
             spec = state.spec
             voter = spec.index_of(peer)
@@ -288,6 +296,16 @@ class ServingMixin:
         if replied:  # a refusal ends the stream: let the voter read it before closing (QUIC loses it otherwise)
             await close_after_reply(reader, writer)
         return False
+
+    def _refused_before_start_of(self, round_id: bytes, peer: str) -> None:
+        """Remember that ``peer``'s votes for a round not started here were refused (bounded: the newest
+        ``REFUSED_ROUNDS`` rounds, ``REFUSED_PEERS`` peers each)."""
+        refused = self._refused_before_start.setdefault(round_id, set())
+        self._refused_before_start.move_to_end(round_id)
+        if len(refused) < REFUSED_PEERS:
+            refused.add(peer)
+        while len(self._refused_before_start) > REFUSED_ROUNDS:
+            self._refused_before_start.popitem(last=False)
 
     def _take_statement(self, state: RoundState, red: PartReduction, voter: int, peer: str,
                         chunk: pb.VoteChunk) -> None:
