@@ -15,11 +15,11 @@ from lioncub_p2p.allreduce.deadline import AdaptiveDeadline
 from lioncub_p2p.allreduce.punctuality import PROBE_EVERY
 from lioncub_p2p.allreduce.result_delta import encode_for
 from lioncub_p2p.allreduce.round import RoundSpec
-from lioncub_p2p.allreduce.shared import HELD_UP
+from lioncub_p2p.allreduce.shared import FINISHED, HELD_UP
 from lioncub_p2p.codecs import result_codec, upload_codec
 from lioncub_p2p.swarm.follow import FollowRule
 from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
-from lioncub_p2p.wire import PROTOCOL_VERSION, WireError, pb, write_frame
+from lioncub_p2p.wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
 from hivemind.p2p import PeerID
 
 from reference import from_fp8_blocks, fp8_blocks, stream_bits, unpack
@@ -580,6 +580,68 @@ def test_a_held_up_peer_that_runs_a_round_whose_votes_it_refused_does_not_wait_f
     assert [p.status for p in report.parts] == ["missing", "missing"], report.parts
     assert not as_values(update, numel).any()
     assert late["elapsed"] < config.upload_timeout / 2, late["elapsed"]
+
+
+async def _until(condition, what: str, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {seconds} s"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_a_finished_refusal_from_a_reducer_whose_votes_are_coming_in_keeps_its_vote():
+    """A group of 2 (its quorum: both votes). Peer 1 streams the first half of its votes to peer 0, then
+    takes the round out of its table as finished (a fast two-level run does this while the peer still
+    votes), so peer 0's votes for part 1 are refused as "finished". Peer 0's part must not drop peer 1
+    for that: its votes are partly in, and the rest comes after the refusal was read. Part 0 counts both
+    and equals the numpy vote; without the guard (``_vote_remote``: not once some of j's votes came)
+    peer 1's second half is refused and part 0 falls below its quorum."""
+    config = AllReduceConfig(chunk_bytes=1024, upload_timeout=3.0, result_timeout=20.0, join_timeout=5.0,
+                             recovery_timeout=0.5)
+    numel = 8 * 2000
+    codes = _codes("sign", 2, numel, seed=11)
+    outcome = {}
+
+    with LocalSwarm(2, config=config) as swarm:
+        node0 = swarm.nodes[0]
+
+        async def reducer_prepared_then_vote(node, spec, upload):
+            state = node.prepare_round(spec)
+            await _until(lambda: 1 in state.reduction.next_offset, "first half of peer 1's votes")
+            outcome["peer0"] = await node.run_round(spec, upload)
+
+        async def half_vote_then_finish(node, spec, upload):
+            a, b = spec.bounds[0]
+            half = (b - a) // 2 // 8 * 8
+            _, reader, writer = await node.p2p.call_binary_stream_handler(PeerID.from_base58(spec.group[0].peer_id),
+                                                                          VOTE_PROTOCOL)
+            common = dict(version=PROTOCOL_VERSION, round_id=spec.round_id, step=spec.step, part=0,
+                          family=spec.family, upload=pb.UPLOAD_SIGN, upload_bits=1, result=pb.RESULT_MAJORITY)
+            try:
+                await write_frame(writer, pb.VoteChunk(**common, offset=0, length=half, last=False,
+                                                       codes=upload[:, a:a + half].numpy().tobytes()))
+                await _until(lambda: spec.round_id in node0._rounds, "round at peer 0")
+                node._finished.append(spec.round_id)  # ran it and moved on: refuses its votes as finished
+                parts = node0._rounds[spec.round_id].report.parts
+                await _until(lambda: FINISHED in parts[1].note, "refusal read by peer 0")
+                await write_frame(writer, pb.VoteChunk(**common, offset=half, length=b - a - half, last=True,
+                                                       codes=upload[:, a + half:b].numpy().tobytes()))
+                result, _ = await asyncio.wait_for(read_frame(reader, pb.ResultChunk), 10)
+                outcome["peer1_error"] = result.error if result is not None else "stream closed"
+            finally:
+                writer.close()
+
+        swarm.allreduce(codes, step=7, family="vote", prepare=False,
+                        behaviors={0: reducer_prepared_then_vote, 1: half_vote_then_finish})
+    update, report = outcome["peer0"]
+    assert outcome["peer1_error"] == "", outcome["peer1_error"]
+    part = report.parts[0]
+    assert part.status == "ok" and part.counted == [0, 1], part
+    expected = numpy_vote(codes, "sign", "majority", numel, 0, 7)
+    got = as_values(update, numel)
+    assert np.array_equal(got[8 * part.start:8 * part.stop], expected[8 * part.start:8 * part.stop])
+    assert FINISHED in report.parts[1].note, report.parts[1].note
 
 
 REASONS = {"oversized": "exceeds", "garbage": ("undecodable", "protocol version"), "duplicate": "expected 8", "wrong_round": "unknown round",
