@@ -61,12 +61,12 @@ def _rank(rank: int, world: int, workdir: str, numel: int, rounds: int) -> None:
     try:
         upload = uploads_for(numel, world)[rank]
         agg = ClusterAggregator(None, seed=0, check=True)
-        update = agg.aggregate(upload, step=0)  # warm-up: connections
+        agg.aggregate(upload, step=0)  # warm-up: connections
         vote_times = []
         for step in range(rounds):
             dist.barrier()
             started = time.perf_counter()
-            update = agg.aggregate(upload, step=step)
+            agg.aggregate(upload, step=step)
             vote_times.append(_slowest(time.perf_counter() - started))
         values = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
         dist.all_reduce(values.clone())

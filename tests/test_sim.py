@@ -230,14 +230,15 @@ def _write_peer_logs(folder, losses_per_peer, seconds_per_step, votes=None, t0=1
 
 def test_report_quality_smoothed_peers_mean_at_equal_steps_time_and_target(tmp_path):
     """Hand-computed: A logs mean losses 6.5 .. 1.5 at 1 s per step, B 7 .. 4 at 2 s per step; window 2."""
-    from lioncub_p2p.sim.launcher import METHODS, compare, summarize, table
+    from lioncub_p2p.sim.launcher import METHODS
+    from lioncub_p2p.sim.results import compare, summarize, table
 
     base = [6.0, 5.0, 4.0, 3.0, 2.0, 1.0]
     _write_peer_logs(tmp_path / "a", [base, [x + 1 for x in base]], 1.0, votes=[2, 2, 2, 2, 1, 2],
                      extra={"result_down": 100, "result_plain": 250})
     _write_peer_logs(tmp_path / "b", [[7.0, 6.0, 5.0, 4.0]] * 2, 2.0)
-    a = summarize("lioncub", METHODS["lioncub"], tmp_path / "a", 2, None, 64)
-    b = summarize("hivemind-fp32", METHODS["hivemind-fp32"], tmp_path / "b", 2, None, 64)
+    a = summarize("lioncub", METHODS["lioncub"].label, tmp_path / "a", 2, None, 64)
+    b = summarize("hivemind-fp32", METHODS["hivemind-fp32"].label, tmp_path / "b", 2, None, 64)
     assert a.curves["swarm_loss"] == [6.5, 5.5, 4.5, 3.5, 2.5, 1.5] and a.curves["swarm_time"] == [0, 1, 2, 3, 4, 5]
     assert a.votes_counted == {"2": 5, "1": 1} and b.votes_counted == {}
     # peer 1 of each stalls 3 s before its step 3; the 64-wide MLP has 8,970 parameters
@@ -274,7 +275,7 @@ def test_byte_counters_are_read_once_more_when_every_peer_exits_between_two_poll
 def test_params_are_compared_at_the_step_most_peers_ended_at():
     """A peer the clock stopped one step after the others holds one more update: the others are
     compared (before: only that one peer was 'at the last step', and the report said nothing)."""
-    from lioncub_p2p.sim.launcher import _finite_mean, _last_step_count
+    from lioncub_p2p.sim.results import _finite_mean, _last_step_count
 
     assert _last_step_count([76, 75, 75, 75]) == (75, 3)
     assert _last_step_count([35, 36, 36, 36]) == (36, 3)
