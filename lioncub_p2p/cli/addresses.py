@@ -9,7 +9,7 @@ import ipaddress
 
 from hivemind.utils.multiaddr import Multiaddr
 
-from ..swarm.peer import LISTEN_ALL  # every interface, TCP, ports the OS picks (hivemind's default: 127.0.0.1)
+from ..swarm.config import LISTEN_ALL  # every interface, TCP, ports the OS picks (hivemind's default: 127.0.0.1)
 from .common import UsageError
 
 EXAMPLE_PEER = "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW..."

@@ -28,7 +28,7 @@ from ..aio import BackgroundLoop
 from ..identity import Identity
 from ..swarm.manifest import MANIFEST_TTL, Manifest, ManifestError, publish_manifest
 from ..swarm.membership import read_peer_records
-from ..swarm.peer import LISTEN_ALL
+from ..swarm.config import LISTEN_ALL
 from ..swarm.reachability import serve_dialback
 from ..swarm.records import RunRecordValidator
 from .addresses import check_listen, check_peers, reachability

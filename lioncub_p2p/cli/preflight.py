@@ -21,7 +21,7 @@ import torch
 
 from ..swarm import AdmissionRefused, Manifest, SettingsMismatch, Swarm, SwarmConfig, SwarmError
 from ..swarm.membership import GroupRecord, PeerRecord
-from ..swarm.peer import LISTEN_ALL
+from ..swarm.config import LISTEN_ALL
 from ..swarm.follow import link_role
 from ..swarm.probe import measure
 from ..swarm.reachability import ListenPlan

@@ -27,7 +27,7 @@ import torch
 from .. import LionCub, MomentumSchedule, failpoints
 from ..swarm import Manifest, ManifestError, Swarm, SwarmConfig, SwarmError, snapshot
 from ..swarm.manifest import DEFAULTS as SWARM_DEFAULTS
-from ..swarm.peer import LISTEN_ALL
+from ..swarm.config import LISTEN_ALL
 from ..tasks import BUILTIN, TaskError, TrainingTask, load_task
 from ..trainer_rounds import allreduce_config
 from .addresses import check_listen, check_peers, reachability

@@ -3,7 +3,8 @@ digests, checkpoints, momentum averaging."""
 from .manifest import Manifest, ManifestError, publish_manifest
 from .membership import Directory, GroupRecord, PeerRecord
 from .errors import AdmissionRefused, SettingsMismatch, SwarmError
-from .peer import Swarm, SwarmConfig
+from .config import SwarmConfig
+from .peer import Swarm
 from .pipeline import StepStats
 
 __all__ = ["Swarm", "SwarmConfig", "SwarmError", "AdmissionRefused", "SettingsMismatch", "StepStats", "Directory",
