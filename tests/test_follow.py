@@ -111,6 +111,42 @@ def test_a_reduction_stops_waiting_for_excused_voters_but_never_below_the_quorum
     asyncio.run(main())
 
 
+def test_voters_refused_before_the_round_started_are_not_waited_for_but_counted_if_they_vote_after_all():
+    """``refuse_early``: voters this peer refused before it started the round were told so and send
+    nothing more; the part does not wait for them, and decides at once when they leave its quorum out
+    of reach. One whose refusal was lost on the way retries on a fresh stream: its votes count."""
+    async def main():
+        spec = _spec(5)  # quorum 3
+        a, b = spec.bounds[0]
+        codes = torch.randint(0, 256, (1, b - a), dtype=torch.uint8)
+        red = PartReduction(spec, 0)
+        red.refuse_early({3, 4})
+        for v in (0, 1):
+            red.add(v, 0, codes.clone(), last=True)
+        assert not red.all_in.is_set()  # voter 2 is awaited
+        red.add(2, 0, codes.clone(), last=True)
+        assert red.all_in.is_set()  # the refused two are not
+        outcome = red.close()
+        assert outcome is not None and outcome.counted == [0, 1, 2] and set(red.dropped) == {3, 4}
+
+        lost = PartReduction(spec, 0)  # voter 3's refusal was lost: it votes after all, and counts
+        lost.refuse_early({3, 4})
+        for v in (0, 3, 1):
+            lost.add(v, 0, codes.clone(), last=True)
+        assert not lost.all_in.is_set()  # voter 2 is awaited: voter 3 counts once, as a voter
+        lost.add(2, 0, codes.clone(), last=True)
+        assert lost.all_in.is_set() and lost.close().counted == [0, 1, 2, 3]
+
+        out = PartReduction(spec, 0)  # three refused: 2 left can make no quorum of 3
+        out.excuse(frozenset({1}), probed=frozenset({1}))
+        out.refuse_early({2, 3, 4})
+        assert out.all_in.is_set() and out.probed_in.is_set()  # no probe wait either
+        out.add(0, 0, codes.clone(), last=True)
+        assert out.close() is None
+
+    asyncio.run(main())
+
+
 def _report(peer: int, counted: list[list[int]], *, followed: bool = False, status: str = "ok") -> RoundReport:
     parts = [PartReport(j, j, 8 * j, 8 * j + 8, status, counted=c) for j, c in enumerate(counted)]
     return RoundReport("r", 1, peer, parts, followed=followed)

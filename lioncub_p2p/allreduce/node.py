@@ -118,9 +118,10 @@ class VoteNode(VotingMixin, RecoveryMixin, AuditingMixin, ServingMixin):
         self._waiting_key: dict[bytes, tuple[str, int]] = {}  # (family, step) of rounds waited for
         self._waiting: dict[bytes, asyncio.Event] = {}  # rounds asked for before this peer started them
         # round -> the admitted peers whose votes for it were refused before this peer started it (held up,
-        # not started within the join timeout): they send none again, so its part does not wait for them
-        # when this peer runs that round after all (a hung peer that loaded the state mid-step waited the
-        # upload timeout there, and every group with it, measured). Bounded: serving.py's REFUSED_ROUNDS.
+        # not started within the join timeout): told so, they send none again, so its part does not wait for
+        # them when this peer runs that round after all (``PartReduction.refuse_early``; a hung peer that
+        # loaded the state mid-step waited the upload timeout there, and every group with it, measured).
+        # Bounded: serving.py's REFUSED_ROUNDS.
         self._refused_before_start: OrderedDict[bytes, set[str]] = OrderedDict()
         # second-level rounds this peer combines in: any admitted peer may fetch their results (``_recover_combined``)
         self._second_level: OrderedDict[bytes, None] = OrderedDict()
@@ -228,8 +229,7 @@ class VoteNode(VotingMixin, RecoveryMixin, AuditingMixin, ServingMixin):
 
             state.reduction.excuse(others(punctuality.late()),
                                    others(punctuality.probed()) if probe_round(spec) else frozenset())
-            for voter in sorted(others(frozenset(self._refused_before_start.pop(spec.round_id, ())))):
-                state.reduction.drop(voter, "its votes were refused before this peer started the round")
+            state.reduction.refuse_early(others(frozenset(self._refused_before_start.pop(spec.round_id, ()))))
             state.reducing = asyncio.create_task(self._reduce_part(state, state.reduction, state.direct[me]))
             if spec.combine and spec.combine[me] is not None:  # count other groups' margins as they come
                 self._second_level[spec.combine[me].round_id] = None

@@ -5,6 +5,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Collection
 
 import numpy as np
 import torch
@@ -17,6 +18,7 @@ from .round import PartResult, RoundSpec
 logger = logging.getLogger(__name__)
 
 __all__ = ["PartReduction", "MAX_TAG_BYTES"]
+REFUSED_EARLY = "its votes were refused before this peer started the round"
 
 
 class PartReduction:
@@ -47,6 +49,11 @@ class PartReduction:
         self.quorum = spec.quorum
         # voters not waited for (late round after round, ``punctuality.py``): counted if complete in time
         self.excused: frozenset[int] = frozenset()
+        # voters whose streams this peer refused before it started the round (``refuse_early``): told so,
+        # they send nothing more, so they are not waited for and count against the quorum's reach; one
+        # whose refusal was lost on the way may vote after all (a voter retries a kept stream that closed
+        # without a word on a fresh one): its votes are counted as anyone's
+        self.refused: set[int] = set()
         self.last_arrival = self.quorum_time = 0.0
         self.tags: dict[int, bytes] = {}
         self.statements: dict[int, pb.VoterStatement] = {}  # momentum rounds: each voter's signed bound
@@ -67,6 +74,7 @@ class PartReduction:
         """Count one chunk (planes, length) of ``voter``'s slice; raises WireError if it breaks the rules."""
         if self.closed:
             raise WireError("the part was already reduced")
+        self.refused.discard(voter)
         if voter in self.complete or voter in self.dropped:
             raise WireError(f"voter {voter} already {'voted' if voter in self.complete else 'was dropped'}")
         expected = self.next_offset.get(voter, 0)
@@ -100,28 +108,38 @@ class PartReduction:
             return
         self._remove(voter, reason)
 
+    def refuse_early(self, voters: Collection[int]) -> None:
+        """Stop waiting for ``voters``: this peer refused their votes before it started the round."""
+        voters = {v for v in voters if v not in self.complete and v not in self.dropped and v not in self.next_offset}
+        if not voters or self.closed:
+            return
+        self.refused |= voters
+        logger.info("round %s part %d: not waiting for peers %s: %s", self.spec.round_id.hex()[:12], self.part,
+                    sorted(voters), REFUSED_EARLY)
+        self._check_all_in()
+
     def _remove(self, voter: int, reason: str) -> None:
         self.tally.remove(voter)
         self.next_offset.pop(voter, None)
         self.complete.discard(voter)
+        self.refused.discard(voter)
         self.dropped[voter] = reason
         logger.info("round %s part %d: vote of peer %d dropped: %s", self.spec.round_id.hex()[:12], self.part, voter,
                     reason)
         self._check_all_in()
 
     def _check_all_in(self) -> None:
-        if self.excused and len(self.complete) < self.quorum \
-                and len(self.complete | self.excused) >= len(self.spec.group):
+        if (self.excused or self.refused) and len(self.complete) < self.quorum \
+                and len(self.complete | self.excused | self.refused) >= len(self.spec.group):
             self.only_excused_left.set()
         if len(self.complete) >= self.quorum and not self.quorum_in.is_set():
             self.quorum_time = time.perf_counter()
             self.quorum_in.set()
-        n = len(self.spec.group)
-        if not self.probed - self.complete - self.dropped.keys():
+        n, gone = len(self.spec.group), len(self.dropped) + len(self.refused)
+        out_of_reach = n - gone < self.quorum  # too many dropped or refused for any quorum: decided now, no result
+        if not self.probed - self.complete - self.dropped.keys() - self.refused or out_of_reach:
             self.probed_in.set()
-        # every vote in, the awaited ones in with a quorum, or too many dropped for any quorum: nothing to wait for
-        if len(self.complete) + len(self.dropped) >= n or (self.awaited_in() and len(self.complete) >= self.quorum) \
-                or n - len(self.dropped) < self.quorum:
+        if len(self.complete) + gone >= n or (self.awaited_in() and len(self.complete) >= self.quorum) or out_of_reach:
             self.all_in.set()
             if not self.quorum_in.is_set():
                 self.quorum_time = time.perf_counter()
@@ -129,7 +147,7 @@ class PartReduction:
 
     def awaited_in(self) -> bool:
         """Every voter not excused is counted or dropped."""
-        return len(self.complete | self.dropped.keys() | self.excused) >= len(self.spec.group)
+        return len(self.complete | self.dropped.keys() | self.excused | self.refused) >= len(self.spec.group)
 
     def excuse(self, voters: frozenset[int], probed: frozenset[int] = frozenset()) -> None:
         """Stop waiting for ``voters`` (still counted if their vote completes before ``close``), except
@@ -147,6 +165,9 @@ class PartReduction:
         for voter in list(self.next_offset):
             if voter not in self.complete:
                 self._remove(voter, "upload incomplete at the deadline")
+        for voter in self.refused:  # in the report's dropped votes, with why
+            self.dropped.setdefault(voter, REFUSED_EARLY)
+        self.refused.clear()
         leaf = leaf_bytes(self.nbytes, self.spec.upload.planes)
         for voter in sorted(self.complete):
             self.votes[voter] = self._codes_of(voter)

@@ -63,7 +63,8 @@ class ServingMixin:
                                                                max(deadline - time.perf_counter(), 0.0)))
             everyone = red.complete >= set(range(len(state.spec.group))) - red.excused
             # the spread before a probe's wait: a follower's lag must not teach the grace (the pace cap's point)
-            self.deadline.observe(red.last_arrival - red.quorum_time if everyone else None, red.quorum_time)
+            self.deadline.observe(red.last_arrival - red.quorum_time if everyone else None,
+                                  red.quorum_time if len(red.complete) >= red.quorum else None)  # no quorum: no pace
         except asyncio.TimeoutError:
             self.deadline.observe(None)
         if red.probed and red.quorum_in.is_set() and not red.probed_in.is_set():

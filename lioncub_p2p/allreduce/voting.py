@@ -186,29 +186,32 @@ class VotingMixin:
             nonlocal writer
             peer = spec.group[j].peer_id
             for attempt in range(2):
+                sent = False
                 async with turn:  # dial inside the turn: the reducer expects the first chunk right after the dial
                     reader, writer, kept = await self._vote_stream(peer, fresh=attempt > 0)
                     try:
                         await self._send_votes(writer, state, j, upload, statement)
+                        sent = True
                     except NETWORK_ERRORS:
                         writer.close()
                         writer = None
-                        if not kept:
-                            return await self._ask_reducer(state, j)
-                        continue
-                    report.timings["upload"] = max(report.timings.get("upload", 0.0), time.perf_counter() - started)
-                try:
-                    outcome = await self._read_result(reader, state, j)
-                except (*NETWORK_ERRORS, StreamClosed):
-                    writer.close()  # a kept stream: the reducer closed it meanwhile: dial afresh, once
-                    writer = None
-                    if not kept:
-                        return await self._ask_reducer(state, j)
-                    continue
-                self._kept.setdefault(peer, []).append((reader, writer, time.monotonic()))
-                writer = None  # kept for the next round, not closed below
-                return outcome
-            raise StreamClosed("the reducer closed a fresh stream too")
+                    else:
+                        report.timings["upload"] = max(report.timings.get("upload", 0.0),
+                                                       time.perf_counter() - started)
+                if sent:  # the turn is free again: the next reducer's upload goes while this one answers
+                    try:
+                        outcome = await self._read_result(reader, state, j)
+                    except (*NETWORK_ERRORS, StreamClosed):
+                        writer.close()
+                        writer = None
+                    else:
+                        self._kept.setdefault(peer, []).append((reader, writer, time.monotonic()))
+                        writer = None  # kept for the next round, not closed below
+                        return outcome
+                if not kept:  # a fresh stream the reducer closed without a word: ask it why
+                    return await self._ask_reducer(state, j)
+                # a kept stream the reducer closed meanwhile (idle): dial afresh, once
+            raise AssertionError("unreachable: the second attempt is on a fresh stream")
 
         outcome: PartResult | None = None
         try:
@@ -239,8 +242,10 @@ class VotingMixin:
         a word. A reducer that refuses a long upload cuts it after ``close_after_reply``'s drain, and the
         reset that cuts it can discard the refusal written just before (seen under load): the voter then
         waited for a held-up peer's votes until the upload timeout. A fetch request is short, so nothing
-        cuts the answer: the reducer refuses again with its reason (the caller reads it), or sends the
-        part. One that has not begun to answer within ``recovery_hedge_s`` is left to recovery."""
+        cuts the answer. A held-up reducer refuses it at once, saying so (the caller reads it); one that
+        finished the round sends the part from its archive, or says it no longer keeps it; one that runs
+        the round sends the part once it has it. One that has not begun to answer within
+        ``recovery_hedge_s`` (a round it has not started, a dead peer) is left to recovery."""
         answering = asyncio.Event()
         fetch = asyncio.create_task(self._fetch(state, j, j, answering))
         begun = asyncio.create_task(answering.wait())
@@ -252,9 +257,8 @@ class VotingMixin:
             return await fetch
         finally:
             begun.cancel()
-            if not fetch.done():
-                fetch.cancel()
-                fetch.add_done_callback(lambda t: t.cancelled() or t.exception())
+            fetch.cancel()  # no-op once done; its exception, if any, is read either way
+            fetch.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _vote_stream(self, peer: str, *, fresh: bool = False):
         """(reader, writer, kept): a stream to ``peer``'s vote handler, kept from an earlier round
