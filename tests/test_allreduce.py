@@ -582,6 +582,47 @@ def test_a_held_up_peer_that_runs_a_round_whose_votes_it_refused_does_not_wait_f
     assert late["elapsed"] < config.upload_timeout / 2, late["elapsed"]
 
 
+@pytest.mark.slow
+def test_a_reducer_asked_in_vain_after_a_silent_close_is_asked_last_in_recovery(monkeypatch):
+    """Reducer 2 of a group of 3 closes peer 0's vote stream without a word and is slow (3 s) to answer
+    peer 0's fetch requests; peer 1 gets part 2 as usual. Peer 0 asks reducer 2 for the part once
+    (``_ask_reducer``), gives up after ``recovery_hedge_s``, and its recovery then asks peer 1 first: one
+    request reaches reducer 2, not a second one costing another hedge, and part 2 is recovered."""
+    from lioncub_p2p.allreduce.serving import ServingMixin
+
+    serve_votes, serve_fetch = ServingMixin._on_vote_stream, ServingMixin._on_fetch_stream
+    ids: dict[str, str] = {}
+    asked_by_peer0: list[float] = []
+
+    async def closing_peer0s_vote_stream(self, info, reader, writer):
+        if self.peer_id == ids.get("reducer") and info.peer_id.to_base58() == ids.get("voter"):
+            writer.close()
+            return
+        await serve_votes(self, info, reader, writer)
+
+    async def slow_for_peer0(self, info, reader, writer):
+        if self.peer_id == ids.get("reducer") and info.peer_id.to_base58() == ids.get("voter"):
+            asked_by_peer0.append(time.monotonic())
+            await asyncio.sleep(3.0)
+        await serve_fetch(self, info, reader, writer)
+
+    monkeypatch.setattr(ServingMixin, "_on_vote_stream", closing_peer0s_vote_stream)
+    monkeypatch.setattr(ServingMixin, "_on_fetch_stream", slow_for_peer0)
+    config = AllReduceConfig(chunk_bytes=1024, upload_timeout=3.0, result_timeout=20.0, join_timeout=2.0,
+                             recovery_timeout=5.0, recovery_hedge_s=1.0)
+    numel = 8 * 3000
+    codes = _codes("sign", 3, numel, seed=12)
+    with LocalSwarm(3, config=config) as swarm:
+        ids.update(voter=swarm.nodes[0].peer_id, reducer=swarm.nodes[2].peer_id)
+        results = swarm.allreduce(codes, step=7, family="vote")
+        part = swarm.reports[0].parts[2]
+    assert part.status == "recovered", part
+    assert len(asked_by_peer0) == 1, asked_by_peer0  # the ask; recovery went to peer 1 first
+    expected = numpy_vote(codes[1:], "sign", "majority", numel, 0, 7)  # part 2 counted peers 1 and 2
+    got = as_values(results[0], numel)
+    assert np.array_equal(got[8 * part.start:8 * part.stop], expected[8 * part.start:8 * part.stop])
+
+
 async def _until(condition, what: str, seconds: float = 10.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():

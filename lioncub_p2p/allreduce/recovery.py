@@ -137,7 +137,7 @@ class RecoveryMixin:
     async def _recover(self, state: RoundState, j: int, *, one_at_a_time: bool = False,
                        transfer_s: float = 0.0) -> PartResult | None:
         """Ask the other reachable members (the reducer first: its vote stream may have failed while it
-        lives) for part j's result; accept the first one its reducer signed.
+        lives; last if it was just asked in vain) for part j's result; accept the first one its reducer signed.
 
         Hedged, never all at once: the next member is asked when the last one asked failed, or has not
         begun to answer (a checked header) within ``recovery_hedge_s`` while no byte of this round
@@ -149,8 +149,11 @@ class RecoveryMixin:
         refuses)."""
         spec = state.spec
         n = len(spec.group)
+        # the reducer first, unless it was just asked in vain (``_ask_reducer``: a second ask would cost
+        # another hedge); the others rotated, so that members spread their asks
+        first = j not in state.asked
         askers = sorted((i for i, p in enumerate(spec.group) if i != state.me and not p.client_mode),
-                        key=lambda i: (i != j, (i - state.me) % n))  # rotated: members spread their asks
+                        key=lambda i: ((i != j) == first, (i - state.me) % n))
 
         async def ask(i: int, answering: asyncio.Event | None = None) -> tuple[int, PartResult]:
             return i, await self._fetch(state, i, j, answering)

@@ -49,6 +49,7 @@ class RoundState:
     handlers: set = field(default_factory=set)  # stream handler tasks serving this round here
     declared: list[bytes] = field(default_factory=list)  # result bases this peer named to its reducers
     deltas: dict = field(default_factory=dict)  # (bases named, plain result) -> what encode_for made of it
+    asked: set[int] = field(default_factory=set)  # parts asked of their reducer in vain (``_ask_reducer``)
 
 
 async def _first_of(a: asyncio.Event, b: asyncio.Event, timeout: float) -> None:

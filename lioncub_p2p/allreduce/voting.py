@@ -255,6 +255,9 @@ class VotingMixin:
             if not fetch.done() and not answering.is_set():
                 raise StreamClosed("stream closed before the first result chunk, and no answer to a fetch")
             return await fetch
+        except BaseException:
+            state.asked.add(j)  # recovery asks the other members first, this reducer last
+            raise
         finally:
             begun.cancel()
             fetch.cancel()  # no-op once done; its exception, if any, is read either way
