@@ -623,6 +623,31 @@ def test_a_reducer_asked_in_vain_after_a_silent_close_is_asked_last_in_recovery(
     assert np.array_equal(got[8 * part.start:8 * part.stop], expected[8 * part.start:8 * part.stop])
 
 
+@pytest.mark.slow
+def test_a_fetch_for_a_round_not_started_stops_waiting_when_the_asker_gives_up():
+    """Peer 0 asks peer 1 for a part of a round peer 1 has not started, and gives up after 0.3 s (as
+    ``_ask_reducer`` does after a hedge), closing its stream. Peer 1 stops waiting for the round then,
+    not at the join timeout (5 s), and frees the pending-round slot the ask held: with 2 per peer, two
+    such asks left peer 0's next rounds refused there as "too many rounds not started here yet"."""
+    config = AllReduceConfig(chunk_bytes=1024, upload_timeout=3.0, result_timeout=20.0, join_timeout=5.0,
+                             recovery_timeout=0.5)
+    with LocalSwarm(2, config=config) as swarm:
+        spec = RoundSpec(round_id=b"not-started-at-peer-1", step=3, group=swarm.group, nbytes=2000,
+                         upload=upload_codec("sign"), result=result_codec("majority"), family="vote")
+        asker, holder = swarm.nodes[0], swarm.nodes[1]
+
+        async def ask_and_give_up() -> float:
+            ask = asyncio.ensure_future(asker._fetch(asker.prepare_round(spec), 1, 1))
+            await _until(lambda: holder._pending_by_peer, "the ask waiting at peer 1", 4.0)
+            await asyncio.sleep(0.3)
+            ask.cancel()  # gives up: ``_fetch`` closes its stream
+            gave_up = time.monotonic()
+            await _until(lambda: not holder._pending_by_peer, "peer 1 to stop waiting", 4.0)
+            return time.monotonic() - gave_up
+
+        assert swarm.run(ask_and_give_up()) < 2.0
+
+
 async def _until(condition, what: str, seconds: float = 10.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():

@@ -41,6 +41,21 @@ from .shared import FINISHED, HELD_UP, NETWORK_ERRORS, OTHER_GROUP, RoundState, 
 REFUSED_ROUNDS, REFUSED_PEERS = 16, 256  # bounds of ``_refused_before_start``
 
 
+async def _unless_closed(reader: asyncio.StreamReader, wait):
+    """``wait``'s result, unless the other side closes the stream (or sends anything: it has no more to
+    send) first; then ``wait`` is cancelled and ConnectionError raised."""
+    waiting, closed = asyncio.ensure_future(wait), asyncio.ensure_future(reader.read(1))
+    try:
+        await asyncio.wait({waiting, closed}, return_when=asyncio.FIRST_COMPLETED)
+        if waiting.done():
+            return waiting.result()
+        raise ConnectionError("the asker closed its stream before the round started here")
+    finally:
+        for task in (waiting, closed):
+            task.cancel()
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
 class ServingMixin:
     """This peer's part reduced and answered, and results forwarded to members that missed them."""
 
@@ -389,8 +404,10 @@ class ServingMixin:
                 return
             state = self._rounds.get(req.round_id)
             if state is None and req.round_id not in self._finished and self.archive.get(req.round_id) is None:
-                # not started here yet (a follower caught up)
-                state = await self._find_round(req.round_id, peer, req.family, req.step)
+                # not started here yet (a follower caught up). An asker that gives up closes its stream
+                # (``_ask_reducer`` waits one hedge): that ends the wait, and frees the pending slot it
+                # holds (``max_pending_rounds``) for the asker's next rounds
+                state = await _unless_closed(reader, self._find_round(req.round_id, peer, req.family, req.step))
             if state is not None:
                 spec = state.spec
                 self._check_asker(spec, peer)
