@@ -358,6 +358,18 @@ def _hung_round(swarm: LocalSwarm, numel: int, step: int, family: str, peer: int
     return codes, results, time.monotonic() - start
 
 
+def _held_up_at_steps_7_and_8(config: AllReduceConfig, numel: int) -> dict[int, tuple]:
+    """A group of 2 (its quorum: both votes) that runs step 6, then peer 1 hangs through step 7's vote
+    round and step 8's momentum round. Per hung step: (seconds it took, peer 0's report, peer 0's update)."""
+    steps = {}
+    with LocalSwarm(2, config=config) as swarm:
+        swarm.allreduce(_codes("sign", 2, numel, seed=6), step=6, family="vote")  # peer 1 ran a vote round
+        for step, family in ((7, "vote"), (8, "momentum")):
+            _, results, elapsed = _hung_round(swarm, numel, step, family, peer=1)
+            steps[step] = (elapsed, swarm.reports[0], results[0])
+    return steps
+
+
 @pytest.mark.slow
 def test_a_reducer_that_did_not_start_a_round_in_the_join_timeout_is_refused_at_once_until_it_runs_one(caplog):
     """Peer 3's training thread hangs (its event loop still serves): it starts neither step 7's round nor
@@ -427,13 +439,11 @@ def test_a_part_stops_waiting_for_the_votes_of_a_peer_that_refuses_any_round_as_
     config = AllReduceConfig(chunk_bytes=1024, upload_timeout=3.0, result_timeout=20.0, join_timeout=2.0,
                              recovery_timeout=0.5)
     numel = 8 * 2000
-    elapsed = {}
-    with LocalSwarm(2, config=config) as swarm:
-        swarm.allreduce(_codes("sign", 2, numel, seed=6), step=6, family="vote")  # peer 1 ran a vote round
-        for step, family in ((7, "vote"), (8, "momentum")):
-            _, results, elapsed[step] = _hung_round(swarm, numel, step, family, peer=1)
-            assert [p.status for p in swarm.reports[0].parts] == ["missing", "missing"], swarm.reports[0].parts
-            assert not as_values(results[0], numel).any()  # no part: a zero update
+    steps = _held_up_at_steps_7_and_8(config, numel)
+    for _, report, update in steps.values():
+        assert [p.status for p in report.parts] == ["missing", "missing"], report.parts
+        assert not as_values(update, numel).any()  # no part: a zero update
+    elapsed = {step: seconds for step, (seconds, _, _) in steps.items()}
     assert elapsed[7] >= config.upload_timeout, elapsed
     assert elapsed[8] < config.upload_timeout / 2, elapsed
 
@@ -454,13 +464,10 @@ def test_a_refusal_read_after_the_reducer_cut_a_long_upload_still_stops_the_wait
     config = AllReduceConfig(chunk_bytes=4096, upload_timeout=5.0, result_timeout=20.0, join_timeout=2.0,
                              recovery_timeout=0.5)
     numel = 8 * 400_000
-    elapsed = {}
-    with LocalSwarm(2, config=config) as swarm:
-        swarm.allreduce(_codes("sign", 2, numel, seed=6), step=6, family="vote")
-        for step, family in ((7, "vote"), (8, "momentum")):
-            _, results, elapsed[step] = _hung_round(swarm, numel, step, family, peer=1)
-            assert not as_values(results[0], numel).any()
-        note = swarm.reports[0].parts[1].note
+    steps = _held_up_at_steps_7_and_8(config, numel)
+    for _, _, update in steps.values():
+        assert not as_values(update, numel).any()
+    elapsed, note = {step: seconds for step, (seconds, _, _) in steps.items()}, steps[8][1].parts[1].note
     assert HELD_UP in note, note
     assert elapsed[8] < config.upload_timeout / 2, elapsed
 
@@ -499,13 +506,10 @@ def test_a_held_up_reducer_whose_refusal_is_lost_is_asked_again_and_the_part_sto
     config = AllReduceConfig(chunk_bytes=1024, upload_timeout=3.0, result_timeout=20.0, join_timeout=2.0,
                              recovery_timeout=0.5)
     numel = 8 * 2000
-    elapsed = {}
-    with LocalSwarm(2, config=config) as swarm:
-        swarm.allreduce(_codes("sign", 2, numel, seed=6), step=6, family="vote")
-        for step, family in ((7, "vote"), (8, "momentum")):
-            _, results, elapsed[step] = _hung_round(swarm, numel, step, family, peer=1)
-            assert not as_values(results[0], numel).any()
-        note = swarm.reports[0].parts[1].note
+    steps = _held_up_at_steps_7_and_8(config, numel)
+    for _, _, update in steps.values():
+        assert not as_values(update, numel).any()
+    elapsed, note = {step: seconds for step, (seconds, _, _) in steps.items()}, steps[8][1].parts[1].note
     assert HELD_UP in note and "peer refused" in note, note
     assert elapsed[7] >= config.upload_timeout, elapsed
     assert elapsed[8] < config.upload_timeout / 2, elapsed
