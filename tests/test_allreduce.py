@@ -192,6 +192,7 @@ def test_reducer_killed_mid_answer_survivors_agree():
 HEDGED = dataclasses.replace(SMALL_CHUNKS, recovery_timeout=6.0, recovery_hedge_s=0.5)
 
 
+@pytest.mark.slow
 def test_a_missing_part_is_downloaded_about_once_and_a_silent_member_is_passed_over():
     """Reducer 2's result never reaches voter 0 and reducer 2 answers no request for it (it stalls):
     voter 0 asks the reducer first, the next member after the hedge, and downloads the part about
@@ -430,6 +431,7 @@ def test_a_reducer_that_did_not_start_a_round_in_the_join_timeout_is_refused_at_
     assert "refused at once" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_part_stops_waiting_for_the_votes_of_a_peer_that_refuses_any_round_as_held_up():
     """A group of 2 (its quorum: both votes) whose peer 1 hangs. Step 7: peer 0's part waits the upload
     timeout for peer 1's votes, and peer 1 is flagged (it started no round within the join timeout).
@@ -515,6 +517,7 @@ def test_a_held_up_reducer_whose_refusal_is_lost_is_asked_again_and_the_part_sto
     assert elapsed[8] < config.upload_timeout / 2, elapsed
 
 
+@pytest.mark.slow
 def test_a_part_stops_waiting_for_the_votes_of_a_reducer_that_already_finished_the_round():
     """Peer 1 of a group of 2 (its quorum: both votes) hangs through steps 7-9 while peer 0 runs them;
     step 7's round then leaves peer 0's table of live rounds (``keep_rounds`` 2). Peer 1 resumes and runs
@@ -998,6 +1001,7 @@ def test_a_result_header_claiming_a_smaller_quorum_than_the_rounds_is_refused():
         check_header(spec, 0, header.SerializeToString())
 
 
+@pytest.mark.slow
 def test_a_follower_gets_each_part_once_without_voting_and_late_voters_stop_being_waited_for():
     """Peer 3 (no part to reduce, as the leader makes a follower) receives the rounds without voting,
     after the others finished: its update is the numpy vote of peers 0-2, every part downloaded once.

@@ -34,6 +34,7 @@ def test_split_off_means_most_other_reducers_ran_the_step_in_another_group():
     assert not report(True).split_off()  # alone: nobody else
 
 
+@pytest.mark.slow
 def test_a_step_run_in_an_older_group_is_received_again_from_the_group_that_holds_it():
     """Peer 3 read the record of epoch 5 (from step 7) late and ran step 7 in epoch 4's round; peers
     0-2 ran it in epoch 5's and refused its votes. Its pipeline, seeing most reducers refuse it as

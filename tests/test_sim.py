@@ -60,7 +60,9 @@ def test_short_comparison_writes_report_and_plot(tmp_path):
     profile = tmp_path / "peers.yaml"
     profile.write_text("peers:\n  - {up: 50, down: 50}\n  - {up: 20, down: 20, delay: 20}\n  - {mbit: 10, delay: 40}\n")
     results = sim_run(["--profile", str(profile), "--methods", "lioncub", "hivemind-fp16", "--hidden", "256",
-                       "--seconds", "10", "--eval-every", "2", "--out", str(tmp_path)])
+                       "--seconds", "10", "--eval-every", "2", "--out", str(tmp_path),
+                       # hivemind's peers wait this long for a group once the first of them stops: 30 s by default
+                       "--upload-timeout", "5", "--result-timeout", "5"])
     report = json.loads((tmp_path / "report.json").read_text())
     assert len(report["results"]) == 2  # (D-Lion's all-gather vs numpy: tests/test_transfer.py)
     by = {r.method: r for r in results}

@@ -1433,6 +1433,7 @@ def test_a_reducer_that_sends_up_other_margins_than_its_groups_counts_is_dropped
     # under load may be out for a while: that is not what this test is about)
 
 
+@pytest.mark.slow
 def test_a_client_never_founds_a_run_it_waits_for_a_group_then_says_why():
     """A client-mode peer that finds no group must not start one (nobody could dial it to reduce:
     every round would fail and it would train alone); it waits for a group, then stops with one line.
@@ -1456,6 +1457,7 @@ def test_a_client_never_founds_a_run_it_waits_for_a_group_then_says_why():
         bootstrap.shutdown()
 
 
+@pytest.mark.slow
 def test_a_client_whose_last_reducer_left_stops_with_one_line_instead_of_missing_rounds_for_ever(monkeypatch):
     """A client-mode peer cannot count votes or lead a group: once every peer that can has left, each
     of its rounds fails. Within STRANDED_AFTER_S it says so (``swarm.stranded``, which lioncub-train
