@@ -66,6 +66,8 @@ def test_members_that_cannot_reduce_are_spread_after_the_reducers_and_never_get_
     reducing = {p.peer_id for spec in specs.values() for p in spec.group if p.reduces}
     assert reducing <= reducers
     assert len(assign_groups(peers, epoch=1, max_size=2, reducers={"peer3", "peer7"})) == 2  # one per reducer
+    assert sorted(map(len, assign_groups(peers[:5], epoch=1, max_size=2, reducers={"peer0", "peer1", "peer2"}))) \
+        == [2, 3]  # never a group of one
     with pytest.raises(ValueError):
         assign_groups(peers, epoch=1, reducers=set())
     spec = next(iter(specs.values()))
@@ -136,6 +138,19 @@ def test_majority_of_majorities_is_numpys_and_can_differ_from_the_flat_majority(
     results = torch.stack([ops.majority_vote(stack[i:i + 5]) for i in range(0, 15, 5)])
     expected = np.packbits(_np_majority(results.numpy()), bitorder="little")  # 3 groups: never a tie
     assert np.array_equal(majority_of_majorities(results).numpy(), expected)
+
+
+@pytest.mark.parametrize("max_size", [2, 3, 4, 32])
+def test_no_member_is_alone_in_a_group_its_size_over_the_cap_by_one_at_most(max_size):
+    """A lone member of a group has no group-mate to count its votes or report them missed (lead.py)."""
+    for n in range(2, 70):
+        ids = [f"p{i}" for i in range(n)]
+        for epoch in range(3):
+            sizes = sorted(map(len, assign_groups(ids, epoch, max_size)))
+            assert sum(sizes) == n and sizes[-1] - sizes[0] <= 1, (n, sizes)
+            assert sizes[0] >= 2, (n, max_size, sizes)
+            assert sizes[-1] <= max_size or (max_size == 2 and n % 2 == 1 and sizes[-1] == 3), (n, sizes)
+            assert len(sizes) == max(1, min(-(-n // max_size), n // 2))  # as many groups as the cap asks
 
 
 def test_upward_bits_and_bad_inputs():

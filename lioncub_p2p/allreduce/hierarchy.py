@@ -72,6 +72,9 @@ def assign_groups(peer_ids: Sequence[str], epoch: int, max_size: int = 32,
                   reducers: Collection[str] | None = None) -> list[list[str]]:
     """Split the members into ceil(n / max_size) groups whose sizes differ by at most one, in an order
     drawn from (epoch, peer id): the same on every peer, whatever order it lists the members in.
+    Never a group of one among several: nobody would count its member's votes or report them missed
+    (``swarm/lead.py``), so a member that stalled there was never dropped. ``max_size`` 2 with an odd
+    number of members puts three in one group.
 
     ``reducers`` (default: everyone): the members that may reduce a part (not in client mode, weight
     above 0). They are spread evenly and listed first in each group; the others fill the smallest
@@ -86,7 +89,7 @@ def assign_groups(peer_ids: Sequence[str], epoch: int, max_size: int = 32,
     able = [pid for pid in order if reducers is None or pid in reducers]
     if not able:
         raise ValueError("no member may reduce: a group needs a reducer")
-    count = min(max(1, -(-len(order) // max_size)), len(able))
+    count = min(max(1, -(-len(order) // max_size)), len(able), max(1, len(order) // 2))
     groups = [able[i::count] for i in range(count)]
     for pid in (pid for pid in order if reducers is not None and pid not in reducers):
         min(groups, key=len).append(pid)  # the first of the smallest: the same on every peer

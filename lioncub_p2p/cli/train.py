@@ -136,9 +136,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="1: overlapped rounds, each vote travels during the next step's compute and is "
                             "applied one step late [0]")
     proto.add_argument("--max-group", type=int, default=None,
-                       help="a two-level vote for large runs: groups of at most this many peers vote inside "
-                            "themselves and their counts are combined into the same majority (fewer streams per "
-                            "peer; 0: one flat group) [0]")
+                       help="a two-level vote for large runs: groups of at most this many peers (never one "
+                            "alone) vote inside themselves and their counts are combined into the same majority "
+                            "(fewer streams per peer; 0: one flat group) [0]")
     proto.add_argument("--upload-timeout", type=float, default=10.0, help="seconds a reducer waits for votes")
     proto.add_argument("--result-timeout", type=float, default=20.0,
                        help="seconds a voter waits for results (more than --upload-timeout)")

@@ -28,8 +28,9 @@ from . import lioncub_pb2 as pb
 # (overlapped rounds) and snapshots that carry the vote in flight; 4: the quorum of a group's expected
 # voters (group records mark followers, result headers carry the quorum); 5: a two-level vote's reducers
 # sign their margins' root in the second-level round (voter statements there), group-round headers carry
-# the second level's slices and margin bits, and evidence may carry a MarginsProof
-PROTOCOL_VERSION = 5
+# the second level's slices and margin bits, and evidence may carry a MarginsProof; 6: a two-level vote
+# never makes a group of one (``allreduce.hierarchy.assign_groups``): older peers would split differently
+PROTOCOL_VERSION = 6
 HEADER_BYTES = 4
 LINGER_S = 5.0  # the longest a writer waits for its reader to close after the last reply
 LINGER_BYTES = 4 << 20  # ...reading and dropping at most this much meanwhile
