@@ -62,7 +62,7 @@ def test_short_comparison_writes_report_and_plot(tmp_path):
     results = sim_run(["--profile", str(profile), "--methods", "lioncub", "hivemind-fp16", "--hidden", "256",
                        "--seconds", "10", "--eval-every", "2", "--out", str(tmp_path),
                        # hivemind's peers wait this long for a group once the first of them stops: 30 s by default
-                       "--upload-timeout", "5", "--result-timeout", "5"])
+                       "--upload-timeout", "2", "--result-timeout", "5"])
     report = json.loads((tmp_path / "report.json").read_text())
     assert len(report["results"]) == 2  # (D-Lion's all-gather vs numpy: tests/test_transfer.py)
     by = {r.method: r for r in results}
