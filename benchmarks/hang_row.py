@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lioncub_p2p.sim.process_faults import SCENARIOS, run_scenario
 
-NOTICE = re.compile(r"from step (\d+) read at step \d+ \((\d+) steps of notice")
+NOTICE = re.compile(r"from step (\d+) (?:read|pushed) at step \d+ \((-?\d+) steps of notice")
 
 
 def measure(folder: Path, peers: int, hung: int) -> dict:

@@ -586,6 +586,36 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
     return out
 
 
+@pytest.mark.slow
+def test_members_that_cannot_read_group_records_follow_the_groups_their_leader_sends_them(caplog):
+    """The leader sends each new group record to its members as it publishes it (group_notice.py). Peers
+    0 and 1 read no group record from the DHT once they step (their reads come back empty): the group
+    that adds peer 2 reaches the one of them that does not lead only as a notice. All three end equal,
+    every one of them in that group."""
+    configs = [_config("notices") for _ in range(3)]
+    seen: dict[int, Swarm] = {}
+
+    def no_group_reads(i: int, swarm: Swarm) -> None:
+        seen[i] = swarm
+        if i == 2:
+            return
+        read = swarm.directory.groups
+
+        async def groups():
+            stepping = swarm.optimizer is not None and swarm.optimizer.step_count > 0
+            return [] if stepping else await read()
+        swarm.directory.groups = groups
+
+    with caplog.at_level(logging.INFO, logger="lioncub_p2p.swarm"):
+        out = _train_swarm(configs, 30, late=(2, 8), instrument=no_group_reads)
+    assert {out[i][0] for i in range(3)} == {30}
+    assert len({out[i][1] for i in range(3)}) == 1
+    newcomer = seen[2].peer_id
+    for i in range(3):  # the group that took the newcomer in, in everybody's history
+        assert any(newcomer in g.member_ids() for g in seen[i].history.by_epoch.values()), i
+    assert "pushed at step" in caplog.text, caplog.text[-3000:]
+
+
 def _repaired_in(out: dict, peers: list[int], first: int, last: int) -> dict[int, list[int]]:
     """Repairs of ``peers`` at steps first..last. Only those count against a test: under CI load a peer
     may be dropped for a slow round and come back later, which can cost it a repair of its own."""

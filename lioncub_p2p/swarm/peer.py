@@ -32,7 +32,8 @@ thread; ``RunFinder``, ``finding.py``, reads the run's records and asks for admi
 ``follow``, ``failures``, ...: training thread); ``StateSync`` (``state_sync.py``) holds the step lock
 and serves and downloads state (training thread; the state server's worker thread only reads, under the
 lock); ``Upkeep`` (``upkeep.py``) keeps the run's records, this peer's record and the group it leads
-(event loop thread; it reads the training side only through ``upkeep.Local``); ``MomentumRounds``
+(event loop thread; it reads the training side only through ``upkeep.Local``; a group it plans also
+goes straight to its members, and theirs to it: ``group_notice.py``); ``MomentumRounds``
 (``momentum_sync.py``) and ``Verdicts`` (``verdicts.py``) are the momentum rounds and the judgement of
 liars; ``RoundBook`` (``round_book.py``) names every round from the group records and looks up the
 rounds others report on. Shared across threads, written down where they are: the round counters of
@@ -69,7 +70,8 @@ from .dht_process import start_dht, stop_dht
 from .errors import SwarmError
 from .finding import RunFinder
 from .manifest import Manifest
-from .membership import Directory, GroupHistory, PeerRecord
+from .group_notice import GroupNoticeServer, notice_of, send_notices
+from .membership import Directory, GroupHistory, GroupRecord, PeerRecord
 from .momentum_sync import MomentumRounds, MomentumSync
 from .probe import serve_probe
 from .records import RateLimitedLog, RunRecordValidator
@@ -78,7 +80,7 @@ from .state_sync import StateSync
 from .joining import Joining
 from .round_book import RoundBook, RoundShape
 from .settings import RunSettings
-from .upkeep import Local, Upkeep
+from .upkeep import GROUP_TTL, Local, Upkeep
 from .verdicts import Verdicts
 
 logger = logging.getLogger(__name__)
@@ -230,6 +232,9 @@ class Swarm:
         self.admit_server = AdmitServer(self.p2p, self.admission, self.upkeep.admitted.add)
         self.accuse_server = AccuseServer(self.p2p, self.book.accusation_header, self.verdicts.on_accusation,
                                           self.book.is_member)
+        self.notices = GroupNoticeServer(self.p2p, config.run_id, self.directory.verifier, self.book.is_member,
+                                         lambda group: self.upkeep.consider([group], "pushed"), self.log)
+        self.upkeep.on_new_group = self._notify_members
         self.loop.run(self._start_services(), timeout=30)
         if failpoints.ARMED is not None:
             self.node.on_event.append(self._failpoint)
@@ -255,6 +260,7 @@ class Swarm:
         await self.state.server.start()
         await self.admit_server.start()
         await self.accuse_server.start()
+        await self.notices.start()
         if not self.config.client_mode:  # tell joiners whether they can be dialed (reachability.py)
             await reachability.serve_dialback(self.p2p)
 
@@ -464,6 +470,13 @@ class Swarm:
     def _start_momentum(self, spec: RoundSpec, upload: torch.Tensor) -> concurrent.futures.Future:
         # not marked current: a streamed round runs beside the next vote
         return asyncio.run_coroutine_threadsafe(self._momentum_round(spec, upload), self.loop.loop)
+
+    def _notify_members(self, group: GroupRecord) -> None:
+        """Send a group this peer planned to its other members (``group_notice.py``), in the background."""
+        others = [pid for pid in group.member_ids() if pid != self.peer_id]
+        if others:
+            notice = notice_of(self.identity, self.config.run_id, group, GROUP_TTL)
+            self._in_background(send_notices(self.p2p, notice, others))
 
     # -- caught reducers ----------------------------------------------------------------------------
 

@@ -90,6 +90,7 @@ class Upkeep:
         self.missed_out: dict[str, float] = {}  # (here only) member dropped for missed votes -> when: probation
         self.missed_at: dict[str, int] = {}  # ... -> the step its record announced then (``lead.plan_group``)
         self.on_epoch: Callable[[int], None] | None = None  # told the newest group's epoch (the vote node)
+        self.on_new_group: Callable[[GroupRecord], None] | None = None  # a group this leader planned (notices)
         self.stop_waiting_for: Callable[[set[str], str], None] | None = None  # reducers stop waiting for leavers
         # each member's group of a group record's two-level vote (RoundBook.groups_of; empty: a flat vote)
         self.groups_of: Callable[[GroupRecord], Mapping[str, Collection[str]]] = lambda group: {}
@@ -137,8 +138,14 @@ class Upkeep:
         wins this peer's newest epoch from a rival leader (``membership.preferred_rival``)."""
         if self.history.latest is None:
             return
+        self.consider(await self._timed(self.directory.groups()))
+
+    def consider(self, candidates: list[GroupRecord], how: str = "read") -> None:
+        """Follow the next group among ``candidates`` (read from the DHT, or a leader's notice:
+        ``group_notice.py``), or a rival's record that wins this peer's newest epoch."""
+        if self.history.latest is None:
+            return
         window = 2 * STEP_WINDOW + self.lead_steps
-        candidates = await self._timed(self.directory.groups())
         step, liars = self.local().step, set(self.verdicts.liars)
         chosen = next_group(candidates, self.history, step=step, window=window,
                             run_step=announced_step(self.history.latest, self.records), refused=liars, log=self.log)
@@ -147,8 +154,8 @@ class Upkeep:
             # how much notice it came with: a member at or past its first step when it reads it ran that
             # step in the old group (not logged in ``trust``: a joining peer trusts its first group before
             # it has a step to compare)
-            logger.info("group epoch %d from step %d read at step %d (%d steps of notice)", chosen.epoch,
-                        chosen.from_step, step, chosen.from_step - step)
+            logger.info("group epoch %d from step %d %s at step %d (%d steps of notice)", chosen.epoch,
+                        chosen.from_step, how, step, chosen.from_step - step)
             return
         rival = preferred_rival(candidates, self.history, step=step, refused=liars)
         if rival is not None:
@@ -373,6 +380,8 @@ class Upkeep:
         # A store reported failed may still land too: planning another group for the same epoch would
         # split those that read it from the rest; this peer stores the same record again next upkeep.
         self.trust(record)
+        if self.on_new_group is not None:  # straight to the members: a DHT read can come after its first step
+            self.on_new_group(record)
         stored = await self._publish(record)
         self.published = time.monotonic() if stored else 0.0
         logger.info("group epoch %d from step %d: %d members (+%d, -%d), %d reducing%s", record.epoch,
