@@ -2,7 +2,8 @@
 
 For each run: whether the survivors ended identical; the seconds the other peers lost in steps over
 1 s (median peer) and the hung peer's; the fewest steps of notice any peer had of a group epoch formed
-mid-run (its "steps of notice" log lines); the "in another group" log lines (steps split between two
+mid-run (its "steps of notice" log lines) and how many of those a leader's notice brought before the
+member's DHT read did ("pushed"); the "in another group" log lines (steps split between two
 groups); and how often a part dropped voters it had refused before its round started. Needs network
 namespaces (root) for shaped links, else runs on loopback.
 
@@ -18,20 +19,23 @@ from pathlib import Path
 
 from lioncub_p2p.sim.process_faults import SCENARIOS, run_scenario
 
-NOTICE = re.compile(r"from step (\d+) (?:read|pushed) at step \d+ \((-?\d+) steps of notice")
+NOTICE = re.compile(r"from step (\d+) (read|pushed) at step \d+ \((-?\d+) steps of notice")
 
 
 def measure(folder: Path, peers: int, hung: int) -> dict:
-    slow, notices, split, refused = {}, [], 0, 0
+    slow, notices, split, refused, pushed = {}, [], 0, 0, 0
     for i in range(peers):
         rows = [json.loads(line) for line in (folder / f"peer{i}.jsonl").read_text().splitlines()]
         slow[i] = sum(r["step_s"] for r in rows[1:] if r["step_s"] > 1.0)
         log = (folder / f"peer{i}.log").read_text(errors="replace")
-        notices += [int(n) for first, n in NOTICE.findall(log) if int(first) > 0]
+        found = [(how, int(n)) for first, how, n in NOTICE.findall(log) if int(first) > 0]
+        notices += [n for _, n in found]
+        pushed += sum(how == "pushed" for how, _ in found)  # a leader's notice came before the DHT read
         split += log.count("in another group")
         refused += log.count("refused before this peer started")
     return dict(others_slow_s=round(statistics.median(v for i, v in slow.items() if i != hung), 1),
-                hung_slow_s=round(slow[hung], 1), least_notice=min(notices, default=None), split_lines=split,
+                hung_slow_s=round(slow[hung], 1), least_notice=min(notices, default=None),
+                notices_pushed=f"{pushed}/{len(notices)}", split_lines=split,
                 refused_voters_dropped=refused)
 
 

@@ -112,9 +112,11 @@ def _without_dynamo_guard(name: str) -> Callable:
 
     The wrapper imports ``torch._dynamo`` at its first call: 1.5-2 s of CPU in every trainer process
     (measured), longer than the rest of a peer's start. LionCub's step waits on the network and is
-    never compiled, so the guard buys nothing here. A torch without the wrapper keeps its method."""
+    never compiled, so the guard buys nothing here. Only torch's own guard is taken off (another
+    decorator, or a torch without the guard, keeps the method as it is)."""
     method = getattr(torch.optim.Optimizer, name)
-    return getattr(method, "__wrapped__", method)
+    guard = getattr(getattr(method, "__code__", None), "co_qualname", "")
+    return method.__wrapped__ if guard.startswith("_disable_dynamo.") and hasattr(method, "__wrapped__") else method
 
 
 @dataclass(frozen=True)

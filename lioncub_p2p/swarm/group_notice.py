@@ -13,7 +13,7 @@ The member checks a notice as it checks a record read from the DHT: signed for t
 sender's own peer id (``records.open_record``), unexpired, a valid ``GroupRecord`` whose author is a
 member, and then the same rules decide whether it follows it (``Upkeep.consider``,
 ``membership.next_group``: only from a member of its latest groups, newer, within the step window).
-Only members of this peer's groups may open such a stream, one each, ``MAX_STREAMS`` in all, read
+Only members of this peer's groups may open such a stream, two each, ``MAX_STREAMS`` in all, read
 within ``READ_TIMEOUT``. A notice that is lost or late changes nothing: the DHT read still comes.
 """
 from __future__ import annotations
@@ -66,7 +66,8 @@ class GroupNoticeServer:
     def __init__(self, p2p: P2P, run_id: str, verifier: Verifier, is_member: Callable[[str], bool],
                  on_group: Callable[[GroupRecord], None], log: RateLimitedLog):
         self.p2p, self.run_id, self.verifier, self.on_group, self.log = p2p, run_id, verifier, on_group, log
-        self.gate = StreamGate("group", per_peer=1, stranger_per_peer=0, strangers=0, total=MAX_STREAMS,
+        # two per member: a leader may plan the next epoch while its last notice is still being read
+        self.gate = StreamGate("group", per_peer=2, stranger_per_peer=0, strangers=0, total=MAX_STREAMS,
                                is_member=is_member)
 
     async def start(self) -> None:
@@ -85,11 +86,15 @@ class GroupNoticeServer:
         except (WireError, RecordError, KeyError, ValueError, TypeError) as e:
             self.log.warning(f"notice:{sender}", "ignoring a group notice from %.60s: %s", sender, e)
             return
-        self.on_group(group)
+        try:
+            self.on_group(group)
+        except Exception as e:  # as a failed DHT read: upkeep's next read goes on
+            self.log.warning("notice:follow", "following a group notice failed: %s: %s", type(e).__name__, e)
 
 
 async def send_notices(p2p: P2P, notice: pb.GroupNotice, peer_ids: Iterable[str]) -> int:
-    """Send ``notice`` to each peer, ``SEND_PARALLEL`` at once; how many took it (closed after reading)."""
+    """Send ``notice`` to each peer, ``SEND_PARALLEL`` at once; how many closed the stream after it (read
+    it, or refused it at the gate: a member that refused it reads the DHT)."""
     limit = asyncio.Semaphore(SEND_PARALLEL)
 
     async def send(peer_id: str) -> bool:

@@ -306,6 +306,8 @@ class Upkeep:
         if me.run_manifest is not None and time.monotonic() - self.manifest_published > manifests.MANIFEST_TTL / 3:
             self.manifest_published = time.monotonic()  # the leader keeps the run's manifest alive
             await self.store_manifest(me.run_manifest)
+            if self.history.latest is not latest:  # a rival's group came meanwhile (a notice): plan from it next
+                return
         plan = plan_group(latest, healthy, evicted=self.evicted, missed_at=self.missed_at,
                           may_join=lambda record: self.may_join(record, me.run_manifest))
         liars = self.verdicts.liars
@@ -380,8 +382,14 @@ class Upkeep:
         # A store reported failed may still land too: planning another group for the same epoch would
         # split those that read it from the rest; this peer stores the same record again next upkeep.
         self.trust(record)
+        if self.history.by_epoch.get(record.epoch) is not record:  # another record holds this epoch here
+            return
         if self.on_new_group is not None:  # straight to the members: a DHT read can come after its first step
-            self.on_new_group(record)
+            try:
+                self.on_new_group(record)
+            except Exception as e:  # the DHT store below still tells them
+                self.log.warning("notice", "group epoch %d: no notices sent: %s: %s", record.epoch,
+                                 type(e).__name__, e)
         stored = await self._publish(record)
         self.published = time.monotonic() if stored else 0.0
         logger.info("group epoch %d from step %d: %d members (+%d, -%d), %d reducing%s", record.epoch,
