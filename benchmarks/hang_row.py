@@ -22,13 +22,14 @@ from lioncub_p2p.sim.process_faults import SCENARIOS, run_scenario
 NOTICE = re.compile(r"from step (\d+) (read|pushed) at step \d+ \((-?\d+) steps of notice")
 
 
-def measure(folder: Path, peers: int, hung: int) -> dict:
+def measure(folder: Path, peers: int, hung: int, steps: int) -> dict:
     slow, notices, split, refused, pushed = {}, [], 0, 0, 0
     for i in range(peers):
         rows = [json.loads(line) for line in (folder / f"peer{i}.jsonl").read_text().splitlines()]
         slow[i] = sum(r["step_s"] for r in rows[1:] if r["step_s"] > 1.0)
         log = (folder / f"peer{i}.log").read_text(errors="replace")
-        found = [(how, int(n)) for first, how, n in NOTICE.findall(log) if int(first) > 0]
+        # mid-run: not the start's groups, nor the closing group from the last step (nobody steps it)
+        found = [(how, int(n)) for first, how, n in NOTICE.findall(log) if 0 < int(first) < steps]
         notices += [n for _, n in found]
         pushed += sum(how == "pushed" for how, _ in found)  # a leader's notice came before the DHT read
         split += log.count("in another group")
@@ -53,7 +54,7 @@ def main() -> None:
         folder = args.workdir / f"run{k}"
         row = run_scenario(scenario, folder, steps=args.steps, hidden=512)
         print(json.dumps(dict(run=k, identical=row["identical"], max_step_s=round(row["max_step_s"], 2),
-                              **measure(folder / "lioncub", len(scenario.peers), hung))), flush=True)
+                              **measure(folder / "lioncub", len(scenario.peers), hung, args.steps))), flush=True)
 
 
 if __name__ == "__main__":
