@@ -213,9 +213,11 @@ class LionCub(torch.optim.Optimizer):
 
     zero_grad = _without_dynamo_guard("zero_grad")
     state_dict = _without_dynamo_guard("state_dict")
+    _base_add_param_group = _without_dynamo_guard("add_param_group")
+    _base_load_state_dict = _without_dynamo_guard("load_state_dict")
 
     def add_param_group(self, param_group: dict) -> None:
-        _without_dynamo_guard("add_param_group")(self, param_group)
+        self._base_add_param_group(param_group)
         self._slots = None
         self._kernels = None
 
@@ -380,7 +382,7 @@ class LionCub(torch.optim.Optimizer):
             group["step"] += 1
 
     def load_state_dict(self, state_dict: dict) -> None:
-        _without_dynamo_guard("load_state_dict")(self, state_dict)
+        self._base_load_state_dict(state_dict)
         self._slots = None
         self._kernels = None
         self._in_flight = None

@@ -54,10 +54,7 @@ def open_notice(notice: pb.GroupNotice, run_id: str, sender: str, verifier: Veri
     if notice.expiration <= get_dht_time():
         raise RecordError("the notice expired")
     value = {"r": run_id, "t": "group", "p": notice.payload, "k": notice.public_key, "s": notice.signature}
-    group = GroupRecord.from_payload(open_record(verifier, run_id, "group", sender, value, notice.expiration), sender)
-    if sender not in group.member_ids():
-        raise RecordError("its author is not a member")
-    return group
+    return GroupRecord.authored(open_record(verifier, run_id, "group", sender, value, notice.expiration), sender)
 
 
 class GroupNoticeServer:

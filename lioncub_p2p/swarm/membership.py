@@ -182,6 +182,15 @@ class GroupRecord:
             raise RecordError("previous group is not the epoch before")
         return cls(epoch, _number(value.get("from_step"), 0, MAX_STEP, integer=True), tuple(specs), previous, author)
 
+    @classmethod
+    def authored(cls, value: Any, author: str) -> "GroupRecord":
+        """A group record its author signed (read from the DHT or sent as a notice): ``from_payload``,
+        and the author must be one of its members. Raises RecordError."""
+        group = cls.from_payload(value, author)
+        if author not in group.member_ids():
+            raise RecordError("its author is not a member")
+        return group
+
     def member_ids(self) -> list[str]:
         return [m.peer_id for m in self.members]
 
@@ -221,10 +230,7 @@ class Directory:
         groups = []
         for author, payload, _ in await self.read("group"):
             try:
-                group = GroupRecord.from_payload(payload, author)
-                if author not in group.member_ids():
-                    raise RecordError("its author is not a member")
-                groups.append(group)
+                groups.append(GroupRecord.authored(payload, author))
             except (RecordError, KeyError) as e:
                 self.bad.warning(f"group:{str(e)[:40]}", "ignoring the group record of %.60s: %s", author, e)
         return groups

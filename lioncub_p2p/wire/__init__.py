@@ -29,7 +29,8 @@ from . import lioncub_pb2 as pb
 # voters (group records mark followers, result headers carry the quorum); 5: a two-level vote's reducers
 # sign their margins' root in the second-level round (voter statements there), group-round headers carry
 # the second level's slices and margin bits, and evidence may carry a MarginsProof; 6: a two-level vote
-# never makes a group of one (``allreduce.hierarchy.assign_groups``): older peers would split differently
+# never makes a group of one (``allreduce.hierarchy.assign_groups``): older peers would split differently;
+# leaders send new group records to their members (``lioncub/group/1``, ``GroupNotice``)
 PROTOCOL_VERSION = 6
 HEADER_BYTES = 4
 LINGER_S = 5.0  # the longest a writer waits for its reader to close after the last reply
