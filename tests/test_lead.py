@@ -517,13 +517,13 @@ def test_a_restarted_peer_announces_past_its_earlier_record():
 TWO_LEVEL = {pid: group for group in ("abc", "def", "ghi") for pid in group}  # leader a's group: a, b, c
 
 
-def _two_level_health(reports: dict[str, tuple[str, ...]], *, failures=None, since=None, **record_fields):
+def _two_level_health(reports: dict[str, tuple[str, ...]], *, failures=None, since=None, stalled=(), **record_fields):
     """Health as leader a sees nine synced members in three groups; ``reports``: peer -> the
     group-mates its record says it misses; ``record_fields``: peer -> other PeerRecord fields."""
     records = {pid: PeerRecord(pid, **{"synced": True, "expires": 50.0, "missing": reports.get(pid, ()),
                                        **record_fields.get(pid, {})}) for pid in "abcdefghi"}
     return Health(records, me="a", now=NOW, failures=failures or {}, failing_since=since or {}, suspects=set(),
-                  mates={pid: tuple(group) for pid, group in TWO_LEVEL.items()})
+                  mates={pid: tuple(group) for pid, group in TWO_LEVEL.items()}, stalled=stalled)
 
 
 def test_a_member_of_another_group_misses_votes_when_most_of_its_voting_group_mates_say_so():
@@ -536,6 +536,35 @@ def test_a_member_of_another_group_misses_votes_when_most_of_its_voting_group_ma
     assert not _two_level_health({"e": ("d",), "g": ("d",), "h": ("d",)}).misses_votes("d")  # not its group
     health = _two_level_health({"e": ("d",), "f": ("d",)})
     assert not health("d") and health("e")  # dropped from the next group, its reporters kept
+
+
+def test_a_member_whose_records_repeat_one_step_while_the_leader_moves_on_has_stalled():
+    """A two-level group whose members all stall has nobody to report them: their own records do."""
+    def rec(pid: str, step: int, expires: float, **fields) -> PeerRecord:
+        return PeerRecord(pid, step=step, expires=expires, **{"synced": True, **fields})
+
+    stalls, members = lead.Stalls(), "abcdefg"
+    stalls.update({pid: rec(pid, 20, 50.0) for pid in "defgh"}, members, NOW)  # h: no member of the group in force
+    again = {"d": rec("d", 20, 56.0), "e": rec("e", 21, 56.0), "f": rec("f", 20, 50.0),
+             "g": rec("g", 20, 56.0, following=True), "h": rec("h", 20, 56.0)}
+    stalls.update(again, members, NOW + 6)
+    # d announced step 20 again 6 s on; e moved on; f's record was not renewed (a store that did not
+    # land proves nothing); g follows (behind on purpose); h is watched only once the group holds it
+    assert stalls.stalled(again, step=30, now=NOW + 6) == {"d"}
+    assert stalls.stalled(again, step=21, now=NOW + 6) == set()  # this peer is not STALL_STEPS past it
+    for fields in ({"synced": False}, {"leaving": True}, {"final": "ab" * 32}):  # downloading, leaving, finished
+        assert stalls.stalled({**again, "d": rec("d", 20, 56.0, **fields)}, step=30, now=NOW + 6) == set()
+    soon = lead.Stalls()
+    soon.update({"d": rec("d", 20, 50.0)}, members, NOW)
+    soon.update({"d": rec("d", 20, 53.0)}, members, NOW + 3)
+    assert soon.stalled({"d": rec("d", 20, 53.0)}, step=30, now=NOW + 3) == set()  # repeated 3 s apart only
+    stalls.update(again, "abc", NOW + 7)  # out of the group: forgotten, watched afresh if it comes back
+    stalls.update(again, members, NOW + 8)
+    assert stalls.stalled(again, step=30, now=NOW + 8) == set()
+    # the evidence holds for a member of another group, whose votes nobody reports, and of its own
+    health = _two_level_health({}, stalled={"d", "b"})
+    assert health.misses_votes("d") and not health("d") and health.misses_votes("b") and not health("b")
+    assert health("c") and not health.misses_votes("e")
 
 
 def test_a_leader_counts_its_own_groups_votes_itself_and_not_the_stale_counts_of_another():

@@ -547,6 +547,7 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
                     repair_steps.append(before)
                     out.setdefault("all_repair_steps", {}).setdefault(i, []).append(before)
                 progress[i] = opt.step_count
+                out.setdefault("stepped_at", {}).setdefault(i, []).append((before, time.monotonic()))
                 out.setdefault("round_s", {}).setdefault(i, []).append((before, swarm.stats.round_s))
                 out["max_lead"] = max(out.get("max_lead", 0), max(progress.values()) - min(progress.values()))
                 if swarm.stats.followed:
@@ -817,6 +818,43 @@ def test_a_member_of_another_group_that_stalls_is_dropped_on_its_group_mates_rep
     assert f"{stalled} rejoins without a part, on probation" in caplog.text, caplog.text[-3000:]  # ...and back
     specs = [{m.peer_id: m for m in g.members}.get(stalled) for g in groups if g.from_step > dropped[0]]
     assert next(spec for spec in specs if spec is not None).weight == 0.0  # no part while on probation
+
+
+def _a_whole_group_outside_the_leaders(i: int, swarm: Swarm) -> bool:
+    """Every member of the group of the last member in group order outside the first member's group."""
+    group = swarm.history.for_step(swarm.optimizer.step_count)
+    groups = swarm.book.groups_of(group)
+    others = sorted(pid for pid in groups if pid not in groups[group.members[0].peer_id])
+    return bool(others) and swarm.peer_id in groups[others[-1]]
+
+
+@pytest.mark.slow
+def test_a_group_whose_members_all_stall_is_dropped_on_their_own_records_and_all_end_equal(caplog):
+    """Two-level vote, 6 peers in 3 groups of 2. Both members of a group outside the leader's stall 20 s
+    (their event loops still announce): no group-mate is left to report their missed votes, but their
+    records repeat one step while the leader moves on (``lead.Stalls``), so the leader drops them during
+    the stall; the other four train on, the two come back, and everyone ends equal."""
+    configs = [_config("two-level-group-stall", max_group=2) for _ in range(6)]
+    seen: dict[int, Swarm] = {}
+    stall_s = 20.0
+    with caplog.at_level(logging.INFO, logger="lioncub_p2p.swarm"):
+        out = _train_swarm(configs, 80, stall=(_a_whole_group_outside_the_leaders, 15, stall_s),
+                           instrument=lambda i, s: seen.setdefault(i, s))
+    assert {out[i][0] for i in range(6)} == {80}
+    assert len({out[i][1] for i in range(6)}) == 1, [out[i][1].hex()[:8] for i in range(6)]
+    at = out["stepped_at"]
+    stalled = [i for i in range(6) if any(b - a > stall_s - 1 for (_, a), (_, b) in zip(at[i], at[i][1:]))]
+    assert len(stalled) == 2, stalled
+    woke = min(next(t for (s, t) in at[i] if s == 15) for i in stalled)  # their step 15 ended after the stall
+    watcher = seen[next(i for i in range(6) if i not in stalled)]
+    groups = sorted(watcher.history.by_epoch.values(), key=lambda g: g.epoch)
+    ids = {seen[i].peer_id for i in stalled}
+    out_at = next((g.from_step for g in groups if g.from_step > 15 and not ids & set(g.member_ids())), None)
+    assert out_at is not None, [(g.from_step, len(g.members)) for g in groups]
+    # dropped while they slept: the others reached that group's first step before the two woke up
+    others_then = [max((s for s, t in at[i] if t < woke), default=0) for i in range(6) if i not in stalled]
+    during = [sum(woke - stall_s < t < woke for _, t in at[i]) for i in range(6) if i not in stalled]
+    assert min(others_then) >= out_at, (others_then, out_at, "steps the others made during the stall", during)
 
 
 @pytest.mark.slow

@@ -14,7 +14,12 @@ The rules:
   knows only what that group's members report in their records (``missing_votes``, the same rule),
   and the member misses votes when most of its group-mates that vote say so (one liar cannot drop a
   group-mate; a peer's counts from an earlier epoch's group, whose members it no longer sees, are
-  not used); its probation (below) ends when most of them report its votes steady (``steady_votes``);
+  not used); its probation (below) ends when most of them report its votes steady (``steady_votes``).
+  When a whole group stalls nobody is left to report it, so any member also misses votes when its
+  own records **repeat one step** while this peer moves on (``Stalls``: its event loop announces, its
+  training does not; a healthy voter is never 2 steps behind for 5 s without missing 2 rounds). This
+  holds across epochs: when the leader drops one stalled member, the group changes (a two-level vote
+  may turn flat) and the leader's counts of the others start afresh, while their records still tell;
 * the **leader** is the first healthy member that reduces, in group order (``leader_of``);
 * the unhealthy are dropped; a peer not in the group joins when its record is newer than the one it
   had when it was dropped (a dead peer's record lingers until it expires), it is not suspected and
@@ -64,6 +69,7 @@ SYNC_GRACE_ROUNDS = 30  # rounds a joining member may miss before it is dropped 
 DROP_AFTER_S = 5.0  # ...and seconds any member may miss rounds: fast rounds must not drop a peer that is starting up
 REST_S = 30.0  # seconds a member whose part failed reduces nothing (it votes)
 STEADY_ROUNDS = 3  # rounds in a row a member on probation must be counted in to leave it
+STALL_STEPS = 2  # steps this peer must be past a member's repeated step to call it stalled (``Stalls``)
 
 
 def missed_votes(pid: str, failures: Mapping[str, int], failing_since: Mapping[str, float], now: float, *,
@@ -110,13 +116,47 @@ def reported_by_most(pid: str, group: Collection[str], records: Mapping[str, Pee
     return reports > 0 and 2 * reports > len(witnesses)
 
 
+class Stalls:
+    """Members whose records repeat one step while this peer moves on: their event loops announce, their
+    training does not. The evidence for a two-level vote's group whose members all stall (nobody left to
+    report their missed votes), and for members whose votes this peer has counted for a few rounds only
+    (the group just changed). A member is watched from when this peer's group in force holds it (a
+    newcomer waits for its first group step), and a record only counts as a repeat when it is newer
+    (a later expiry: the member announced again, a record that failed to land proves nothing)."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, tuple[int, float, float]] = {}  # member -> (step, its record's expiry, local time) first seen
+
+    def update(self, records: Mapping[str, PeerRecord], members: Collection[str], now: float) -> None:
+        """Called with each read of the records; ``members``: this peer's group in force."""
+        for pid in [p for p in self.first if p not in members or p not in records]:
+            del self.first[pid]
+        for pid in members:
+            record, seen = records.get(pid), self.first.get(pid)
+            if record is not None and (seen is None or seen[0] != record.step or record.expires < seen[1]):
+                self.first[pid] = (record.step, record.expires, now)
+
+    def stalled(self, records: Mapping[str, PeerRecord], *, step: int, now: float) -> set[str]:
+        """Members that announced one step again ``DROP_AFTER_S`` or more apart, for as long here, while
+        this peer is ``STALL_STEPS`` or more past it; not those syncing, following, leaving or finished."""
+        found = set()
+        for pid, (at, expires, since) in self.first.items():
+            r = records.get(pid)
+            if (r is not None and r.step == at and r.expires - expires >= DROP_AFTER_S and now - since >= DROP_AFTER_S
+                    and step - at >= STALL_STEPS and r.synced and not (r.following or r.leaving or r.final)):
+                found.add(pid)
+        return found
+
+
 class Health:
     """Which members a leader keeps (the first rule above), from one moment's records and observations."""
 
     def __init__(self, records: Mapping[str, PeerRecord], *, me: str, now: float, failures: Mapping[str, int],
                  failing_since: Mapping[str, float], suspects: set[str], part_failed_at: Mapping[str, float] | None = None,
-                 probation: Collection[str] = (), mates: Mapping[str, Collection[str]] | None = None):
+                 probation: Collection[str] = (), mates: Mapping[str, Collection[str]] | None = None,
+                 stalled: Collection[str] = ()):
         self.records, self.me, self.now, self.suspects = records, me, now, suspects
+        self.stalled = set(stalled)  # ``Stalls``
         self.mates = mates or {}  # two-level: each member's group (itself included); flat: none
         self.probation = set(probation) - {me}
         self.failures, self.failing_since = failures, failing_since
@@ -132,8 +172,10 @@ class Health:
                                                          or pid in self.probation))
 
     def misses_votes(self, pid: str) -> bool:
-        """What this peer counted of ``pid``'s votes, or, for a member of another group of a two-level
-        vote, what most of that group's voting members report."""
+        """Its records' stall, or what this peer counted of ``pid``'s votes, or, for a member of another
+        group of a two-level vote, what most of that group's voting members report."""
+        if pid in self.stalled:
+            return True
         group = reported_group(pid, self.me, self.mates)
         if group is None:
             return missed_votes(pid, self.failures, self.failing_since, self.now, syncing=pid in self.syncing)
@@ -213,7 +255,7 @@ def failed_reducers(parts: Sequence[PartReport], group: Sequence[PeerSpec], me: 
     return failed if len(failed) < len(others) else []
 
 
-__all__ = ["Health", "GroupPlan", "leader_of", "plan_group", "asleep_since_drop", "failed_reducers",
+__all__ = ["Health", "Stalls", "GroupPlan", "leader_of", "plan_group", "asleep_since_drop", "failed_reducers",
            "SYNC_GRACE_ROUNDS", "DROP_AFTER_S", "REST_S", "STEADY_ROUNDS"]
 
 

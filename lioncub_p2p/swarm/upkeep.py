@@ -26,7 +26,7 @@ from hivemind.utils import get_dht_time
 
 from ..wire import PROTOCOL_VERSION
 from . import manifest as manifests
-from .lead import (NOTICE_S, REST_S, STEADY_ROUNDS, Health, asleep_since_drop, leader_of, missing_votes, plan_group,
+from .lead import (NOTICE_S, REST_S, STEADY_ROUNDS, Health, Stalls, asleep_since_drop, leader_of, missing_votes, plan_group,
                    reported_by_most, reported_group, steady_votes, steps_ahead)
 from .manifest import Manifest
 from .membership import (Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group,
@@ -89,6 +89,7 @@ class Upkeep:
         self.steady_at: dict[str, float] = {}  # ...when that run last reached lead.STEADY_ROUNDS
         self.missed_out: dict[str, float] = {}  # (here only) member dropped for missed votes -> when: probation
         self.missed_at: dict[str, int] = {}  # ... -> the step its record announced then (``lead.plan_group``)
+        self.stalls = Stalls()  # members whose records repeat one step (a two-level group stalled as a whole)
         self.on_epoch: Callable[[int], None] | None = None  # told the newest group's epoch (the vote node)
         self.on_new_group: Callable[[GroupRecord], None] | None = None  # a group this leader planned (notices)
         self.stop_waiting_for: Callable[[set[str], str], None] | None = None  # reducers stop waiting for leavers
@@ -120,6 +121,8 @@ class Upkeep:
                 await self.refresh_group()
                 await self.verdicts.remind_leader()
                 self.records = await self.directory.peers()
+                in_force = self.history.for_step(self.local().step)
+                self.stalls.update(self.records, in_force.member_ids() if in_force else (), time.monotonic())
                 leaving = {pid for pid, r in self.records.items() if r.leaving}  # signed by the peer itself
                 if leaving and self.stop_waiting_for is not None:
                     self.stop_waiting_for(leaving, "it left the run")
@@ -299,7 +302,7 @@ class Upkeep:
         healthy = Health(self.records, me=self.peer_id, now=time.monotonic(), failures=self.failures,
                          failing_since=self.failing_since, suspects=suspects,
                          part_failed_at=dict(self.part_failed_at), probation=self._probation(mates, suspects),
-                         mates=mates)
+                         mates=mates, stalled=self.stalls.stalled(self.records, step=me.step, now=time.monotonic()))
         step = me.step
         if leader_of(latest, healthy) != self.peer_id or step < latest.from_step:
             return
