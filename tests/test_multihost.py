@@ -5,7 +5,8 @@ on a public segment, one volunteer behind a NAT router (masquerade, no port forw
 joiner. The commands are read from README.md and run as written; the test only substitutes the
 coordinator's address (COORDINATOR_IP, PEER_ID) and appends the flags that bound and observe a run
 (--steps, --step-delay, --metrics-jsonl, --final-state, --quiet). Asserted: everyone trains in one
-group, the NAT'd volunteer switches to client mode by itself, the late joiner downloads the state,
+group, the NAT'd volunteer switches to client mode by itself and receives the leader's group notices,
+the late joiner downloads the state,
 every volunteer exits 0 at the last step with bitwise-equal parameters, and no process is left.
 """
 from __future__ import annotations
@@ -112,6 +113,8 @@ def test_readme_commands_on_separate_hosts_with_latency_and_nat(tmp_path):
     assert not left, f"processes left after the trainers exited: {left}"
     assert "[ OK ]" in preflight_out and "[FAIL]" not in preflight_out, preflight_out
     assert "client mode" in logs["home"], logs["home"][-2000:]  # chosen by itself: the command has no flag for it
+    # the leader's group notices reach the NAT'd volunteer too (over the connection it opened: nobody can dial it)
+    assert re.search(r"group epoch \d+ from step \d+ pushed at step", logs["home"]), logs["home"][-2000:]
     late_rows = metrics(tmp_path / "late.jsonl")
     assert late_rows and late_rows[0]["step"] > 0, "the late joiner did not start from the swarm's step"
     assert late_rows[0]["step"] <= STEPS - 30, f"the late joiner came in at step {late_rows[0]['step']} of {STEPS}"
