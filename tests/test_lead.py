@@ -539,28 +539,46 @@ def test_a_member_of_another_group_misses_votes_when_most_of_its_voting_group_ma
 
 
 def test_a_member_whose_records_repeat_one_step_while_the_leader_moves_on_has_stalled():
-    """A two-level group whose members all stall has nobody to report them: their own records do."""
+    """A two-level group whose members all stall has nobody to report them: their own records do, once
+    this peer is 2 steps past them and reads two newer records with the same step."""
     def rec(pid: str, step: int, expires: float, **fields) -> PeerRecord:
         return PeerRecord(pid, step=step, expires=expires, **{"synced": True, **fields})
 
-    stalls, members = lead.Stalls(), "abcdefg"
-    stalls.update({pid: rec(pid, 20, 50.0) for pid in "defgh"}, members, NOW)  # h: no member of the group in force
-    again = {"d": rec("d", 20, 56.0), "e": rec("e", 21, 56.0), "f": rec("f", 20, 50.0),
-             "g": rec("g", 20, 56.0, following=True), "h": rec("h", 20, 56.0)}
-    stalls.update(again, members, NOW + 6)
-    # d announced step 20 again 6 s on; e moved on; f's record was not renewed (a store that did not
-    # land proves nothing); g follows (behind on purpose); h is watched only once the group holds it
-    assert stalls.stalled(again, step=30, now=NOW + 6) == {"d"}
-    assert stalls.stalled(again, step=21, now=NOW + 6) == set()  # this peer is not STALL_STEPS past it
-    for fields in ({"synced": False}, {"leaving": True}, {"final": "ab" * 32}):  # downloading, leaving, finished
-        assert stalls.stalled({**again, "d": rec("d", 20, 56.0, **fields)}, step=30, now=NOW + 6) == set()
-    soon = lead.Stalls()
-    soon.update({"d": rec("d", 20, 50.0)}, members, NOW)
-    soon.update({"d": rec("d", 20, 53.0)}, members, NOW + 3)
-    assert soon.stalled({"d": rec("d", 20, 53.0)}, step=30, now=NOW + 3) == set()  # repeated 3 s apart only
-    stalls.update(again, "abc", NOW + 7)  # out of the group: forgotten, watched afresh if it comes back
-    stalls.update(again, members, NOW + 8)
-    assert stalls.stalled(again, step=30, now=NOW + 8) == set()
+    members = "abcdefg"
+    stalls = lead.Stalls()
+    stalls.update({pid: rec(pid, 20, 50.0) for pid in "defgh"}, members, step=20, now=NOW)
+    stalls.update({pid: rec(pid, 20, 50.0) for pid in "defgh"}, members, step=22, now=NOW + 1)  # passed at NOW + 1
+    # two announcements later: d still says step 20; e moved on; f's records did not land (a store that
+    # failed proves nothing); g follows (behind on purpose); h is watched only once the group holds it
+    for k, expires in ((1, 53.3), (2, 56.6)):
+        latest = {"d": rec("d", 20, expires), "e": rec("e", 21 + k, expires), "f": rec("f", 20, 50.0),
+                  "g": rec("g", 20, expires, following=True), "h": rec("h", 20, expires)}
+        stalls.update(latest, members, step=22 + 2 * k, now=NOW + 1 + 3 * k)
+    assert stalls.stalled(now=NOW + 7) == {"d"}
+    assert stalls.stalled(now=NOW + 4.9) == set()  # its step first read less than DROP_AFTER_S ago
+    stalls.update({**latest, "d": rec("d", 20, 50.0)}, members, step=30, now=NOW + 8)  # an older copy: ignored
+    assert stalls.stalled(now=NOW + 8) == {"d"}
+    for fields, found in (({}, {"d"}), ({"synced": False}, set()), ({"leaving": True}, set()),
+                          ({"final": "ab" * 32}, set())):  # downloading, leaving, finished: no stall
+        alone = lead.Stalls()
+        for k in range(4):
+            alone.update({"d": rec("d", 20, 50.0 + 3.3 * k, **fields)}, members, step=22, now=NOW + 3.3 * k)
+        assert alone.stalled(now=NOW + 20) == found, fields
+    stalls.update(latest, "abc", step=30, now=NOW + 9)  # out of the group: forgotten, watched afresh if back
+    stalls.update(latest, members, step=30, now=NOW + 10)
+    assert stalls.stalled(now=NOW + 20) == set()
+
+    # the whole group waited at step 20 (renewing its records), then stepped fast: the record read just
+    # after this peer passed it was announced before; the next one shows the member's new step
+    pause = lead.Stalls()
+    for k in range(5):
+        pause.update({"d": rec("d", 20, 50.0 + 3.3 * k)}, members, step=20, now=NOW + 3.3 * k)
+    pause.update({"d": rec("d", 20, 50.0 + 3.3 * 5)}, members, step=23, now=NOW + 17)
+    pause.update({"d": rec("d", 20, 50.0 + 3.3 * 6)}, members, step=26, now=NOW + 18)  # announced before it passed
+    assert pause.stalled(now=NOW + 23) == set()  # one record since: it may have been announced before
+    pause.update({"d": rec("d", 27, 50.0 + 3.3 * 7)}, members, step=29, now=NOW + 21)
+    assert pause.stalled(now=NOW + 30) == set()
+
     # the evidence holds for a member of another group, whose votes nobody reports, and of its own
     health = _two_level_health({}, stalled={"d", "b"})
     assert health.misses_votes("d") and not health("d") and health.misses_votes("b") and not health("b")

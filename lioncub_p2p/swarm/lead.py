@@ -116,36 +116,53 @@ def reported_by_most(pid: str, group: Collection[str], records: Mapping[str, Pee
     return reports > 0 and 2 * reports > len(witnesses)
 
 
+@dataclass
+class _Watch:
+    record: PeerRecord  # the member's newest record seen
+    since: float  # local time its first record with this step (and flags) was read
+    passed_at: float | None = None  # local time this peer was first seen STALL_STEPS or more past its step
+    renewals: int = 0  # newer records with the same step first seen since then
+
+
 class Stalls:
     """Members whose records repeat one step while this peer moves on: their event loops announce, their
     training does not. The evidence for a two-level vote's group whose members all stall (nobody left to
     report their missed votes), and for members whose votes this peer has counted for a few rounds only
-    (the group just changed). A member is watched from when this peer's group in force holds it (a
-    newcomer waits for its first group step), and a record only counts as a repeat when it is newer
-    (a later expiry: the member announced again, a record that failed to land proves nothing)."""
+    (the group just changed).
+
+    A record says the step its member had when it announced it, up to one announcement period (a third
+    of the record's lifetime) and a store earlier. So a member counts as stalled only after this peer is
+    ``STALL_STEPS`` past its step and then reads **two** newer records of it with that same step: the
+    second was announced one period after the first, which was still being stored when this peer passed
+    it. A pause of the whole group at one step, then fast steps, shows a newer step in those records. A
+    member is watched from when this peer's group in force holds it (a newcomer waits for its first group
+    step); a record that failed to land proves nothing, nor does an older copy the DHT returns."""
 
     def __init__(self) -> None:
-        self.first: dict[str, tuple[int, float, float]] = {}  # member -> (step, its record's expiry, local time) first seen
+        self.watched: dict[str, _Watch] = {}
 
-    def update(self, records: Mapping[str, PeerRecord], members: Collection[str], now: float) -> None:
-        """Called with each read of the records; ``members``: this peer's group in force."""
-        for pid in [p for p in self.first if p not in members or p not in records]:
-            del self.first[pid]
+    def update(self, records: Mapping[str, PeerRecord], members: Collection[str], *, step: int, now: float) -> None:
+        """Called with each read of the records; ``members``: this peer's group in force, ``step``: its own."""
+        for pid in [p for p in self.watched if p not in members or p not in records]:
+            del self.watched[pid]
         for pid in members:
-            record, seen = records.get(pid), self.first.get(pid)
-            if record is not None and (seen is None or seen[0] != record.step or record.expires < seen[1]):
-                self.first[pid] = (record.step, record.expires, now)
+            record, w = records.get(pid), self.watched.get(pid)
+            if record is None or (w is not None and record.expires <= w.record.expires):
+                continue  # nothing new (or an older copy)
+            if w is None or (record.step, record.synced, record.following) != (w.record.step, w.record.synced,
+                                                                              w.record.following):
+                w = self.watched[pid] = _Watch(record, now)
+            else:
+                w.record, w.renewals = record, w.renewals + (w.passed_at is not None)
+        for w in self.watched.values():
+            if w.passed_at is None and step - w.record.step >= STALL_STEPS:
+                w.passed_at = now
 
-    def stalled(self, records: Mapping[str, PeerRecord], *, step: int, now: float) -> set[str]:
-        """Members that announced one step again ``DROP_AFTER_S`` or more apart, for as long here, while
-        this peer is ``STALL_STEPS`` or more past it; not those syncing, following, leaving or finished."""
-        found = set()
-        for pid, (at, expires, since) in self.first.items():
-            r = records.get(pid)
-            if (r is not None and r.step == at and r.expires - expires >= DROP_AFTER_S and now - since >= DROP_AFTER_S
-                    and step - at >= STALL_STEPS and r.synced and not (r.following or r.leaving or r.final)):
-                found.add(pid)
-        return found
+    def stalled(self, *, now: float) -> set[str]:
+        """Members that announced their step twice since this peer passed it, first read ``DROP_AFTER_S``
+        ago or more; not those syncing, following, leaving or finished."""
+        return {pid for pid, w in self.watched.items() if w.renewals >= 2 and now - w.since >= DROP_AFTER_S
+                and w.record.synced and not (w.record.following or w.record.leaving or w.record.final)}
 
 
 class Health:

@@ -121,8 +121,10 @@ class Upkeep:
                 await self.refresh_group()
                 await self.verdicts.remind_leader()
                 self.records = await self.directory.peers()
-                in_force = self.history.for_step(self.local().step)
-                self.stalls.update(self.records, in_force.member_ids() if in_force else (), time.monotonic())
+                step = self.local().step
+                in_force = self.history.for_step(step)
+                self.stalls.update(self.records, in_force.member_ids() if in_force else (), step=step,
+                                   now=time.monotonic())
                 leaving = {pid for pid, r in self.records.items() if r.leaving}  # signed by the peer itself
                 if leaving and self.stop_waiting_for is not None:
                     self.stop_waiting_for(leaving, "it left the run")
@@ -302,7 +304,7 @@ class Upkeep:
         healthy = Health(self.records, me=self.peer_id, now=time.monotonic(), failures=self.failures,
                          failing_since=self.failing_since, suspects=suspects,
                          part_failed_at=dict(self.part_failed_at), probation=self._probation(mates, suspects),
-                         mates=mates, stalled=self.stalls.stalled(self.records, step=me.step, now=time.monotonic()))
+                         mates=mates, stalled=self.stalls.stalled(now=time.monotonic()))
         step = me.step
         if leader_of(latest, healthy) != self.peer_id or step < latest.from_step:
             return
