@@ -556,14 +556,25 @@ def test_a_member_whose_records_repeat_one_step_while_the_leader_moves_on_has_st
         stalls.update(latest, members, step=22 + 2 * k, now=NOW + 1 + 3 * k)
     assert stalls.stalled(now=NOW + 7) == {"d"}
     assert stalls.stalled(now=NOW + 4.9) == set()  # its step first read less than DROP_AFTER_S ago
-    stalls.update({**latest, "d": rec("d", 20, 50.0)}, members, step=30, now=NOW + 8)  # an older copy: ignored
+    stalls.update({**latest, "d": rec("d", 19, 50.0)}, members, step=30, now=NOW + 8)  # an older copy: ignored
     assert stalls.stalled(now=NOW + 8) == {"d"}
-    for fields, found in (({}, {"d"}), ({"synced": False}, set()), ({"leaving": True}, set()),
-                          ({"final": "ab" * 32}, set())):  # downloading, leaving, finished: no stall
-        alone = lead.Stalls()
+    stalls.update({}, members, step=30, now=NOW + 8.5)  # a read that timed out (no records) forgets nothing
+    assert stalls.stalled(now=NOW + 8.5) == {"d"}
+    for fields, found in (({}, {"d"}), ({"synced": False}, set()), ({"following": True}, set()),
+                          ({"leaving": True}, set()), ({"final": "ab" * 32}, set())):  # no stall: downloading,
+        alone = lead.Stalls()  # behind on purpose, leaving, finished
         for k in range(4):
             alone.update({"d": rec("d", 20, 50.0 + 3.3 * k, **fields)}, members, step=22, now=NOW + 3.3 * k)
         assert alone.stalled(now=NOW + 20) == found, fields
+    near = lead.Stalls()  # this peer one step past it only (STALL_STEPS is 2)
+    for k in range(4):
+        near.update({"d": rec("d", 20, 50.0 + 3.3 * k)}, members, step=21, now=NOW + 3.3 * k)
+    assert near.stalled(now=NOW + 20) == set()
+    flipped = lead.Stalls()  # it starts following mid-watch: watched afresh (its renewals so far say nothing)
+    for k, following in enumerate((False, False, False, True)):
+        flipped.update({"d": rec("d", 20, 50.0 + 3.3 * k, following=following)}, members, step=22, now=NOW + 3.3 * k)
+    flipped.update({"d": rec("d", 20, 70.0, following=False)}, members, step=22, now=NOW + 14)
+    assert flipped.stalled(now=NOW + 20) == set()
     stalls.update(latest, "abc", step=30, now=NOW + 9)  # out of the group: forgotten, watched afresh if back
     stalls.update(latest, members, step=30, now=NOW + 10)
     assert stalls.stalled(now=NOW + 20) == set()

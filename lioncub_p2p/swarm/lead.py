@@ -142,8 +142,10 @@ class Stalls:
         self.watched: dict[str, _Watch] = {}
 
     def update(self, records: Mapping[str, PeerRecord], members: Collection[str], *, step: int, now: float) -> None:
-        """Called with each read of the records; ``members``: this peer's group in force, ``step``: its own."""
-        for pid in [p for p in self.watched if p not in members or p not in records]:
+        """Called with each read of the records; ``members``: this peer's group in force, ``step``: its own,
+        taken before the read (a slow read must not make a record look announced after this peer passed it).
+        A member missing from one read (a read that timed out returns none) keeps its watch."""
+        for pid in [p for p in self.watched if p not in members]:
             del self.watched[pid]
         for pid in members:
             record, w = records.get(pid), self.watched.get(pid)

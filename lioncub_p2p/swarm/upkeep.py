@@ -120,8 +120,8 @@ class Upkeep:
             try:
                 await self.refresh_group()
                 await self.verdicts.remind_leader()
+                step = self.local().step  # before the read: ``Stalls.update``
                 self.records = await self.directory.peers()
-                step = self.local().step
                 in_force = self.history.for_step(step)
                 self.stalls.update(self.records, in_force.member_ids() if in_force else (), step=step,
                                    now=time.monotonic())
