@@ -530,11 +530,13 @@ with LocalSwarm(3) as swarm:
         return [str(m) for m in await swarm.nodes[0].p2p.get_visible_maddrs()]
     print(json.dumps({"maddrs": swarm.run(maddrs()), "peer": swarm.nodes[0].peer_id}), flush=True)
     sys.stdin.readline()
-    exact = []
+    exact, why = [], []
     for step in range(1, int(sys.argv[2]) + 1):
         results = swarm.allreduce(codes, step=step)
-        exact.append(all(np.array_equal(r.numpy(), want) for r in results))
-    print(json.dumps({"exact": exact}), flush=True)
+        exact.append(all(r is not None and np.array_equal(r.numpy(), want) for r in results))
+        if not exact[-1]:  # which part of whose round fell short, and what it counted
+            why.append([step] + [[(p.status, p.counted, p.note) for p in rep.parts] if rep else None for rep in swarm.reports])
+    print(json.dumps({"exact": exact, "why": why}), flush=True)
 """
 
 
@@ -589,6 +591,6 @@ def fd_exhaustion(workdir: str, *, limit: int = 1024, streams: int = 700, rounds
             victim.wait()
         loop.stop()
     text = open(log_path).read()
-    return dict(exact=done.get("exact", []), dialed=dialed[0], returncode=victim.returncode,
+    return dict(exact=done.get("exact", []), why=done.get("why", []), dialed=dialed[0], returncode=victim.returncode,
                 too_many_open_files="Too many open files" in text or "out of system resource" in text,
                 log_tail=text[-3000:])

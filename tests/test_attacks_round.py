@@ -822,6 +822,6 @@ def test_too_many_open_files_cannot_be_provoked_at_ulimit_1024(tmp_path):
     rounds: no "Too many open files", and every round is the exact majority (with the stream caps and
     the first-frame deadline taken out, the victim logs "[Errno 24] Too many open files")."""
     outcome = fd_exhaustion(str(tmp_path), limit=1024, streams=700, rounds=5)
-    assert outcome["returncode"] == 0 and outcome["exact"] == [True] * 5, outcome["log_tail"]
+    assert outcome["returncode"] == 0 and outcome["exact"] == [True] * 5, (outcome["why"], outcome["log_tail"])
     assert outcome["dialed"] >= 2100
     assert not outcome["too_many_open_files"], outcome["log_tail"]

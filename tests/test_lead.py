@@ -594,6 +594,12 @@ def test_a_member_whose_records_repeat_one_step_while_the_leader_moves_on_has_st
     health = _two_level_health({}, stalled={"d", "b"})
     assert health.misses_votes("d") and not health("d") and health.misses_votes("b") and not health("b")
     assert health("c") and not health.misses_votes("e")
+    # probation keeps a member whose votes this peer misses, not one whose training hangs again
+    records = _records()
+    kept = Health(records, me="a", now=NOW, failures={"d": 9}, failing_since={"d": NOW - 60}, suspects=set(),
+                  probation={"d"})
+    assert kept("d") and not Health(records, me="a", now=NOW, failures={}, failing_since={}, suspects=set(),
+                                     probation={"d"}, stalled={"d"})("d")
 
 
 def test_a_leader_counts_its_own_groups_votes_itself_and_not_the_stale_counts_of_another():
@@ -605,6 +611,17 @@ def test_a_leader_counts_its_own_groups_votes_itself_and_not_the_stale_counts_of
     assert not _two_level_health({"c": ("b",)}).misses_votes("b")  # of its own group a trusts only itself
     flat = Health(_records(), me="a", now=NOW, failures=failing, failing_since=long_ago, suspects=set())
     assert flat.misses_votes("d")  # a flat vote: a sees every vote
+
+
+def test_a_drop_for_missed_votes_names_the_rule_that_made_it():
+    """The leader's log says which evidence dropped a member: its stalled records, its votes this peer
+    did not count, or its group-mates' reports (two-level)."""
+    since = {"b": NOW - 7.5}
+    health = _two_level_health({"e": ("d",), "f": ("d",)}, failures={"b": 3}, since=since, stalled={"c"})
+    assert "not counted here in 3 rounds in a row for 7.5 s" in health.why_missed("b")
+    assert "repeat one step" in health.why_missed("c")
+    assert "most of its group" in health.why_missed("d")
+    assert health.why_missed("e") is None and health.why_missed("a") is None
 
 
 def test_a_peer_reports_the_group_mates_it_misses_by_the_leaders_rule():

@@ -34,7 +34,8 @@ The rules:
   majority of the others (with a follower counted, a group of two had results on probe rounds only);
 * a member dropped for missed votes while alive (its record fresh, not suspected) that comes back is on
   **probation** until its votes count in ``STEADY_ROUNDS`` rounds in a row: it rejoins without a part
-  and is not dropped for missed votes, as if it followed. A link too slow for the group's pace
+  and is not dropped for missed votes, as if it followed, unless its records stall (its training hangs
+  again: it then stays out until its record moves, as after its first drop). A link too slow for the group's pace
   (1 Mbit/s among 100) is dropped after ``drop_after`` seconds, before its own rounds (~10 s each)
   tell it to follow; without probation it was re-added at its next record and dropped again, a group
   change every 5-25 s, and so it was when one counted vote (a probe) ended the probation;
@@ -187,18 +188,28 @@ class Health:
     def __call__(self, pid: str) -> bool:
         if pid in self.suspects:
             return False
+        if pid in self.stalled:  # its training hangs, probation or not (a follower is never stalled)
+            return pid == self.me
         return pid == self.me or (pid in self.alive and (not self.misses_votes(pid) or pid in self.following
                                                          or pid in self.probation))
 
     def misses_votes(self, pid: str) -> bool:
-        """Its records' stall, or what this peer counted of ``pid``'s votes, or, for a member of another
-        group of a two-level vote, what most of that group's voting members report."""
+        return self.why_missed(pid) is not None
+
+    def why_missed(self, pid: str) -> str | None:
+        """Which rule says ``pid`` misses votes (None: none does): its records' stall, or what this peer
+        counted of its votes, or, for a member of another group of a two-level vote, what most of that
+        group's voting members report. Said in the log when it is dropped."""
         if pid in self.stalled:
-            return True
+            return "its records repeat one step while this peer moved on"
         group = reported_group(pid, self.me, self.mates)
         if group is None:
-            return missed_votes(pid, self.failures, self.failing_since, self.now, syncing=pid in self.syncing)
-        return reported_by_most(pid, group, self.records, self.suspects, "missing")
+            if missed_votes(pid, self.failures, self.failing_since, self.now, syncing=pid in self.syncing):
+                return (f"its votes were not counted here in {self.failures.get(pid, 0)} rounds in a row for "
+                        f"{self.now - self.failing_since.get(pid, self.now):.1f} s")
+            return None
+        return "most of its group report its votes missing" if reported_by_most(
+            pid, group, self.records, self.suspects, "missing") else None
 
     def dropped_alive(self, pid: str) -> bool:
         """Dropped for missed votes alone: its record fresh, not leaving, not suspected (on probation when
@@ -275,7 +286,7 @@ def failed_reducers(parts: Sequence[PartReport], group: Sequence[PeerSpec], me: 
 
 
 __all__ = ["Health", "Stalls", "GroupPlan", "leader_of", "plan_group", "asleep_since_drop", "failed_reducers",
-           "SYNC_GRACE_ROUNDS", "DROP_AFTER_S", "REST_S", "STEADY_ROUNDS"]
+           "SYNC_GRACE_ROUNDS", "DROP_AFTER_S", "REST_S", "STEADY_ROUNDS", "STALL_STEPS"]
 
 
 def steps_ahead(lead_steps: int, steps_per_s: float, notice_s: float = NOTICE_S) -> int:

@@ -89,7 +89,7 @@ class Upkeep:
         self.steady_at: dict[str, float] = {}  # ...when that run last reached lead.STEADY_ROUNDS
         self.missed_out: dict[str, float] = {}  # (here only) member dropped for missed votes -> when: probation
         self.missed_at: dict[str, int] = {}  # ... -> the step its record announced then (``lead.plan_group``)
-        self.stalls = Stalls()  # members whose records repeat one step (a two-level group stalled as a whole)
+        self.stalls = Stalls()  # members whose records repeat one step while this peer moves on
         self.on_epoch: Callable[[int], None] | None = None  # told the newest group's epoch (the vote node)
         self.on_new_group: Callable[[GroupRecord], None] | None = None  # a group this leader planned (notices)
         self.stop_waiting_for: Callable[[set[str], str], None] | None = None  # reducers stop waiting for leavers
@@ -301,10 +301,11 @@ class Upkeep:
         suspects = self.verdicts.suspects()
         self._prune_round_counters()
         mates = self.groups_of(latest)
-        healthy = Health(self.records, me=self.peer_id, now=time.monotonic(), failures=self.failures,
+        now = time.monotonic()
+        healthy = Health(self.records, me=self.peer_id, now=now, failures=self.failures,
                          failing_since=self.failing_since, suspects=suspects,
                          part_failed_at=dict(self.part_failed_at), probation=self._probation(mates, suspects),
-                         mates=mates, stalled=self.stalls.stalled(now=time.monotonic()))
+                         mates=mates, stalled=self.stalls.stalled(now=now))
         step = me.step
         if leader_of(latest, healthy) != self.peer_id or step < latest.from_step:
             return
@@ -327,6 +328,8 @@ class Upkeep:
             elif m.peer_id in suspects:
                 logger.warning("dropping %s from the group: suspected (%s)", m.peer_id,
                                "; ".join(self.verdicts.suspicions.reasons(m.peer_id)))
+            elif (why := healthy.why_missed(m.peer_id)) is not None and m.peer_id in healthy.alive:
+                logger.info("dropping %s from the group for missed votes: %s", m.peer_id, why)
         reducing = {m.peer_id for m in latest.members if m.reduces}
         for pid in sorted(healthy.resting & reducing & {m.peer_id for m in plan.members}):
             self.log.warning(f"rest:{pid}", "%s reduces nothing for the next %.0f s: its part failed while the "
