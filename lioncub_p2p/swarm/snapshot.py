@@ -25,6 +25,7 @@ from ..optim import LionCub
 MAGIC = b"LCUBSNAP"
 FORMAT = 1
 MAX_HEADER_BYTES = 1 << 20
+MAX_STEP = 1 << 53  # steps travel as uint64: a step near 2**64 would overflow them a few steps on
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PENDING_DTYPES = {"uint8": torch.uint8, "float32": torch.float32}
 
@@ -182,10 +183,12 @@ def read_header(blob: bytes | bytearray) -> tuple[dict, int]:
         raise SnapshotError(f"snapshot header of {length} bytes is too long or truncated")
     try:
         header = json.loads(bytes(blob[len(MAGIC) + 4 : len(MAGIC) + 4 + length]))
-        if header["format"] != FORMAT or not isinstance(header["step"], int) or header["step"] < 0:
+        if header["format"] != FORMAT:
             raise SnapshotError(f"unsupported snapshot format {header.get('format')}")
-    except (ValueError, KeyError, TypeError) as e:
-        raise SnapshotError(f"unreadable snapshot header: {e}") from e
+        if type(header["step"]) is not int or not 0 <= header["step"] < MAX_STEP:  # a bool is no step
+            raise SnapshotError(f"snapshot step {header['step']!r} is not a step")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:  # nested [[[... recurses
+        raise SnapshotError(f"unreadable snapshot header: {type(e).__name__}: {str(e)[:100]}") from e
     return header, len(MAGIC) + 4 + length
 
 
@@ -216,26 +219,53 @@ def max_size(optimizer: LionCub) -> int:
     return len(MAGIC) + 4 + MAX_HEADER_BYTES + Layout.of(optimizer).nbytes() + optimizer.buffer_bytes * 8 * 4
 
 
-def load(optimizer: LionCub, blob: bytes | bytearray, *, expect_digest: bytes | None = None) -> int:
-    """Copy a snapshot into the optimizer's parameters and momenta (kept as they are when the snapshot
-    has none); returns its step.
+@dataclass
+class _Checked:
+    header: dict
+    offset: int  # where the tensor bytes begin
+    total: int  # tensor bytes (parameters, and momenta if it has them)
+    pending: torch.Tensor | None  # the in-flight update it carries
 
-    Checks everything before touching the model: a rejected snapshot leaves the state as it was."""
+
+def check(optimizer: LionCub, blob: bytes | bytearray, *, expect_digest: bytes | None = None,
+          expect_step: int | None = None) -> _Checked:
+    """Everything ``load`` checks, without touching the model (raises SnapshotError): run on each
+    donor's snapshot as it completes, so a bad one is that donor's fault and the next donor is asked.
+    ``expect_step``: the step the donor said it serves (the header's must be the same)."""
     header, offset = read_header(blob)
+    if expect_step is not None and header["step"] != expect_step:
+        raise SnapshotError(f"snapshot says step {header['step']}, its donor said {expect_step}")
     layout = Layout.of(optimizer)
-    entries = [(n, d, list(s)) for n, d, s in header["tensors"]] if isinstance(header["tensors"], list) else None
+    try:
+        entries = [(n, d, list(s)) for n, d, s in header["tensors"]] if isinstance(header["tensors"], list) else None
+    except (KeyError, TypeError, ValueError) as e:
+        raise SnapshotError(f"unreadable tensor list: {type(e).__name__}: {str(e)[:100]}") from e
     if entries != layout.entries:
         raise SnapshotError("snapshot tensors do not match this model (names, dtypes or shapes differ)")
     pending_dtype, pending_bytes = _pending_bytes(header, layout)
     total = _tensor_bytes(header, layout)
-    copied = layout.entries if _has_momenta(header) else layout.entries[: len(optimizer.slots)]  # params first
     if len(blob) != offset + total + pending_bytes:
         raise SnapshotError(f"snapshot body has {len(blob) - offset} bytes, expected {total + pending_bytes}")
     if expect_digest is not None and _digest(blob, offset, layout.nbytes("param"), total, pending_bytes) != expect_digest:
         raise SnapshotError("parameter digest mismatch")
-    view = memoryview(blob)
     pending = None if pending_dtype is None else \
-        torch.frombuffer(bytearray(view[offset + total :]), dtype=pending_dtype).clone()
+        torch.frombuffer(bytearray(memoryview(blob)[offset + total :]), dtype=pending_dtype).clone()
+    if pending is not None and pending.is_floating_point() and not bool(torch.isfinite(pending).all()):
+        raise SnapshotError("the in-flight update it carries is not finite")
+    return _Checked(header, offset, total, pending)
+
+
+def load(optimizer: LionCub, blob: bytes | bytearray, *, expect_digest: bytes | None = None,
+         expect_step: int | None = None) -> int:
+    """Copy a snapshot into the optimizer's parameters and momenta (kept as they are when the snapshot
+    has none); returns its step.
+
+    Checks everything before touching the model (``check``): a rejected snapshot leaves the state as it was."""
+    checked = check(optimizer, blob, expect_digest=expect_digest, expect_step=expect_step)
+    header, offset, pending = checked.header, checked.offset, checked.pending
+    layout = Layout.of(optimizer)
+    copied = layout.entries if _has_momenta(header) else layout.entries[: len(optimizer.slots)]  # params first
+    view = memoryview(blob)
     with torch.no_grad():
         for t, (name, dtype, shape) in zip(_tensors(optimizer), copied):
             size = t.numel() * t.element_size()

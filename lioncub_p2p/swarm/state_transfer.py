@@ -32,9 +32,13 @@ CHUNK_BYTES = 256 << 10
 FIRST_FRAME_S = 5.0
 STALL_S = 30.0  # a donor that sends no chunk for this long is left for the next one (the download resumes)
 FIRST_CHUNK_S = 90.0  # ...and its first chunk: it may wait up to its wait_timeout (60 s) for the step asked for
+FAR_STEPS = 1000  # a request for a step further past this donor's is refused at once, not waited on
 SAME_DONOR_RETRIES = 1  # a donor whose stream broke after sending something is asked to resume once more
 FRESH_WAIT_S = 10.0  # how long a new download waits for the donor's current step before taking an older snapshot
 MIN_RATE = 125_000  # bytes/s (1 Mbit/s): the slowest link a whole state download is given time for
+SLOW_DONOR_S = 20.0  # a donor whose chunks average under a quarter of MIN_RATE over this long is left
+DIGEST_BYTES = 16  # ``snapshot.params_digest``
+SERVE_SLACK_S = 30.0  # a served download may take its bytes' time at MIN_RATE plus this, then it is ended
 
 
 def download_bound(max_bytes: int, wait_s: float) -> float:
@@ -46,6 +50,10 @@ def download_bound(max_bytes: int, wait_s: float) -> float:
 
 class StateTransferError(RuntimeError):
     pass
+
+
+class SlowDonor(StateTransferError):
+    """A donor that sends, but far under ``MIN_RATE``: not asked again in this download."""
 
 
 class StateServer:
@@ -154,6 +162,8 @@ class StateServer:
                 raise WireError("state request for another run")
             if self._uploads >= self.max_uploads:
                 raise WireError("busy: too many downloads from this donor, try another")
+            if self.current_step is not None and req.min_step > self.current_step() + FAR_STEPS:
+                raise WireError(f"step {req.min_step} is more than {FAR_STEPS} steps past this peer's")
             self._uploads += 1
             counted = True
             # a new download gets the current step, unless another download runs: a new snapshot would
@@ -166,8 +176,9 @@ class StateServer:
                 # a fresh run where both started from the same initialization: momenta are zero on both
                 await write_frame(writer, pb.StateChunk(version=PROTOCOL_VERSION, step=0, total_bytes=0, last=True,
                                                         params_digest=digest))
-            else:
-                await self._send(writer, req, step, blob, digest)
+            else:  # a peer that stops reading must not hold a download slot (and this stream) for good
+                await asyncio.wait_for(self._send(writer, req, step, blob, digest),
+                                       download_bound(len(blob), SERVE_SLACK_S))
             replied = True
         except WireError as e:
             logger.warning("state request from %s refused: %s", info.peer_id, e)
@@ -178,6 +189,13 @@ class StateServer:
                 pass
         except (asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError, OSError) as e:
             logger.info("state upload to %s ended: %s", info.peer_id, type(e).__name__)
+        except Exception as e:  # this peer's own snapshot failed its checks (a bug): say so, serve nothing
+            logger.warning("state request from %s failed: %s: %s", info.peer_id, type(e).__name__, e)
+            try:
+                await write_frame(writer, pb.StateChunk(version=PROTOCOL_VERSION, error="this donor failed to serve"))
+                replied = True
+            except Exception:
+                pass
         finally:
             if counted:  # the download slot is free once everything is written
                 self._uploads -= 1
@@ -185,10 +203,15 @@ class StateServer:
             await close_after_reply(reader, writer)
 
     async def _without_momenta(self, step: int, blob: bytes, digest: bytes) -> bytes:
-        """The snapshot without its momenta, made once per snapshot (a resumed download asks again)."""
-        if self._lean is None or self._lean[:2] != (step, digest):
-            self._lean = (step, digest, await asyncio.to_thread(snapshot.without_momenta, blob))
-        return self._lean[2]
+        """The snapshot without its momenta, made once per snapshot (a resumed download asks again).
+        Read once, under the lock: the training thread's ``forget`` may clear it at any moment."""
+        with self._lock:
+            lean = self._lean
+        if lean is None or lean[:2] != (step, digest):
+            lean = (step, digest, await asyncio.to_thread(snapshot.without_momenta, blob))
+            with self._lock:
+                self._lean = lean
+        return lean[2]
 
     @staticmethod
     async def _send(writer: asyncio.StreamWriter, req: pb.StateRequest, step: int, blob: bytes, digest: bytes) -> None:
@@ -214,6 +237,7 @@ class _Download:
         self.step: int | None = None
         self.digest = b""
         self.total: int | None = None
+        self.donors: set[str] = set()  # those that sent part of it
 
     @property
     def done(self) -> bool:
@@ -222,20 +246,25 @@ class _Download:
 
 async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: int, max_bytes: int,
                          timeout: float = 120.0, attempts: int = 6, have: tuple[int, bytes] | None = None,
-                         token: bytes = b"", params_only: bool = False) -> tuple[int, bytes, bytes]:
+                         token: bytes = b"", params_only: bool = False,
+                         check: Callable[[int, bytes, bytes], None] | None = None) -> tuple[int, bytes, bytes]:
     """(step, snapshot bytes, parameter digest) from donors, resuming across them; ``params_only``:
     without the momenta (``snapshot.without_momenta``; a donor of an older version sends them anyway).
 
     Donors are tried in the given order first (put the fastest first), in random order on retries.
 
     ``have`` = (step, parameter digest) of the requester's own state; a donor at step 0 with the
-    same parameters answers with an empty snapshot (b""): keep your state."""
+    same parameters answers with an empty snapshot (b""): keep your state. ``check(step, blob,
+    digest)`` runs on each completed snapshot (not on the empty answer) and raises if it is bad: its
+    donors (those that served part of it) are not asked again, and the download starts over."""
     if not donors:
         raise StateTransferError("no donor to download state from")
-    progress, errors = _Download(), []
+    progress, errors, left = _Download(), [], set()
     deadline = time.monotonic() + timeout
     for attempt in range(attempts):
         for donor in donors if attempt == 0 else random.sample(donors, len(donors)):
+            if donor in left:
+                continue
             for _ in range(1 + SAME_DONOR_RETRIES):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -247,13 +276,28 @@ async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: 
                 except Exception as e:
                     errors.append(f"{donor[:16]}: {type(e).__name__}: {e}")
                     logger.info("state download from %s stopped at %d bytes: %s", donor, len(progress.blob), e)
+                    if isinstance(e, SlowDonor):
+                        left.add(donor)
                     # its stream broke mid-transfer: ask it again first, it still holds this snapshot where
                     # the next donor may have moved on (seen: a 1 Mbit/s download cut at 1 MB started over)
-                    if len(progress.blob) > before:
+                    elif len(progress.blob) > before:
                         continue
                 break
+            if len(progress.blob) > 0:
+                progress.donors.add(donor)
             if progress.done:
-                return progress.step, bytes(progress.blob), progress.digest
+                blob = bytes(progress.blob)
+                try:
+                    if check is not None and blob:
+                        check(progress.step, blob, progress.digest)
+                except Exception as e:  # a self-consistent lie (or a model of another shape): its donors go
+                    errors.append(f"{donor[:16]}: its snapshot: {type(e).__name__}: {e}")
+                    logger.warning("state download: the snapshot from %s is refused: %s", ", ".join(
+                        d[:16] for d in sorted(progress.donors)), e)
+                    left |= progress.donors
+                    progress = _Download()
+                    continue
+                return progress.step, blob, progress.digest
         # every donor was busy, joining or gone: back off (with jitter, so newcomers spread) and retry
         await asyncio.sleep(min(0.5 * 2 ** attempt, 5.0) * (0.5 + random.random()))
     raise StateTransferError("state download failed: " + "; ".join(errors[-4:]))
@@ -268,7 +312,7 @@ async def _fetch_from(p2p: P2P, donor: str, run_id: str, min_step: int, max_byte
                                                   offset=len(progress.blob), params_digest=progress.digest,
                                                   have_step=have_step, have_digest=have_digest, token=token,
                                                   params_only=params_only))
-        wait = FIRST_CHUNK_S
+        wait, first_at, received = FIRST_CHUNK_S, None, 0
         while not progress.done:
             try:
                 chunk, _ = await asyncio.wait_for(read_frame(reader, pb.StateChunk), wait)
@@ -280,12 +324,19 @@ async def _fetch_from(p2p: P2P, donor: str, run_id: str, min_step: int, max_byte
                 raise StateTransferError(f"donor refused: {chunk.error}")
             if chunk.total_bytes > max_bytes or chunk.step < min_step:
                 raise StateTransferError(f"snapshot of {chunk.total_bytes} bytes at step {chunk.step} does not fit")
+            if len(chunk.params_digest) != DIGEST_BYTES:  # sent back in the next request: donors cap its size
+                raise StateTransferError(f"a parameter digest of {len(chunk.params_digest)} bytes")
+            if chunk.total_bytes == 0 and not (have is not None and have[0] == chunk.step == 0
+                                               and chunk.params_digest == have[1]):
+                raise StateTransferError("an empty snapshot, but this peer does not hold that state (it is "
+                                         "the answer to a peer at step 0 with the same parameters only)")
             snapshot_id = (chunk.step, chunk.params_digest, chunk.total_bytes)
             if progress.step is None or (snapshot_id != (progress.step, progress.digest, progress.total)
                                          and chunk.offset == 0):
                 if progress.blob:
                     logger.info("donor %s sends a newer snapshot (step %d): starting over", donor[:16], chunk.step)
                 progress.blob.clear()
+                progress.donors.clear()
                 progress.step, progress.digest, progress.total = snapshot_id
             if snapshot_id != (progress.step, progress.digest, progress.total):
                 raise StateTransferError("donor's snapshot differs from the one being resumed")
@@ -293,6 +344,11 @@ async def _fetch_from(p2p: P2P, donor: str, run_id: str, min_step: int, max_byte
                 raise StateTransferError(f"chunk at {chunk.offset} after {len(progress.blob)} bytes")
             progress.blob += chunk.data
             wait = STALL_S
+            received += len(chunk.data)
+            first_at = first_at or time.monotonic()
+            elapsed = time.monotonic() - first_at
+            if elapsed > SLOW_DONOR_S and received < elapsed * MIN_RATE / 4:  # a chunk every 29 s kept it "alive"
+                raise SlowDonor(f"{received} bytes in {elapsed:.0f} s")
             failpoints.reached("download")
     finally:
         writer.close()

@@ -1,0 +1,229 @@
+"""Hostile donors and requesters of a state download (``swarm/state_transfer.py``, ``swarm/snapshot.py``).
+
+A donor is a group member, but nothing it sends is trusted: an empty answer, a header whose step is not
+the step it announced, a digest the next request would carry to honest donors, a trickle of bytes.
+Each must cost the downloader that donor only, never the download, and never load a state that is not
+the one announced. A requester must not hold a donor's upload slot for good."""
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_swarm import _close_peers, _failing_then_recording_donor, _opt
+
+from lioncub_p2p.swarm import snapshot, state_transfer
+from lioncub_p2p.wire import PROTOCOL_VERSION, pb, read_frame, write_frame
+
+
+def _with_header(blob: bytes, **changes) -> bytes:
+    """The same snapshot with header fields changed (its body, and so its parameter digest, as it was)."""
+    header, offset = snapshot.read_header(blob)
+    meta = json.dumps({**header, **changes}, separators=(",", ":")).encode()
+    return snapshot.MAGIC + struct.pack("<I", len(meta)) + meta + blob[offset:]
+
+
+def _raw_header(body: bytes) -> bytes:
+    return snapshot.MAGIC + struct.pack("<I", len(body)) + body
+
+
+class _EmptyAnswerServer(state_transfer.StateServer):
+    """Answers any request with the empty snapshot that means "you hold my state already"."""
+
+    async def _send(self, writer, req, step, blob, digest):
+        await write_frame(writer, pb.StateChunk(version=PROTOCOL_VERSION, step=step, total_bytes=0, last=True,
+                                                params_digest=digest))
+
+
+class _HugeDigestServer(state_transfer.StateServer):
+    """Sends one byte of a snapshot with a 5000-byte digest, then closes: the resume request would carry
+    it to the next donor, whose request cap (4096 bytes) refuses it."""
+
+    async def _send(self, writer, req, step, blob, digest):
+        await write_frame(writer, pb.StateChunk(version=PROTOCOL_VERSION, step=step, total_bytes=len(blob),
+                                                offset=0, data=blob[:1], params_digest=b"\0" * 5000))
+
+
+class _StepLyingServer(state_transfer.StateServer):
+    """Serves its snapshot as step 3 with a header saying step 0 (the digest covers the body only)."""
+
+    async def _send(self, writer, req, step, blob, digest):
+        await super()._send(writer, req, step, _with_header(blob, step=0), digest)
+
+
+class _TricklingServer(state_transfer.StateServer):
+    """A chunk every 0.6 s: always under the stall limit, yet far under any useful rate."""
+
+    async def _send(self, writer, req, step, blob, digest):
+        size = state_transfer.CHUNK_BYTES
+        for offset in range(req.offset, len(blob), size):
+            await write_frame(writer, pb.StateChunk(version=PROTOCOL_VERSION, step=step, total_bytes=len(blob),
+                                                    offset=offset, data=blob[offset:offset + size],
+                                                    last=offset + size >= len(blob), params_digest=digest))
+            await asyncio.sleep(0.6)
+
+
+@pytest.mark.parametrize("liar", [_EmptyAnswerServer, _HugeDigestServer, _StepLyingServer, _TricklingServer])
+def test_a_lying_donor_costs_the_download_that_donor_only(monkeypatch, liar):
+    """The liar is asked first (donors announce their own weight, so a liar can always be first); the
+    download still ends with the honest donor's snapshot of the step asked for, checked as ``StateSync``
+    checks it (header step = announced step). Before: the empty answer was taken as "keep your state",
+    the huge digest made every honest donor refuse the resume, the step lie loaded step 0, and the
+    trickle held the download for 0.6 s per 4 KiB chunk."""
+    monkeypatch.setattr(state_transfer, "SLOW_DONOR_S", 1.0)
+    t = _failing_then_recording_donor(monkeypatch, liar)
+    _, model_like = _opt(1, hidden=512)
+
+    def check(step: int, blob: bytes, digest: bytes) -> None:
+        snapshot.check(model_like, blob, expect_digest=digest, expect_step=step)
+
+    try:
+        started = time.monotonic()
+        got = t.loop.run(state_transfer.download_state(t.peers[2], t.donors, "run", min_step=3,
+                                                       max_bytes=len(t.blob) + 10, timeout=60, check=check,
+                                                       have=(3, snapshot.params_digest(model_like))), timeout=70)
+        assert got == (3, t.blob, t.digest)
+        assert t.recording.offsets  # the honest donor served it
+        assert time.monotonic() - started < 15  # the trickle alone needs 0.6 s x ~9 chunks per try, 6 tries
+    finally:
+        _close_peers(t.loop, t.peers)
+
+
+def test_the_empty_answer_holds_only_for_a_peer_at_step_0_with_the_donors_parameters(monkeypatch):
+    t = _failing_then_recording_donor(monkeypatch, _EmptyAnswerServer)
+    try:
+        only_liar = [t.donors[0]]
+        with pytest.raises(state_transfer.StateTransferError, match="empty snapshot"):
+            t.loop.run(state_transfer.download_state(t.peers[2], only_liar, "run", min_step=3, max_bytes=len(t.blob) + 10,
+                                                     attempts=1, have=(3, t.digest)), timeout=60)
+        t.loop.run(t.first.offer(0, t.blob, t.digest), timeout=10)  # a fresh run: both hold the same start
+        got = t.loop.run(state_transfer.download_state(t.peers[2], only_liar, "run", min_step=0,
+                                                       max_bytes=len(t.blob) + 10, attempts=1,
+                                                       have=(0, t.digest)), timeout=60)
+        assert got == (0, b"", t.digest)
+    finally:
+        _close_peers(t.loop, t.peers)
+
+
+def test_a_snapshot_header_that_lies_or_breaks_the_parser_is_refused_before_anything_is_loaded():
+    _, src = _opt(0)
+    _, dst = _opt(1)
+    blob, digest = snapshot.encode(src)
+    before = [s.param.clone() for s in dst.slots]
+    step_before = dst.step_count
+    bad = {"another step": (_with_header(blob, step=0), "says step 0"),
+           "a bool step": (_with_header(blob, step=True), "not a step"),
+           "a step past uint64's reach": (_with_header(blob, step=2 ** 80), "not a step"),
+           "no tensor list": (_raw_header(json.dumps({"format": 1, "step": 3}).encode()), "tensor"),
+           "a tensor list of numbers": (_with_header(blob, tensors=[5]), "tensor list"),
+           "a tensor list of pairs": (_with_header(blob, tensors=[[1, 2]]), "tensor list"),
+           "a header nested 200000 deep": (_raw_header(b"[" * 200_000), "unreadable snapshot header"),
+           "a header that is a list": (_raw_header(b"[1, 2]"), "unreadable snapshot header")}
+    for what, (blob_bad, says) in bad.items():
+        with pytest.raises(snapshot.SnapshotError, match=says):
+            snapshot.load(dst, blob_bad, expect_digest=digest, expect_step=3)
+    assert all(torch.equal(a, s.param) for a, s in zip(before, dst.slots)) and dst.step_count == step_before
+    assert snapshot.load(dst, blob, expect_digest=digest, expect_step=3) == 3
+
+
+class _FakeWriter:
+    """A stream writer whose peer reads nothing (``drain`` never returns once ``stuck``) or everything."""
+
+    def __init__(self, stuck: bool):
+        self.stuck, self.data, self.closed = stuck, bytearray(), False
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    async def drain(self) -> None:
+        if self.stuck:
+            await asyncio.Event().wait()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def _serve_one(server: state_transfer.StateServer, request: pb.StateRequest, *, stuck: bool = False):
+    """``request`` through the server's stream handler; (chunks it wrote, seconds it took)."""
+    reader = asyncio.StreamReader()
+    body = request.SerializeToString()
+    reader.feed_data(len(body).to_bytes(4, "big") + body)
+    reader.feed_eof()
+    writer = _FakeWriter(stuck)
+    info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "QmRequester"))
+    started = time.monotonic()
+    await asyncio.wait_for(server._on_stream(info, reader, writer), 20)
+    replies = asyncio.StreamReader()
+    replies.feed_data(bytes(writer.data))
+    replies.feed_eof()
+    chunks = []
+    while (chunk := (await read_frame(replies, pb.StateChunk))[0]) is not None:
+        chunks.append(chunk)
+    return chunks, time.monotonic() - started
+
+
+def _server(blob: bytes, digest: bytes, *, step: int = 3) -> state_transfer.StateServer:
+    server = state_transfer.StateServer(None, "run", current_step=lambda: step)
+    server._offered = asyncio.Condition()
+    server._snapshot = (step, blob, digest)
+    return server
+
+
+def test_a_requester_that_never_reads_frees_the_upload_slot_and_far_steps_are_refused_at_once(monkeypatch):
+    """A served download ends at its bytes' time at ``MIN_RATE`` plus ``SERVE_SLACK_S`` (before: a peer
+    that stopped reading held the slot until its transport died, and two such streams made every
+    newcomer hear "busy"); a request for a step far past this donor's is refused at once, not waited on
+    for ``wait_timeout`` with a slot held."""
+    monkeypatch.setattr(state_transfer, "SERVE_SLACK_S", 0.5)
+    _, src = _opt(0)
+    blob, digest = snapshot.encode(src)
+    request = dict(version=PROTOCOL_VERSION, run_id=b"run", min_step=3)
+
+    async def scenario():
+        server = _server(blob, digest)
+        _, took = await _serve_one(server, pb.StateRequest(**request), stuck=True)
+        assert server._uploads == 0 and took < 5, took
+        far = pb.StateRequest(**{**request, "min_step": 3 + state_transfer.FAR_STEPS + 1})
+        chunks, took = await _serve_one(server, far)
+        assert len(chunks) == 1 and "steps past this peer's" in chunks[0].error and took < 5
+        assert server._uploads == 0
+        served, _ = await _serve_one(server, pb.StateRequest(**request))  # an honest one is served in full
+        assert b"".join(c.data for c in served) == blob
+
+    asyncio.run(scenario())
+
+
+class _ForgetfulServer(state_transfer.StateServer):
+    """Its cached snapshot without momenta is cleared right after each read, as the training thread's
+    ``forget`` may do between any two reads of the event loop."""
+
+    @property
+    def _lean(self):
+        value, self.__dict__["lean"] = self.__dict__.get("lean"), None
+        return value
+
+    @_lean.setter
+    def _lean(self, value):
+        self.__dict__["lean"] = value
+
+
+def test_a_lean_snapshot_forgotten_between_two_reads_is_still_served():
+    """The event loop read the cached snapshot twice (``is None``, then its step and digest): a forget in
+    between made that ``None[:2]``, a TypeError, and the requester got no chunk."""
+    _, src = _opt(0)
+    blob, digest = snapshot.encode(src)
+    lean = snapshot.without_momenta(blob)
+
+    async def scenario():
+        server = _ForgetfulServer(None, "run", current_step=lambda: 3)
+        server._offered = asyncio.Condition()
+        server._snapshot, server._lean = (3, blob, digest), (3, digest, lean)
+        chunks, _ = await _serve_one(server, pb.StateRequest(version=PROTOCOL_VERSION, run_id=b"run", min_step=3,
+                                                             params_only=True))
+        assert not chunks[0].error and b"".join(c.data for c in chunks) == lean
+
+    asyncio.run(scenario())
