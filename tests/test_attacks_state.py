@@ -227,3 +227,29 @@ def test_a_lean_snapshot_forgotten_between_two_reads_is_still_served():
         assert not chunks[0].error and b"".join(c.data for c in chunks) == lean
 
     asyncio.run(scenario())
+
+
+def test_a_state_download_that_fails_while_joining_stops_the_volunteer_with_one_line(monkeypatch):
+    """A join whose download fails (every donor refused, lied or timed out) was a RuntimeError the
+    trainer did not catch: a traceback. It is a SwarmError naming what to do, which lioncub-train prints
+    as one line; a DHT call of the join that timed out too."""
+    from torch import nn
+
+    from lioncub_p2p import LionCub
+    from lioncub_p2p.swarm import Swarm, SwarmConfig, SwarmError
+
+    for raised, says in ((state_transfer.StateTransferError("state download failed: Qm..: donor refused: busy"),
+                          "could not download the run's state: state download failed"),
+                         (TimeoutError(), "the swarm did not answer while joining")):
+        swarm = Swarm(SwarmConfig(run_id="join-fails", host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        try:
+            def fail(deadline, *, founded, error=raised):
+                raise error
+
+            monkeypatch.setattr(swarm.joining, "hold_state", fail)
+            model = nn.Linear(5, 3)
+            with pytest.raises(SwarmError, match=says) as stopped:
+                swarm.join(LionCub(model.named_parameters(), lr=1e-3, aggregator=swarm))
+            assert "start again" in str(stopped.value) and "\n" not in str(stopped.value)
+        finally:
+            swarm.shutdown()

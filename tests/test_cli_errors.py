@@ -108,6 +108,11 @@ def test_unknown_vote_encodings(capsys, flag, value, words):
     (["--hidden", "30", "--task", "byte-gpt"], ["multiple of its 4 attention heads"]),
     (["--max-group", "1"], ["max_group must be 0 (one flat group) or at least 2"]),
     (["--max-group", "8", "--result", "ternary"], ["max_group needs upload sign, result majority"]),
+    (["--weight", "2e6"], ["--weight must be at most 1e+06"]),
+    (["--weight", "inf"], ["--weight must be at most"]),
+    (["--max-seconds", "-5"], ["--max-seconds must be 0 or more"]),
+    (["--linger", "nan"], ["--linger must be 0 or more"]),
+    (["--run-secret", ""], ["--run-secret is empty", "is the variable you passed set?"]),
 ])
 def test_numbers_out_of_range(capsys, argv, words):
     one_line_error(train.main, argv, capsys, *words)
@@ -190,7 +195,26 @@ def test_unwritable_checkpoint_dir(tmp_path, capsys):
                    "--checkpoint-dir /proc/self", "not a folder this process can write")
     one_line_error(train.main, ["--metrics-jsonl", str(blocker / "m.jsonl")], capsys, "--metrics-jsonl",
                    "choose another path")
+    one_line_error(train.main, ["--tensorboard", str(blocker / "tb"), *LOOPBACK], capsys, "--tensorboard",
+                   "not a folder this process can write")
     assert blocker.read_text() == "keep me"
+
+
+def test_plot_names_runs_apart_and_refuses_an_image_format_it_cannot_write(tmp_path, capsys):
+    """Every simulator method's folder holds a peer0.jsonl: two of them were one run, keyed by file name."""
+    paths = [tmp_path / "lioncub" / "peer0.jsonl", tmp_path / "dlion" / "peer0.jsonl", tmp_path / "dlion" / "peer1.jsonl"]
+    assert [plot.run_name(p, paths) for p in paths] == ["lioncub/peer0", "dlion/peer0", "peer1"]
+    assert plot.run_name(paths[0], [paths[0], paths[0]]) == str(paths[0])
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text(json.dumps({"step": 0, "loss": 1.0, "time": 1.0, "compute_s": 0.1, "step_s": 0.2}) + "\n")
+    one_line_error(plot.main, [str(metrics), "--out", str(tmp_path / "run.txt")], capsys, "--out", ".png, .pdf, .svg")
+
+
+def test_a_manifest_that_is_not_text(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"\xff\xfe\x00binary")
+    one_line_error(coordinator.main, ["--manifest", str(path), *LOOPBACK], capsys, f"--manifest {path}",
+                   "not a text (UTF-8) YAML file")
 
 
 class SwarmThatMustNotBeJoined:

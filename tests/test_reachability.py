@@ -38,6 +38,41 @@ def test_dialback_on_loopback_reaches_the_listening_port_and_reports_the_observe
     assert not nobody.dialable and "no coordinator answered" in nobody.note, nobody
 
 
+def test_a_dialback_reaches_no_relay_no_low_port_and_a_lying_answer_gives_no_address():
+    """A stranger reaching a coordinator through a relay has the relay's IP in its stream address: a
+    dial-back there would write a stranger's bytes to the relay's host, so a relayed stream has no
+    observed IP. A port below 1024 is refused. A coordinator's answer that is not an IP is no address."""
+    assert reachability.observed_ip("/ip4/9.9.9.9/tcp/4001/p2p/QmRelay/p2p-circuit") is None
+    assert reachability.observed_ip("/ip4/9.9.9.9/tcp/4001") == "9.9.9.9"
+    assert reachability.observed_ip("/ip6/::1/tcp/4001") == "::1"
+
+    async def lying_answer(info, reader, writer):
+        from lioncub_p2p.wire import PROTOCOL_VERSION, pb, read_frame, write_frame
+
+        await read_frame(reader, pb.DialbackRequest, 256)
+        await write_frame(writer, pb.DialbackAnswer(version=PROTOCOL_VERSION, observed_ip="1.2.3.4/tcp/1/p2p-circuit"))
+        writer.close()
+
+    async def scenario():
+        server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, auto_nat=False)
+        liar = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, auto_nat=False)
+        client = await P2P.create(initial_peers=[str(m) for m in await server.get_visible_maddrs()],
+                                  nat_port_map=False, auto_nat=False)
+        try:
+            await reachability.serve_dialback(server)
+            low = await reachability._ask(client, server.peer_id, 80, os.urandom(16))
+            await liar.add_binary_stream_handler(reachability.DIALBACK_PROTOCOL, lying_answer)
+            lied = await reachability.check([str(m) for m in await liar.get_visible_maddrs()], reachability.free_port())
+            return low, lied
+        finally:
+            for p2p in (client, liar, server):
+                await p2p.shutdown()
+
+    low, lied = asyncio.run(scenario())
+    assert "bad request" in low.error and not low.connected, low
+    assert lied.answered and not lied.dialable and lied.observed_ip is None, lied
+
+
 class FakeCheck:
     """Stands for ``reachability.check``: records what it was asked, answers ``answer``."""
 

@@ -72,6 +72,18 @@ def plot(runs: dict[str, list[dict]], out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def run_name(path: Path, paths: list[Path]) -> str:
+    """A run's label: its file name, with its folder where two files share the name (every peer of a
+    simulator run writes peer0.jsonl in its method's folder), its whole path where that is shared too."""
+    for name in (lambda p: p.stem, lambda p: f"{p.parent.name}/{p.stem}"):
+        if sum(name(p) == name(path) for p in paths) == 1:
+            return name(path)
+    return str(path)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lioncub-plot", description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
@@ -82,7 +94,9 @@ def main(argv: list[str] | None = None) -> None:
         for path in args.metrics:
             if not path.exists():
                 raise UsageError(f"{path} does not exist")
-        runs = {path.stem: load(path) for path in args.metrics}
+        if args.out.suffix.lower() not in PLOT_SUFFIXES:
+            raise UsageError(f"--out {args.out}: use a {', '.join(PLOT_SUFFIXES)} file name")
+        runs = {run_name(path, args.metrics): load(path) for path in args.metrics}
         try:
             import matplotlib  # noqa: F401
         except ImportError:

@@ -27,7 +27,7 @@ import torch
 from .. import LionCub, MomentumSchedule, failpoints
 from ..swarm import Manifest, ManifestError, Swarm, SwarmConfig, SwarmError, snapshot
 from ..swarm.manifest import DEFAULTS as SWARM_DEFAULTS
-from ..swarm.config import LISTEN_ALL
+from ..swarm.config import LISTEN_ALL, MAX_WEIGHT
 from ..tasks import BUILTIN, TaskError, TrainingTask, load_task
 from ..trainer_rounds import allreduce_config
 from .addresses import check_listen, check_peers, reachability
@@ -288,9 +288,9 @@ def check_settings(args: argparse.Namespace) -> list[str]:
     check_run_id(args.run_id)
     check_codecs(args.upload or "sign", args.result or "majority")
     for flag in ("--steps", "--checkpoint-every", "--momentum-every", "--momentum-slices", "--eval-every", "--wait-peers",
-                 "--group-size", "--linger"):
+                 "--group-size", "--linger", "--max-seconds"):
         value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None and value < 0:
+        if value is not None and not value >= 0:  # (nan is not)
             raise UsageError(f"{flag} must be 0 or more, got {value}")
     momentum_schedule(args)  # one line for conflicting momentum flags, before any daemon starts
     for flag in ("--batch", "--hidden"):
@@ -300,6 +300,11 @@ def check_settings(args: argparse.Namespace) -> list[str]:
     for flag, value, low in (("--lr", args.lr, 0.0), ("--weight", args.weight, 0.0)):
         if value is not None and not value > low:
             raise UsageError(f"{flag} must be positive, got {value:g}")
+    if args.weight is not None and args.weight > MAX_WEIGHT:
+        raise UsageError(f"--weight must be at most {MAX_WEIGHT:g} (your upload Mbit/s, say), got {args.weight:g}")
+    if args.run_secret is not None and not args.run_secret:
+        raise UsageError("--run-secret is empty (is the variable you passed set?): pass the run's secret, or leave "
+                         "the flag out for an open run")
     if args.weight_decay is not None and not args.weight_decay >= 0:
         raise UsageError(f"--weight-decay must be 0 or more, got {args.weight_decay:g}")
     if not 0 < args.upload_timeout < args.result_timeout:
@@ -314,6 +319,8 @@ def check_settings(args: argparse.Namespace) -> list[str]:
         check_writable_dir("--checkpoint-dir", args.checkpoint_dir)
     if args.metrics_jsonl:
         check_writable_file("--metrics-jsonl", args.metrics_jsonl)
+    if args.tensorboard:
+        check_writable_dir("--tensorboard", args.tensorboard)
     return initial
 
 

@@ -15,6 +15,7 @@ MAX_RECORD_TTL = 300.0
 # for the reader to close first (wire.close_after_reply; tests/test_transfer.py)
 LISTEN_ALL = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
 
+MAX_WEIGHT = 1e6  # a peer's announced share of the reduction work (its upload Mbit/s, say)
 
 @dataclass
 class SwarmConfig:
@@ -66,8 +67,8 @@ class SwarmConfig:
             raise ValueError(f"run_id must be a non-empty name without dots, got {self.run_id!r}")
         if not 0 < self.record_ttl <= MAX_RECORD_TTL:
             raise ValueError(f"record_ttl must be in (0, {MAX_RECORD_TTL:.0f}] s, got {self.record_ttl}")
-        if not self.weight >= 0 or self.weight > 1e6:
-            raise ValueError(f"weight must be in [0, 1e6], got {self.weight}")
+        if not self.weight >= 0 or self.weight > MAX_WEIGHT:
+            raise ValueError(f"weight must be in [0, {MAX_WEIGHT:g}], got {self.weight}")
         if self.client_mode not in (True, False, "auto"):
             raise ValueError(f"client_mode must be True, False or 'auto', got {self.client_mode!r}")
         self.opinions()  # checks every setting given (ManifestError, a ValueError, names the field)

@@ -194,6 +194,8 @@ class Manifest:
             text = Path(path).read_text()
         except OSError as e:
             raise ManifestError(f"{path}: cannot read the manifest ({e.strerror or e})") from None
+        except UnicodeDecodeError:
+            raise ManifestError(f"{path}: not a text (UTF-8) YAML file; pass the run's run.yaml") from None
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError as e:

@@ -77,6 +77,7 @@ from .probe import serve_probe
 from .records import RateLimitedLog, RunRecordValidator
 from .pipeline import PipelineSettings, RoundInFlight, VotePipeline
 from .state_sync import StateSync
+from .state_transfer import StateTransferError
 from .joining import Joining
 from .round_book import RoundBook, RoundShape
 from .settings import RunSettings
@@ -322,7 +323,14 @@ class Swarm:
         founded = self.joining.find_or_found(optimizer, applied, deadline)
         self._joined = True
         self._refresher = asyncio.run_coroutine_threadsafe(self.upkeep.run_forever(), self.loop.loop)
-        self.joining.hold_state(deadline, founded=founded)
+        try:
+            self.joining.hold_state(deadline, founded=founded)
+        except StateTransferError as e:
+            raise SwarmError(f"could not download the run's state: {e}. Check this machine's connection (a "
+                             "download needs about 1 Mbit/s), then start again: the run goes on without you") from None
+        except TimeoutError:  # a DHT call of the join that never came back (``BackgroundLoop.run``)
+            raise SwarmError("the swarm did not answer while joining (a DHT call timed out): check this machine's "
+                             "connection and the --initial-peers, then start again") from None
         # Unless it waits for peers, the caller steps next: a group planned from here on must not start at
         # its step. One that did (planned between founding and a slow first step) made the first round
         # wait for a newcomer listed in it while the newcomer waited for the state of that step (10 s).

@@ -36,12 +36,14 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
+from ..wire.gate import StreamGate, guard
 
 logger = logging.getLogger(__name__)
 DIALBACK_PROTOCOL = "lioncub/dialback/1"
 CONNECT_TIMEOUT = 3.0
 MAX_CONCURRENT = 8  # dial-backs served at once; more are refused
 PER_IP_BURST, PER_IP_RATE = 8.0, 1.0  # dial-backs per observed IP: a burst, then this many per second
+MIN_PORT = 1024  # the lowest port a dial-back connects to
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,11 @@ class Reachability:
 
 
 def observed_ip(maddr: Multiaddr | str | None) -> str | None:
-    """The IP of a multiaddr such as /ip4/1.2.3.4/tcp/5 (None if it has none)."""
+    """The IP of a multiaddr such as /ip4/1.2.3.4/tcp/5 (None if it has none, or if it is a relayed
+    stream's: /ip4/R/tcp/p/p2p/Rid/p2p-circuit names the relay's host, which a dial-back must not reach)."""
     parts = str(maddr or "").split("/")
+    if "p2p-circuit" in parts:
+        return None
     if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
         try:
             return str(ipaddress.ip_address(parts[2]))
@@ -93,8 +98,10 @@ async def serve_dialback(p2p: P2P) -> None:
             busy += 1
             try:
                 req, _ = await asyncio.wait_for(read_frame(reader, pb.DialbackRequest, 256), CONNECT_TIMEOUT)
-                if req is None or not 1 <= req.port <= 65535 or not 16 <= len(req.nonce) <= 32:
-                    answer.error = "bad request"
+                # a port below 1024 is a service's, never a volunteer's check listener: no bytes of a
+                # stranger's choosing go to a mail or web server on the caller's host
+                if req is None or not MIN_PORT <= req.port <= 65535 or not 16 <= len(req.nonce) <= 32:
+                    answer.error = f"bad request (a port from {MIN_PORT} and a 16-32 byte nonce)"
                     return
                 answer.connected = await _dial_and_send(ip, req.port, req.nonce)
             finally:
@@ -108,7 +115,10 @@ async def serve_dialback(p2p: P2P) -> None:
                 pass
             writer.close()
 
-    await p2p.add_binary_stream_handler(DIALBACK_PROTOCOL, handle)
+    # every caller is a stranger (it asks before it joins): one stream each, twice the dial-backs served
+    gate = StreamGate("dialback", per_peer=1, stranger_per_peer=1, strangers=2 * MAX_CONCURRENT,
+                      total=2 * MAX_CONCURRENT)
+    await p2p.add_binary_stream_handler(DIALBACK_PROTOCOL, guard(gate, handle))
 
 
 async def _dial_and_send(ip: str, port: int, nonce: bytes) -> bool:
@@ -186,7 +196,8 @@ async def check(initial_peers: list[str], port: int, *, timeout: float = 10.0, h
                     await asyncio.wait_for(received.wait(), CONNECT_TIMEOUT)
                 except asyncio.TimeoutError:
                     pass
-            ip = answer.observed_ip or None
+            ip = observed_ip(f"/ip6/{answer.observed_ip}" if ":" in answer.observed_ip
+                             else f"/ip4/{answer.observed_ip}")  # an IP, or nothing: it may go into an address
             if received.is_set():
                 return Reachability(True, ip, f"peers can dial you at {ip}:{port}")
             return Reachability(False, ip, f"peers cannot dial {ip}:{port} (behind NAT or a firewall)")

@@ -24,6 +24,7 @@ from ..allreduce.admission import OPEN, Admission
 from ..wire import PROTOCOL_VERSION, WireError, close_after_reply, pb, read_frame, write_frame
 from ..wire.gate import StreamGate, guard
 from . import snapshot
+from .errors import SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,8 @@ def download_bound(max_bytes: int, wait_s: float) -> float:
     return wait_s + max_bytes / MIN_RATE
 
 
-class StateTransferError(RuntimeError):
-    pass
+class StateTransferError(SwarmError):
+    """A state download that failed (joining: one line for the volunteer; a repair logs it and goes on)."""
 
 
 class SlowDonor(StateTransferError):
