@@ -81,6 +81,41 @@ def test_sim_links_that_are_not_rates(tmp_path, capsys, links):
     assert "100,50" in message or "positive" in message
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--lr", "-1"], ["--lr must be positive"]),
+    (["--hidden", "0"], ["--hidden must be at least 1"]),
+    (["--seconds", "nan"], ["--seconds must be positive"]),
+    (["--linger", "-1"], ["--linger"]),
+])
+def test_sim_numbers_no_trainer_could_run_with_move_nothing(tmp_path, capsys, argv, words):
+    out = tmp_path / "out"
+    (out / "lioncub").mkdir(parents=True)
+    (out / "report.json").write_text("{}")
+    one_line_error(launcher.main, [*argv, "--out", str(out)], capsys, *words)
+    assert sorted(p.name for p in out.iterdir()) == ["lioncub", "report.json"]
+
+
+def test_sim_keeps_the_previous_results_aside():
+    """Each method's folder is emptied before it runs and the report rewritten: an earlier run's go to a
+    folder of their own first, and another user file stays where it was."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder)
+        assert launcher.keep_previous(out) is None
+        (out / "lioncub").mkdir()
+        (out / "lioncub" / "peer0.jsonl").write_text("old\n")
+        (out / "report.json").write_text("{}")
+        (out / "notes.txt").write_text("mine")
+        first = launcher.keep_previous(out)
+        assert first.name.startswith("previous-") and (first / "lioncub" / "peer0.jsonl").read_text() == "old\n"
+        assert (first / "report.json").exists() and not (out / "lioncub").exists() and (out / "notes.txt").exists()
+        (out / "report.json").write_text("{}")
+        os.utime(out / "report.json", (first.stat().st_mtime, first.stat().st_mtime))  # the same second
+        second = launcher.keep_previous(out)
+        assert second != first and second.exists() and first.exists()
+
+
 @pytest.mark.parametrize("main", [train.main, coordinator.main])
 def test_run_id_with_a_dot(capsys, main):
     one_line_error(main, ["--run-id", "my.run"], capsys, "--run-id 'my.run'", "without dots", "--run-id my-run")

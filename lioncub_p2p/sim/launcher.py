@@ -399,16 +399,49 @@ def main(argv: list[str] | None = None) -> None:
     run(argv)
 
 
-def run(argv: list[str] | None = None) -> list[MethodResult]:
-    args = parse_args(argv)
+def check_numbers(args: argparse.Namespace) -> None:
+    """One line for a number no trainer could run with, before anything starts or moves."""
     if args.window < 1:
         raise SystemExit(f"error: --window {args.window}: the smoothing window needs at least 1 step")
+    for flag in ("hidden", "batch", "steps"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"error: --{flag} must be at least 1, got {getattr(args, flag)}")
+    for flag in ("seconds", "lr", "upload_timeout", "result_timeout"):
+        if not getattr(args, flag) > 0:  # (nan is not)
+            raise SystemExit(f"error: --{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if not args.linger >= 0 or args.eval_every < 0 or args.max_group < 0:
+        raise SystemExit("error: --linger, --eval-every and --max-group must be 0 or more")
+
+
+def keep_previous(out: Path) -> Path | None:
+    """Move an earlier run's report, plot and method folders in ``out`` into a folder of their own
+    (each method's folder is emptied before it runs, and the report rewritten): nothing is lost.
+    Returns that folder, or None when there was nothing."""
+    found = [out / name for name in ("report.json", "report.md", "loss.png", *METHODS) if (out / name).exists()]
+    if not found:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(max(p.stat().st_mtime for p in found)))
+    aside, k = out / f"previous-{stamp}", 1
+    while aside.exists():
+        aside, k = out / f"previous-{stamp}-{k}", k + 1
+    aside.mkdir()
+    for path in found:
+        path.rename(aside / path.name)
+    return aside
+
+
+def run(argv: list[str] | None = None) -> list[MethodResult]:
+    args = parse_args(argv)
+    check_numbers(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     profiles = load_profiles(args.profile, args.links)
     try:
         args.out.mkdir(parents=True, exist_ok=True)
+        aside = keep_previous(args.out)
     except OSError as e:
         raise SystemExit(f"error: --out {args.out} cannot be created ({e.strerror or e}); choose another folder")
+    if aside is not None:
+        print(f"the previous results in {args.out} are kept in {aside} (delete it when done)", flush=True)
     sim = Simulation(profiles, shaping=args.shaping, workdir=args.out, hidden=args.hidden, batch=args.batch,
                      steps=args.steps, seconds=args.seconds, lr=args.lr, eval_every=args.eval_every,
                      timeouts=(args.upload_timeout, args.result_timeout), linger=args.linger,
