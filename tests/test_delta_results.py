@@ -330,7 +330,7 @@ def test_result_bases_are_named_by_round_and_content_and_bounded():
     """Two peers holding different results for the same round (a reducer that equivocated) name them
     differently, so neither decodes a delta against the other's; only the newest few are kept, and
     only those of the buffer's size are named."""
-    from lioncub_p2p.allreduce.result_delta import DECLARED, KEPT, ResultBases, check_declared, encode_for
+    from lioncub_p2p.allreduce.result_delta import DECLARED, KEPT, MAX_SIZES, ResultBases, check_declared, encode_for
     rng = np.random.default_rng(0)
     mine, theirs = ResultBases(), ResultBases()
     a = rng.integers(0, 256, 64, dtype=np.uint8)
@@ -352,6 +352,18 @@ def test_result_bases_are_named_by_round_and_content_and_bounded():
                                           n.startswith(f"round-{1 + KEPT}".encode()) for n in named)
     assert mine.get(named[0], 32) is None and len(mine.declared(32)) == 1
     check_declared(named)
+    # a two-level group's reducer: its part's second-level result comes between two of the whole
+    # buffer's; the bases it named for the whole buffer are still held when the results come back
+    reducer = ResultBases()
+    for t in range(1, 4):
+        reducer.remember(f"flat-{t}".encode(), rng.integers(0, 256, 64, dtype=np.uint8))
+        named = reducer.declared(64)
+        for k in range(KEPT):  # its second-level round(s) of step t+1 end before the whole buffer's
+            reducer.remember(f"part-{t}-{k}".encode(), rng.integers(0, 256, 16, dtype=np.uint8))
+        assert all(reducer.get(n, 64) is not None for n in named), t
+    for size in range(1, 3 * MAX_SIZES):  # and many sizes (regroupings) stay bounded
+        reducer.remember(f"size-{size}".encode(), rng.integers(0, 256, size, dtype=np.uint8))
+    assert len(reducer._results) <= KEPT * MAX_SIZES
     for bad in ([b"x"] * 2, [b"a", b"b", b"c"], [b""], [b"y" * 81]):
         with pytest.raises(ValueError):
             check_declared(bad)

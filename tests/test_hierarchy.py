@@ -521,9 +521,9 @@ def test_a_reducer_that_sends_the_second_level_other_margins_than_its_groups_cou
         run_round = liar.run_round
 
         async def lying_run_round(spec, upload, tag=b"", **kwargs):
-            if spec.second_level:
+            if spec.second_level:  # margin +3: within what a group of 3 may say (more is refused outright)
                 s = (1 << (spec.upload.bits - 1)) - 1
-                upload = codecs.pack_planes(torch.full((8 * spec.nbytes,), 2 * s), spec.upload.bits)
+                upload = codecs.pack_planes(torch.full((8 * spec.nbytes,), s + len(group)), spec.upload.bits)
             return await run_round(spec, upload, tag, **kwargs)
 
         liar.run_round = lying_run_round
@@ -597,3 +597,37 @@ def test_a_group_that_diverged_as_a_whole_is_told_by_the_second_level():
     assert hierarchy.group_tag(b"off", 2, 2, two) == (b"off", 2)
     missing = RoundReport("r", 0, 0, [PartReport(0, 0, 0, 1, "missing")])
     assert hierarchy.group_tag(b"off", 2, 2, missing) == (b"off", 2)
+
+
+def test_a_second_level_voter_cannot_send_up_a_margin_past_its_groups_size():
+    """Margin codes are sized by the largest group (4 members here: 4 bits, margins up to 7): a group of 3
+    whose reducer sends margin 7 at chosen positions would outvote the other group's honest -4 there.
+    The combiner refuses margins past the sender's group size, and counts honest ones at the cap."""
+    import asyncio
+
+    from lioncub_p2p.allreduce.reducer import PartReduction
+    from lioncub_p2p.wire import WireError
+
+    ids = [f"peer{i}" for i in range(7)]
+    layout = hierarchy.two_level_layout(ids, 0, 64, max_size=4)
+    sizes = [len(g) for g in layout.groups]
+    assert sorted(sizes) == [3, 4]
+    combine = hierarchy.two_level_specs(b"r", 1, layout, 64)[ids[0]].combine[0]
+    assert combine.margin_caps == tuple(sizes)
+    s = combine.upload.scale_steps
+    small = sizes.index(3)
+    nbytes = combine.bounds[0][1] - combine.bounds[0][0]
+
+    def margins(value: int) -> torch.Tensor:
+        return codecs.pack_planes(torch.full((8 * nbytes,), value + s), combine.upload.bits)
+
+    async def scenario():
+        red = PartReduction(combine, 0)
+        red.add(small, 0, margins(3), last=True)  # its whole group for: the most it can honestly say
+        with pytest.raises(WireError, match="a margin of 7 from a group of 3"):
+            PartReduction(combine, 0).add(small, 0, margins(7), last=True)
+        with pytest.raises(WireError, match="a margin of 4 from a group of 3"):
+            PartReduction(combine, 0).add(small, 0, margins(-4), last=True)
+        PartReduction(combine, 0).add(1 - small, 0, margins(-4), last=True)  # the group of 4 may
+
+    asyncio.run(scenario())

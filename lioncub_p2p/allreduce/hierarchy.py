@@ -149,7 +149,8 @@ def two_level_specs(round_id: bytes, step: int, layout: TwoLevelLayout, nbytes: 
     bits = margin_bits(max(len(g) for g in layout.groups))
     combine = tuple(RoundSpec(derived("part", k), step, tuple(PeerSpec(g[k]) for g in layout.groups), b - a,
                               codecs.L1Upload(bits), codecs.MajorityResult(), seed, family=family and "combine",
-                              tie_offset=a, second_level=True) for k, (a, b) in enumerate(layout.parts))
+                              tie_offset=a, second_level=True, margin_caps=tuple(len(g) for g in layout.groups))
+                    for k, (a, b) in enumerate(layout.parts))
     specs = {}
     for q, group_ids in enumerate(layout.groups):
         flags = [members[pid] if members is not None else PeerSpec(pid) for pid in group_ids]

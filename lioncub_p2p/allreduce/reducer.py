@@ -10,7 +10,7 @@ from collections.abc import Collection
 import numpy as np
 import torch
 
-from ..codecs import FloatTally, is_values
+from ..codecs import FloatTally, is_values, unpack_planes
 from ..wire import WireError, pb
 from .commit import MAX_TAG_BYTES, MerkleTree, build_header, leaf_bytes
 from .round import PartResult, RoundSpec
@@ -91,6 +91,8 @@ class PartReduction:
             values = self.spec.upload.decode(codes)
             if values.numel() and float(values.abs().max()) > self.statements[voter].max_abs:
                 raise WireError(f"values above the bound {self.statements[voter].max_abs} the voter signed")
+        if self.spec.margin_caps:
+            self._check_margins(voter, codes)
         self.first_in.set()
         try:
             self.tally.add(voter, codes, offset)
@@ -101,6 +103,14 @@ class PartReduction:
             self.complete.add(voter)
             self.last_arrival = time.perf_counter()
             self._check_all_in()
+
+    def _check_margins(self, voter: int, codes: torch.Tensor) -> None:
+        """A second-level voter's margins (L1 codes: margin + s) past its group's size are refused: within
+        the codec's range, one group's reducer could outvote every other group at the positions it chose."""
+        s, cap = self.spec.upload.scale_steps, self.spec.margin_caps[voter]
+        margins = unpack_planes(codes, 8 * codes.shape[1]).to(torch.int32) - s
+        if margins.numel() and int(margins.abs().max()) > cap:
+            raise WireError(f"a margin of {int(margins.abs().max())} from a group of {cap} members")
 
     def drop(self, voter: int, reason: str) -> None:
         """Leave ``voter`` out of the count (a protocol violation, a dead or late stream)."""

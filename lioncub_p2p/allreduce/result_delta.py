@@ -11,7 +11,8 @@ and evidence see only plain results.
 A base is the whole packed result of a majority round (every part received), named by its round
 id and a digest of its bytes: a reducer that signed different results for different voters
 (equivocation) leaves them holding different bases under different names, so no delta is ever
-decoded against the wrong base. A few are kept (the model's parameter count / 8 bytes each).
+decoded against the wrong base. A few are kept per buffer size (the model's parameter count / 8 bytes
+each, and a two-level reducer's second-level part).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ..codecs_delta import CONTEXT, PLAIN, DeltaError, decode_delta, encode_delt
 
 DECLARED = 2  # bases a voter names per round: the context coder uses two
 KEPT = 3  # one spare, so a base named when voting is still held when its result comes back
+MAX_SIZES = 4  # buffer sizes kept at once: the whole buffer and a two-level reducer's part, across a regrouping
 DIGEST_BYTES = 16
 MAX_ID_BYTES = 64 + DIGEST_BYTES  # RoundSpec's bound on round ids, then the digest of the result
 
@@ -41,7 +43,12 @@ class ResultBases:
         name = round_id + hashlib.sha256(packed.tobytes()).digest()[:DIGEST_BYTES]
         self._results[name] = packed
         self._results.move_to_end(name)
-        while len(self._results) > self.kept:
+        # ``kept`` of each size: a two-level group's reducer remembers its part's second-level result
+        # between two of the whole buffer's, and evicting by age alone dropped a base it had just named
+        same = [n for n, p in self._results.items() if p.size == packed.size]
+        for old in same[: -self.kept]:
+            del self._results[old]
+        while len(self._results) > self.kept * MAX_SIZES:  # sizes of epochs long gone, oldest first
             self._results.popitem(last=False)
 
     def declared(self, nbytes: int) -> list[bytes]:

@@ -152,6 +152,9 @@ class RoundSpec:
     # (``hierarchy.derived_round_id``): a proof that its reducer sent up false margins names them
     flat_round: bytes = b""
     group_index: int = 0
+    # a second-level round: the most each voter's margin may be, its group's size (an L1 code within
+    # the codec's range but past the group's size is a count no honest group can make)
+    margin_caps: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         ids = [p.peer_id for p in self.group]
@@ -166,6 +169,8 @@ class RoundSpec:
         if self.combine and (len(self.combine) != len(self.group) or self.result.name != "majority"
                              or not isinstance(self.upload, SignUpload)):  # its counts are of 1-bit votes
             raise ValueError("a two-level vote names one second-level round per member and votes a majority of signs")
+        if self.margin_caps and (len(self.margin_caps) != len(self.group) or min(self.margin_caps) < 0):
+            raise ValueError("margin_caps names one non-negative cap per member")
         object.__setattr__(self, "_bounds", part_bounds(self.nbytes, self.group))
         object.__setattr__(self, "_index", {pid: i for i, pid in enumerate(ids)})
 

@@ -367,7 +367,7 @@ def round_attacks(workdir: str) -> list[dict]:
     blob = bytes(range(256)) * 4096
     with LocalSwarm(2, config=CFG) as swarm:
         donor = swarm.nodes[0]
-        server = StateServer(donor.p2p, "run", max_uploads=1, provider=lambda min_step: (7, blob, b"d" * 32))
+        server = StateServer(donor.p2p, "run", max_uploads=1, provider=lambda min_step: (7, blob, b"d" * 16))
         swarm.run(server.start())
         attacker = swarm.run(start_outsider(swarm))
         stop = asyncio.Event()
