@@ -148,6 +148,8 @@ def test_unknown_vote_encodings(capsys, flag, value, words):
     (["--max-seconds", "-5"], ["--max-seconds must be 0 or more"]),
     (["--linger", "nan"], ["--linger must be 0 or more"]),
     (["--run-secret", ""], ["--run-secret is empty", "is the variable you passed set?"]),
+    (["--method", "hivemind-fp16", "--run-secret", "s", "--identity-path", "id.key"],
+     ["hivemind-fp16", "has no --run-secret, --identity-path", "leave them out"]),
 ])
 def test_numbers_out_of_range(capsys, argv, words):
     one_line_error(train.main, argv, capsys, *words)
@@ -243,6 +245,28 @@ def test_plot_names_runs_apart_and_refuses_an_image_format_it_cannot_write(tmp_p
     metrics = tmp_path / "m.jsonl"
     metrics.write_text(json.dumps({"step": 0, "loss": 1.0, "time": 1.0, "compute_s": 0.1, "step_s": 0.2}) + "\n")
     one_line_error(plot.main, [str(metrics), "--out", str(tmp_path / "run.txt")], capsys, "--out", ".png, .pdf, .svg")
+
+
+def test_long_runs_check_their_report_path_first_and_keep_an_earlier_report(tmp_path, capsys):
+    """lioncub-compare and lioncub-reliability write their report after minutes or hours: an unwritable
+    --out is one line before any run, and an earlier report moves aside instead of being overwritten."""
+    from lioncub_p2p.sim import inprocess, reliability
+    from lioncub_p2p.sim.report_files import keep_previous_report
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("keep me")
+    for main in (inprocess.main, reliability.main):
+        one_line_error(main, ["--out", str(blocker / "report.json")], capsys, "--out", str(blocker / "report.json"))
+    assert blocker.read_text() == "keep me"
+    report = tmp_path / "reliability.json"
+    assert keep_previous_report(report) is None
+    report.write_text("old")
+    aside = keep_previous_report(report)
+    assert aside.name.startswith("reliability.previous-") and aside.suffix == ".json"
+    assert aside.read_text() == "old" and not report.exists()
+    report.write_text("newer")
+    os.utime(report, (aside.stat().st_mtime, aside.stat().st_mtime))
+    assert keep_previous_report(report) not in (None, aside) and aside.read_text() == "old"
 
 
 def test_a_manifest_that_is_not_text(tmp_path, capsys):

@@ -302,6 +302,14 @@ def check_settings(args: argparse.Namespace) -> list[str]:
             raise UsageError(f"{flag} must be positive, got {value:g}")
     if args.weight is not None and args.weight > MAX_WEIGHT:
         raise UsageError(f"--weight must be at most {MAX_WEIGHT:g} (your upload Mbit/s, say), got {args.weight:g}")
+    if args.method and args.method.startswith("hivemind"):  # the baseline trains without these: say so
+        ignored = [flag for flag, value in (("--run-secret", args.run_secret), ("--allow-peers", args.allow_peers),
+                                            ("--checkpoint-dir", args.checkpoint_dir),
+                                            ("--identity-path", args.identity_path),
+                                            ("--tensorboard", args.tensorboard)) if value]
+        if ignored:
+            raise UsageError(f"--method {args.method} (hivemind's averager, a baseline) has no {', '.join(ignored)}: "
+                             f"leave {'it' if len(ignored) == 1 else 'them'} out, or use --method lioncub")
     if args.run_secret is not None and not args.run_secret:
         raise UsageError("--run-secret is empty (is the variable you passed set?): pass the run's secret, or leave "
                          "the flag out for an open run")

@@ -40,6 +40,7 @@ from ..momentum import MomentumSchedule, average_in_process
 from ..optim import LionCub
 from ..tasks import BUILTIN, TaskError
 from . import quality
+from .report_files import check_report_path, keep_previous_report
 from .compare_tasks import CompareTask, DataExhausted, SpecTask, as_compare_task
 
 def momentum_wire_bits(schedule: MomentumSchedule) -> float:
@@ -562,6 +563,7 @@ def run(argv: list[str] | None = None) -> list[Summary]:
     for bad, message in problems:
         if bad:
             raise SystemExit(f"error: {message}")
+    check_report_path("--out", args.out)  # now, not after the runs
     try:
         methods = [parse_method(m) for m in args.methods]
         task = SpecTask(args.task, hidden=args.hidden, batch=args.batch)
@@ -584,6 +586,8 @@ def run(argv: list[str] | None = None) -> list[Summary]:
               "target_step": target, "eval_at": points, "summary": [asdict(s) for s in rows],
               "runs": [{"method": r.method.name, "lr": r.lr, "sweep": r.sweep, "outcomes": [asdict(o) for o in r.outcomes]}
                        for r in runs]}
+    if (aside := keep_previous_report(args.out)) is not None:
+        print(f"the previous report is kept as {aside}")
     args.out.write_text(json.dumps(report, indent=1))
     print(f"\nJSON: {args.out}")
     return rows

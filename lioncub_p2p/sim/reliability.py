@@ -46,6 +46,7 @@ from ..testing import (HugeMomentumReduction, LocalSwarm, PeakRss, cancel, fd_ex
                        hold_streams, lie_to, lying_reduction, rss_mib, start_outsider, trickler)
 from ..wire import PROTOCOL_VERSION, pb, write_frame
 from .inprocess import Method, run_method
+from .report_files import check_report_path, keep_previous_report
 from .process_faults import run_process_faults
 from .soak import run_soak
 from ..tasks.digits import digits_task
@@ -477,6 +478,7 @@ def run(argv: list[str] | None = None) -> dict:
         parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     if args.skip_process_faults and "process_faults" in only:
         only.remove("process_faults")
+    check_report_path("--out", args.out)  # now, not after an hour of runs
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     runners = {"bad_voters": lambda: bad_voters(args.steps), "lying_reducer": lying_reducers, "faults": faults,
                "admission": admission_and_flood, "attacks": lambda: round_attacks(tempfile.mkdtemp()),
@@ -493,6 +495,8 @@ def run(argv: list[str] | None = None) -> dict:
         print(f"{name}: done in {time.monotonic() - started:.0f} s", flush=True)
     print("\n" + table(report))
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if (aside := keep_previous_report(args.out)) is not None:
+        print(f"the previous report is kept as {aside}")
     args.out.write_text(json.dumps(report, indent=2, default=str))
     print(f"\nJSON: {args.out}")
     return report
