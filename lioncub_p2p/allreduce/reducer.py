@@ -109,8 +109,9 @@ class PartReduction:
         the codec's range, one group's reducer could outvote every other group at the positions it chose."""
         s, cap = self.spec.upload.scale_steps, self.spec.margin_caps[voter]
         margins = unpack_planes(codes, 8 * codes.shape[1]).to(torch.int32) - s
-        if margins.numel() and int(margins.abs().max()) > cap:
-            raise WireError(f"a margin of {int(margins.abs().max())} from a group of {cap} members")
+        largest = int(margins.abs().max()) if margins.numel() else 0
+        if largest > cap:
+            raise WireError(f"a margin of {largest} from a group of {cap} members")
 
     def drop(self, voter: int, reason: str) -> None:
         """Leave ``voter`` out of the count (a protocol violation, a dead or late stream)."""

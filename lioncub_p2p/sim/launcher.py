@@ -29,6 +29,7 @@ from .. import failpoints
 from ..aio import BackgroundLoop
 from .links import LinkProfile, NamespaceNetwork, namespaces_available, parse_links
 from .proxy import ShapingProxy
+from .report_files import stamped
 from .results import MethodResult, compare, final_agreement, last_logged_step, plot, summarize, table, votes_summary
 
 logger = logging.getLogger("lioncub.sim")
@@ -420,10 +421,7 @@ def keep_previous(out: Path) -> Path | None:
     found = [out / name for name in ("report.json", "report.md", "loss.png", *METHODS) if (out / name).exists()]
     if not found:
         return None
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(max(p.stat().st_mtime for p in found)))
-    aside, k = out / f"previous-{stamp}", 1
-    while aside.exists():
-        aside, k = out / f"previous-{stamp}-{k}", k + 1
+    aside = stamped(out, "previous-", max(p.stat().st_mtime for p in found))
     aside.mkdir()
     for path in found:
         path.rename(aside / path.name)

@@ -1,4 +1,5 @@
-"""Reports of long runs (lioncub-compare, lioncub-reliability): checked before the runs, never overwritten."""
+"""Reports of long runs (lioncub-sim, lioncub-compare, lioncub-reliability): checked before the runs, never
+overwritten."""
 from __future__ import annotations
 
 import os
@@ -23,9 +24,15 @@ def keep_previous_report(path: Path) -> Path | None:
     one is written (nothing a user had is lost); returns where it went, or None."""
     if not path.exists():
         return None
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
-    aside, k = path.with_name(f"{path.stem}.previous-{stamp}{path.suffix}"), 1
-    while aside.exists():
-        aside, k = path.with_name(f"{path.stem}.previous-{stamp}-{k}{path.suffix}"), k + 1
+    aside = stamped(path.parent, f"{path.stem}.previous-", path.stat().st_mtime, path.suffix)
     path.rename(aside)
     return aside
+
+
+def stamped(folder: Path, prefix: str, mtime: float, suffix: str = "") -> Path:
+    """``folder/<prefix><mtime as local time><suffix>``, with -1, -2, ... after the time where that exists."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(mtime))
+    path, k = folder / f"{prefix}{stamp}{suffix}", 1
+    while path.exists():
+        path, k = folder / f"{prefix}{stamp}-{k}{suffix}", k + 1
+    return path

@@ -60,12 +60,15 @@ def observed_ip(maddr: Multiaddr | str | None) -> str | None:
     parts = str(maddr or "").split("/")
     if "p2p-circuit" in parts:
         return None
-    if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
-        try:
-            return str(ipaddress.ip_address(parts[2]))
-        except ValueError:
-            return None
-    return None
+    return parse_ip(parts[2]) if len(parts) > 2 and parts[1] in ("ip4", "ip6") else None
+
+
+def parse_ip(text: str) -> str | None:
+    """``text`` as an IP address, or None if it is not one."""
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        return None
 
 
 async def serve_dialback(p2p: P2P) -> None:
@@ -196,8 +199,7 @@ async def check(initial_peers: list[str], port: int, *, timeout: float = 10.0, h
                     await asyncio.wait_for(received.wait(), CONNECT_TIMEOUT)
                 except asyncio.TimeoutError:
                     pass
-            ip = observed_ip(f"/ip6/{answer.observed_ip}" if ":" in answer.observed_ip
-                             else f"/ip4/{answer.observed_ip}")  # an IP, or nothing: it may go into an address
+            ip = parse_ip(answer.observed_ip)  # an IP, or nothing: it may go into an address
             if received.is_set():
                 return Reachability(True, ip, f"peers can dial you at {ip}:{port}")
             return Reachability(False, ip, f"peers cannot dial {ip}:{port} (behind NAT or a firewall)")

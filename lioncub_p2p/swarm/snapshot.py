@@ -223,7 +223,6 @@ def max_size(optimizer: LionCub) -> int:
 class _Checked:
     header: dict
     offset: int  # where the tensor bytes begin
-    total: int  # tensor bytes (parameters, and momenta if it has them)
     pending: torch.Tensor | None  # the in-flight update it carries
 
 
@@ -252,7 +251,7 @@ def check(optimizer: LionCub, blob: bytes | bytearray, *, expect_digest: bytes |
         torch.frombuffer(bytearray(memoryview(blob)[offset + total :]), dtype=pending_dtype).clone()
     if pending is not None and pending.is_floating_point() and not bool(torch.isfinite(pending).all()):
         raise SnapshotError("the in-flight update it carries is not finite")
-    return _Checked(header, offset, total, pending)
+    return _Checked(header, offset, pending)
 
 
 def load(optimizer: LionCub, blob: bytes | bytearray, *, expect_digest: bytes | None = None,

@@ -142,19 +142,20 @@ class StateSync:
             self._hold_record(bound)
         donors = sorted(self.donors(group, only), key=lambda pid: pid in last)
 
-        def check(step: int, blob: bytes, digest: bytes) -> None:  # on the loop, per donor: a bad one is left
+        def check_final(step: int, digest: bytes) -> None:
             if expect is not None and (digest != expect or step != min_step):
                 raise StateTransferError(f"the donor served parameters {digest.hex()[:8]} of step {step}, not "
                                          f"the {expect.hex()[:8]} of step {min_step} asked for")
+
+        def check(step: int, blob: bytes, digest: bytes) -> None:  # on the loop, per donor: a bad one is left
+            check_final(step, digest)
             snapshot.check(self.optimizer, blob, expect_digest=digest, expect_step=step)
 
         step, blob, digest = self.loop.run(download_state(
             self.p2p, donors, self.run_id, min_step=min_step, max_bytes=max_bytes, timeout=bound,
             have=have, token=self.admission.token(self.peer_id), params_only=params_only, check=check),
             timeout=bound + 5)
-        if expect is not None and (digest != expect or step != min_step):  # the empty answer (step 0)
-            raise StateTransferError(f"the donor served parameters {digest.hex()[:8]} of step {step}, not the "
-                                     f"{expect.hex()[:8]} of step {min_step} asked for")
+        check_final(step, digest)  # again for the empty answer (step 0), which ``check`` never sees
         if not blob:
             logger.info("this peer already holds the swarm's state (step 0, same initialization)")
             return
