@@ -175,6 +175,24 @@ def test_members_follow_only_their_group_within_windows(caplog):
     assert sum("not following" in r.message for r in caplog.records) == 1  # rate-limited
 
 
+def test_a_member_cannot_lead_by_listing_itself_first_or_slip_a_group_under_steps_already_run():
+    """m, a member, publishes the next group with itself listed first (the leader rule takes the first
+    reducer alive: m would lead without dropping anyone), or from a step before the current group's
+    (peers still running those steps would vote in another group than the rest)."""
+    history = GroupHistory()
+    current = _group(4, 100, ["a", "b", "m"], "a")
+    history.add(current)
+    reordered = _group(5, 110, ["m", "a", "b"], "m", current)
+    with pytest.raises(RecordError, match="sorted"):
+        GroupRecord.authored(json.loads(json.dumps(reordered.payload())), "m")
+    assert GroupRecord.authored(json.loads(json.dumps(_group(5, 110, ["a", "b", "m"], "m", current).payload())),
+                                "m").member_ids() == ["a", "b", "m"]
+    pick = lambda group, step=105: next_group([group], history, step=step, window=50)  # noqa: E731
+    assert pick(_group(5, 99, ["a", "b", "m"], "m", current)) is None  # before the current group's first step
+    assert pick(_group(5, 100, ["a", "b", "m"], "a", current)) is not None  # from the same step: a leader may
+    assert pick(_group(5, 120, ["a", "b", "m"], "a", current)) is not None
+
+
 def test_two_leaders_of_one_epoch_every_member_ends_on_the_record_of_the_one_listed_first():
     """b thought a missed rounds and led: b and a each published epoch 5. A member that read b's first
     switches to a's while neither has taken effect here; never to a later-listed author, a liar's,

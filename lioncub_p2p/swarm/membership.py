@@ -174,6 +174,10 @@ class GroupRecord:
                                   _flag(item[2]), _flag(item[3]) if len(item) == 4 else True))
         if len({s.peer_id for s in specs}) != len(specs) or not any(s.reduces for s in specs):
             raise RecordError("group lists a peer twice or has no reducer")
+        # the order is the leader rule's (``lead.leader_of``: the first reducer alive leads) and every leader
+        # sorts by peer id: a member that listed itself first would lead without dropping anyone
+        if any(a.peer_id > b.peer_id for a, b in zip(specs, specs[1:])):
+            raise RecordError("group members are not sorted by peer id")
         previous = None
         if not nested and value.get("previous") is not None:
             previous = cls.from_payload(value["previous"], nested=True)
@@ -263,8 +267,9 @@ def next_group(candidates: list[GroupRecord], history: "GroupHistory", *, step: 
     only for a first step no further than ``window`` steps past the furthest of this peer's step, the
     current group's start and ``run_step`` (``announced_step``: where most of the group says the run
     is, which lets a peer that is joining at step 0, or coming back far behind, follow the group of a
-    long-running run; a forged far-future step still cannot freeze group changes). Among several, the
-    newest; for one epoch, the author listed first."""
+    long-running run; a forged far-future step still cannot freeze group changes), and never for a
+    first step before the current group's (a group slipped in under steps already voted would split
+    the peers still running them). Among several, the newest; for one epoch, the author listed first."""
     latest = history.latest
     if latest is None:
         return None
@@ -284,6 +289,8 @@ def next_group(candidates: list[GroupRecord], history: "GroupHistory", *, step: 
             problem = f"epoch {group.epoch} is more than {MAX_EPOCH_GAP} past {latest.epoch}"
         elif group.from_step > limit:
             problem = f"it starts at step {group.from_step}, more than {window} steps ahead"
+        elif group.from_step < latest.from_step:  # a leader plans from where its group is, never before it
+            problem = f"it starts at step {group.from_step}, before this peer's group ({latest.from_step})"
         if problem:
             if log is not None:
                 log.warning(f"next:{group.author}", "not following the group record of %.60s: %s", group.author,
