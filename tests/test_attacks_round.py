@@ -785,6 +785,37 @@ def test_probe_floods_cannot_grow_a_peer():
     assert gate.refused >= 40 and growth < 32
 
 
+def test_probes_of_many_peer_ids_spend_one_byte_budget_then_get_busy():
+    """Strangers make peer ids for free: probe after probe from new ids would keep a member's uplink busy.
+    All probes share one budget of bytes: a probe past it is answered BUSY before a byte is read or
+    sent (the caller asks another member), and the budget refills with time."""
+    from lioncub_p2p.swarm.probe import ProbeBudget, ProbeBusy, measure, serve_probe
+
+    mib = 1 << 20
+    with LocalSwarm(3) as swarm:
+        member = swarm.nodes[0]
+        budget = ProbeBudget(capacity=5 * mib, rate=0.0)  # two 1 MiB probes (2 MiB each), no refill yet
+        swarm.run(serve_probe(member.p2p, budget=budget))
+        outsiders = [swarm.run(start_outsider(swarm)) for _ in range(2)]
+        try:
+            outcomes = []
+            for caller in [outsiders[0], outsiders[1], swarm.nodes[1].p2p]:
+                try:
+                    up, down = swarm.run(measure(caller, member.peer_id, nbytes=mib))
+                    outcomes.append("ok" if up > 0 and down > 0 else "zero")
+                except ProbeBusy:
+                    outcomes.append("busy")
+            assert outcomes == ["ok", "ok", "busy"], outcomes
+            assert budget.left == mib  # a busy answer spends nothing
+            budget.rate = 4 * mib
+            time.sleep(0.5)  # refilled past one probe's 2 MiB
+            up, down = swarm.run(measure(swarm.nodes[2].p2p, member.peer_id, nbytes=mib))
+            assert up > 0 and down > 0
+        finally:
+            for outsider in outsiders:
+                swarm.run(outsider.shutdown())
+
+
 @pytest.mark.slow
 def test_idle_streams_do_not_take_a_donors_download_slots():
     """20 idle state streams from an outsider (it never sends its request): the donor's one download

@@ -23,7 +23,7 @@ from ..swarm import AdmissionRefused, Manifest, SettingsMismatch, Swarm, SwarmCo
 from ..swarm.membership import GroupRecord, PeerRecord
 from ..swarm.config import LISTEN_ALL
 from ..swarm.follow import link_role
-from ..swarm.probe import measure
+from ..swarm.probe import ProbeBusy, measure
 from ..swarm.reachability import ListenPlan
 from .addresses import PUBLIC_PORT_ADVICE, dialable_from_outside, scope
 
@@ -134,6 +134,8 @@ def preflight(config: SwarmConfig, task_for: Callable[[Manifest], tuple]) -> int
                                           timeout=120)
                 print(f"  [ OK ] bandwidth to {pid[:12]}…: upload {up:.1f} Mbit/s, download {down:.1f} Mbit/s")
                 break
+            except ProbeBusy as e:
+                print(f"  [WARN] {e}")
             except (ConnectionError, asyncio.IncompleteReadError) as e:
                 refusals.append(f"{pid[:12]}… ({type(e).__name__})")  # a member closes a probe it refuses, unanswered
             except Exception as e:

@@ -1,11 +1,15 @@
 """A bandwidth probe every swarm member answers, for volunteers' preflight checks.
 
-``lioncub/probe/1``: the caller sends a ``ProbeRequest`` (how many bytes it will send, how many it
-wants back, each at most 8 MiB), then that many bytes; the member reads and discards them, block by
-block, and answers with the requested bytes. Both directions are timed by the caller.
+``lioncub/probe/2``: the caller sends a ``ProbeRequest`` (how many bytes it will send, how many it
+wants back, each at most 8 MiB); the member answers one status byte (``GO``, or ``BUSY`` and closes),
+the caller then sends that many bytes, and the member reads and discards them, block by block, and
+answers with the requested bytes. Both directions are timed by the caller.
 
 A probe costs the member at most one 64 KiB block of memory and ``PROBE_DEADLINE_S`` of time, and a
-member serves ``MAX_PROBES`` at once, one per caller: probes cannot grow a trainer or crowd it.
+member serves ``MAX_PROBES`` at once, one per caller: probes cannot grow a trainer or crowd it. Nor can
+they take its link: all probes together spend a ``ProbeBudget`` of bytes (a burst of
+``BUDGET_BYTES``, refilled at ``BUDGET_BYTES_PER_S``, about 1 Mbit/s), since peer ids cost a stranger
+nothing; past it a member answers ``BUSY`` and the caller asks another member.
 """
 from __future__ import annotations
 
@@ -18,17 +22,42 @@ from ..allreduce.admission import OPEN, Admission
 from ..wire import PROTOCOL_VERSION, WireError, close_after_reply, pb, read_frame, write_frame
 from ..wire.gate import StreamGate, guard
 
-PROBE_PROTOCOL = "lioncub/probe/1"
+PROBE_PROTOCOL = "lioncub/probe/2"
 MAX_PROBE_BYTES = 8 << 20
 BLOCK = 64 << 10
 MAX_PROBES = 4
 FIRST_FRAME_S = 5.0
 PROBE_DEADLINE_S = 120.0  # 2 x 8 MiB at ~1.1 Mbit/s
+BUDGET_BYTES = 4 * MAX_PROBE_BYTES  # two of the largest probes at once, or four preflights (4 MiB each way)
+BUDGET_BYTES_PER_S = 128 << 10  # ~1 Mbit/s: one preflight's probe a minute, sustained
+GO, BUSY = b"\x00", b"\x01"
 
 
-async def serve_probe(p2p: P2P, admission: Admission = OPEN) -> StreamGate:
+class ProbeBusy(Exception):
+    """The member's probe budget is spent for now (other callers probed it): ask another member."""
+
+
+class ProbeBudget:
+    """Bytes all probes of one member may move: a bucket of ``capacity`` bytes refilled at ``rate``."""
+
+    def __init__(self, capacity: float = BUDGET_BYTES, rate: float = BUDGET_BYTES_PER_S):
+        self.capacity, self.rate = capacity, rate
+        self.left, self.at = capacity, time.monotonic()
+
+    def spend(self, nbytes: int) -> bool:
+        now = time.monotonic()
+        self.left = min(self.capacity, self.left + (now - self.at) * self.rate)
+        self.at = now
+        if nbytes > self.left:
+            return False
+        self.left -= nbytes
+        return True
+
+
+async def serve_probe(p2p: P2P, admission: Admission = OPEN, budget: ProbeBudget | None = None) -> StreamGate:
     """Answer bandwidth probes; returns the gate (its counters say how many were refused)."""
     gate = StreamGate("probe", per_peer=1, stranger_per_peer=1, strangers=MAX_PROBES, total=MAX_PROBES)
+    budget = budget or ProbeBudget()
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: pb.ProbeRequest) -> None:
         left = req.upload_bytes
@@ -49,6 +78,11 @@ async def serve_probe(p2p: P2P, admission: Admission = OPEN) -> StreamGate:
                 return
             if req.upload_bytes > MAX_PROBE_BYTES or req.download_bytes > MAX_PROBE_BYTES:
                 raise WireError("probe larger than 8 MiB")
+            if not budget.spend(req.upload_bytes + req.download_bytes):
+                writer.write(BUSY)
+                await writer.drain()
+                return
+            writer.write(GO)
             await asyncio.wait_for(answer(reader, writer, req), PROBE_DEADLINE_S)
             await close_after_reply(reader, writer)  # the caller closes once it has read it all (QUIC)
         except (WireError, asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError, OSError):
@@ -59,11 +93,15 @@ async def serve_probe(p2p: P2P, admission: Admission = OPEN) -> StreamGate:
 
 
 async def measure(p2p: P2P, peer_id: str, *, nbytes: int = 4 << 20, token: bytes = b"") -> tuple[float, float]:
-    """(upload, download) in Mbit/s between this peer and ``peer_id``."""
+    """(upload, download) in Mbit/s between this peer and ``peer_id``. Raises ``ProbeBusy`` when the
+    member's probe budget is spent, a ConnectionError or IncompleteReadError when it refused us."""
     _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), PROBE_PROTOCOL)
     try:
         await write_frame(writer, pb.ProbeRequest(version=PROTOCOL_VERSION, upload_bytes=nbytes, download_bytes=nbytes,
                                                   token=token))
+        if await reader.readexactly(1) != GO:
+            raise ProbeBusy(f"{peer_id[:12]}… answered probes of others in the last minutes (its probe budget is "
+                            "spent): ask another member, or again in a minute")
         started = time.perf_counter()
         block = bytes(BLOCK)
         for offset in range(0, nbytes, BLOCK):
