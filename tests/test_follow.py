@@ -188,10 +188,12 @@ def test_follow_rule_follows_when_votes_stop_counting_and_probes_back():
 def test_a_followed_round_nobody_keeps_is_a_skip_ahead():
     forgotten = _report(1, [[], [], []], followed=True, status="missing")
     assert not FollowRule.fell_out(forgotten)  # a round that failed for everyone: apply nothing, as voters do
-    forgotten.parts[2].forgotten = True  # a member no longer keeps it: the group moved on
+    forgotten.parts[2].forgotten = True  # one reducer says it no longer keeps it: it may lie
+    assert not FollowRule.fell_out(forgotten)
+    forgotten.parts[0].forgotten = True  # most do (part 1 is its own): the group moved on
     assert FollowRule.fell_out(forgotten)
     voted = _report(1, [[], [], []], followed=False, status="missing")
-    voted.parts[2].forgotten = True
+    voted.parts[0].forgotten = voted.parts[2].forgotten = True
     assert not FollowRule.fell_out(voted)
     mixed = _report(1, [[0], [], [0]], followed=True)
     mixed.parts[0].status, mixed.parts[0].forgotten = "missing", True

@@ -161,7 +161,9 @@ class RecoveryMixin:
         def failed(i: int, e: BaseException) -> None:  # a refusal says why (kept in the report); else: gone
             if isinstance(e, WireError):
                 logger.info("round %s: refused a result for part %d: %s", spec.round_id.hex()[:12], j, e)
-                state.report.parts[j].forgotten |= FORGOTTEN in str(e)
+                # only the part's own reducer speaks for it: any other member could say so of every part
+                # and push a follower into a state download (``follow.FollowRule.fell_out``)
+                state.report.parts[j].forgotten |= FORGOTTEN in str(e) and i == state.report.parts[j].reducer
                 state.report.parts[j].other_group |= OTHER_GROUP in str(e)
             else:  # unreachable, timed out, gone
                 logger.info("round %s: part %d not from member %d: %s", spec.round_id.hex()[:12], j, i,

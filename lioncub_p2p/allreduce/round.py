@@ -252,7 +252,7 @@ class PartReport:
     note: str = ""
     tag: bytes = b""  # the counted voters' most common state tag, and how many sent it
     tag_votes: int = 0
-    forgotten: bool = False  # a member refused it as a round it no longer keeps (``archive.FORGOTTEN``)
+    forgotten: bool = False  # its reducer refused it as a round it no longer keeps (``archive.FORGOTTEN``)
     other_group: bool = False  # its reducer refused this peer's votes: it ran this step in another group
     second_level: bool = False  # two-level: assembled from the second level's slices, not from its reducer
 
