@@ -7,6 +7,7 @@ the one announced. A requester must not hold a donor's upload slot for good."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import struct
 import time
@@ -195,6 +196,51 @@ def test_a_requester_that_never_reads_frees_the_upload_slot_and_far_steps_are_re
         assert b"".join(c.data for c in served) == blob
 
     asyncio.run(scenario())
+
+
+class _FarStepServer(state_transfer.StateServer):
+    """Serves its snapshot as step 10**9, in its chunks and its header alike: a self-consistent lie."""
+
+    async def _send(self, writer, req, step, blob, digest):
+        await super()._send(writer, req, 10**9, _with_header(blob, step=10**9), digest)
+
+
+def test_a_donor_far_past_where_the_group_says_the_run_is_is_left_for_the_next(monkeypatch):
+    """A donor's step is only as good as its word: one whose state says step 10**9 (consistently) set a
+    joiner a billion steps past its group. ``StateSync.download`` now leaves a donor past where the
+    group's synced members say the run is, plus what their pace makes in a record's lifetime."""
+    from lioncub_p2p.allreduce import PeerSpec
+    from lioncub_p2p.allreduce.admission import Admission
+    from lioncub_p2p.swarm.membership import GroupRecord, PeerRecord
+    from lioncub_p2p.swarm.state_sync import StateSync, furthest_step
+    from lioncub_p2p.swarm.state_transfer import FAR_STEPS
+    from lioncub_p2p.swarm.upkeep import MAX_TTL_S, STEP_WINDOW
+
+    t = _failing_then_recording_donor(monkeypatch, _FarStepServer)
+    liar, honest = t.donors
+    me = t.peers[2].peer_id.to_base58()
+    group = GroupRecord(5, 3, tuple(PeerSpec(pid) for pid in sorted([liar, honest, me])), author=honest)
+    records = {liar: PeerRecord(liar, weight=9.0, step=3, synced=True, steps_per_s=0.5),  # asked first
+               honest: PeerRecord(honest, step=3, synced=True, steps_per_s=0.5),
+               me: PeerRecord(me, step=0)}
+    assert furthest_step(group, records, 3) == 3 + STEP_WINDOW + FAR_STEPS  # 2 x 0.5 x 290 s is fewer
+    fast = {pid: dataclasses.replace(r, steps_per_s=10.0) for pid, r in records.items()}
+    assert furthest_step(group, fast, 3) == 3 + STEP_WINDOW + int(2 * 10.0 * MAX_TTL_S)
+    assert furthest_step(group, {**fast, liar: PeerRecord(liar, step=10**9, synced=True, steps_per_s=1e9)},
+                         3) == 3 + STEP_WINDOW + int(2 * 10.0 * MAX_TTL_S)  # one liar of two: lower medians
+    assert furthest_step(group, {pid: PeerRecord(pid, step=3, synced=True) for pid in records}, 3) is None  # no pace
+    _, opt = _opt(1, hidden=512)
+    sync = StateSync(p2p=t.peers[2], loop=t.loop, run_id="run", peer_id=me, admission=Admission(),
+                     upkeep=SimpleNamespace(records=records), liars=dict, max_uploads=1, join_timeout=60,
+                     round_bound=5.0)
+    sync.optimizer = opt
+    try:
+        assert sync.donors(group) == [liar, honest]
+        sync.download(min_step=3, group=group)
+        assert opt.step_count == 3 and snapshot.params_digest(opt) == t.digest
+        assert t.recording.offsets  # the honest donor served it
+    finally:
+        _close_peers(t.loop, t.peers)
 
 
 class _ForgetfulServer(state_transfer.StateServer):

@@ -97,12 +97,14 @@ class PeerRecord:
     missing: tuple[str, ...] = ()  # group-mates whose votes this peer misses (two-level: the leader sees no other group)
     steady: tuple[str, ...] = ()  # group-mates without a vote in the group whose votes count here, rounds in a row
     final: str = ""  # past its last step: its parameters' digest (hex) at ``step`` (closing.py)
+    steps_per_s: float = 0.0  # its recent pace (a joiner bounds how far past the run a donor's state may be)
     expires: float = 0.0
 
     def payload(self) -> dict[str, Any]:
         loss = self.loss if self.loss is not None and math.isfinite(self.loss) else None
         return {"weight": float(self.weight), "client_mode": self.client_mode, "step": int(self.step),
                 "version": int(self.version), "synced": self.synced, "samples_per_s": float(self.samples_per_s),
+                "steps_per_s": float(self.steps_per_s),
                 "bytes_up_per_s": float(self.bytes_up_per_s), "bytes_down_per_s": float(self.bytes_down_per_s),
                 "loss": loss, "manifest": self.manifest, "leaving": self.leaving,
                 "following": self.following, "missing": list(self.missing), "steady": list(self.steady),
@@ -116,6 +118,7 @@ class PeerRecord:
                    client_mode=_flag(value["client_mode"]), step=_number(value["step"], 0, MAX_STEP, integer=True),
                    version=_number(value["version"], 0, 1 << 31, integer=True), synced=_flag(value["synced"]),
                    samples_per_s=float(_number(value.get("samples_per_s", 0.0), 0.0, MAX_RATE)),
+                   steps_per_s=float(_number(value.get("steps_per_s", 0.0), 0.0, MAX_RATE)),
                    bytes_up_per_s=float(_number(value.get("bytes_up_per_s", 0.0), 0.0, MAX_RATE)),
                    bytes_down_per_s=float(_number(value.get("bytes_down_per_s", 0.0), 0.0, MAX_RATE)),
                    loss=None if loss is None else float(_number(loss, -MAX_RATE, MAX_RATE)),

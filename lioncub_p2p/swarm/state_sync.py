@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 import threading
 from collections.abc import Callable, Collection, Iterator
@@ -25,11 +26,28 @@ from ..aio import BackgroundLoop
 from ..allreduce.admission import Admission
 from ..optim import LionCub
 from . import snapshot
-from .membership import GroupRecord
-from .state_transfer import StateServer, StateTransferError, download_bound, download_state
-from .upkeep import Upkeep
+from .membership import GroupRecord, PeerRecord, announced_step
+from .state_transfer import FAR_STEPS, StateServer, StateTransferError, download_bound, download_state
+from .upkeep import MAX_TTL_S, STEP_WINDOW, Upkeep
 
 logger = logging.getLogger(__name__)
+
+
+def furthest_step(group: GroupRecord, records: dict[str, PeerRecord], min_step: int) -> int | None:
+    """The furthest step an honest donor's state can be at now, from ``group``'s synced members' signed
+    records: where they say the run is (``announced_step``, a lower median) plus the steps their pace
+    (the lower median of their ``steps_per_s``) makes, twice over, in the age a record can reach
+    (``MAX_TTL_S``), at least ``FAR_STEPS`` (a pace measured during a stall understates a run that
+    resumed since), plus ``STEP_WINDOW``. A lying minority moves neither median, so a donor cannot set a
+    joiner far past its group (before: any step below 2**53). None while no pace is known (a run's
+    first steps, older peers): no bound then."""
+    run_step = announced_step(group, records)
+    members = set(group.member_ids())
+    paces = sorted(r.steps_per_s for pid, r in records.items() if pid in members and r.synced and not r.leaving)
+    pace = paces[(len(paces) - 1) // 2] if paces else 0.0
+    if run_step is None or pace <= 0:
+        return None
+    return max(min_step, run_step) + STEP_WINDOW + max(FAR_STEPS, math.ceil(2 * pace * MAX_TTL_S))
 
 
 class StateSync:
@@ -149,6 +167,10 @@ class StateSync:
 
         def check(step: int, blob: bytes, digest: bytes) -> None:  # on the loop, per donor: a bad one is left
             check_final(step, digest)
+            furthest = furthest_step(group, self.upkeep.records, min_step)  # records as refreshed meanwhile
+            if furthest is not None and step > furthest:
+                raise StateTransferError(f"the donor's state is of step {step}, past where its group says the run "
+                                         f"can be ({furthest})")
             snapshot.check(self.optimizer, blob, expect_digest=digest, expect_step=step)
 
         step, blob, digest = self.loop.run(download_state(

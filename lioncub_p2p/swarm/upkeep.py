@@ -183,7 +183,7 @@ class Upkeep:
         now, (t0, step0) = time.monotonic(), self._progress
         samples_per_s = max(me.samples_per_step * (me.step - step0) / max(now - t0, 1e-6), 0.0)
         record = PeerRecord(self.peer_id, self.spec.weight, self.spec.client_mode, me.step, PROTOCOL_VERSION,
-                            me.synced and not leaving, samples_per_s=samples_per_s,
+                            me.synced and not leaving, samples_per_s=samples_per_s, steps_per_s=me.steps_per_s,
                             bytes_up_per_s=me.bytes_up_per_s, bytes_down_per_s=me.bytes_down_per_s, loss=me.loss,
                             manifest=me.run_manifest.digest() if me.run_manifest else "", leaving=leaving,
                             following=me.following and not leaving, final=me.final,
