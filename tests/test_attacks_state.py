@@ -299,3 +299,24 @@ def test_a_state_download_that_fails_while_joining_stops_the_volunteer_with_one_
             assert "start again" in str(stopped.value) and "\n" not in str(stopped.value)
         finally:
             swarm.shutdown()
+
+
+def test_a_snapshot_with_the_groups_parameters_but_nan_momenta_is_refused():
+    """Momenta are outside the parameter digest (each peer's own): a donor could serve the group's
+    parameters with NaN momenta, and the joiner's votes and momentum syncs were garbage for good."""
+    _, donor = _opt(0)
+    blob, digest = snapshot.encode(donor)
+    _, joiner = _opt(1)
+    snapshot.check(joiner, blob, expect_digest=digest)  # the honest one passes
+    _, momentum = donor.momentum_buffers()[0]
+    momentum.view(-1)[3] = float("nan")
+    poisoned, same = snapshot.encode(donor)
+    assert same == digest  # the digest cannot tell
+    with pytest.raises(snapshot.SnapshotError, match="not finite"):
+        snapshot.check(joiner, poisoned, expect_digest=digest)
+    before = snapshot.params_digest(joiner)
+    with pytest.raises(snapshot.SnapshotError):
+        snapshot.load(joiner, poisoned, expect_digest=digest)
+    assert snapshot.params_digest(joiner) == before  # nothing loaded
+    lean = snapshot.without_momenta(poisoned)  # a repair's download carries no momenta: nothing to refuse
+    snapshot.check(joiner, lean, expect_digest=digest)

@@ -251,7 +251,24 @@ def check(optimizer: LionCub, blob: bytes | bytearray, *, expect_digest: bytes |
         torch.frombuffer(bytearray(memoryview(blob)[offset + total :]), dtype=pending_dtype).clone()
     if pending is not None and pending.is_floating_point() and not bool(torch.isfinite(pending).all()):
         raise SnapshotError("the in-flight update it carries is not finite")
+    _check_finite_momenta(blob, offset, layout, total)
     return _Checked(header, offset, pending)
+
+
+def _check_finite_momenta(blob: bytes | bytearray, offset: int, layout: Layout, total: int) -> None:
+    """Momenta are outside the digest (each peer's own), so a donor could send NaN there with the group's
+    parameters: the joiner's votes and momentum syncs would be garbage for good (an fp8 sync refuses a
+    non-finite value, a bf16 one averages NaN back in)."""
+    position = offset + layout.nbytes("param")
+    view = memoryview(blob)
+    for name, dtype, shape in layout.entries:
+        if not name.startswith("momentum:") or position >= offset + total:
+            continue
+        size = torch.Size(shape).numel() * DTYPES[dtype].itemsize
+        values = torch.frombuffer(bytearray(view[position : position + size]), dtype=DTYPES[dtype]) if size else None
+        if values is not None and not bool(torch.isfinite(values).all()):
+            raise SnapshotError(f"its momentum {name[len('momentum:'):]!r} is not finite")
+        position += size
 
 
 def load(optimizer: LionCub, blob: bytes | bytearray, *, expect_digest: bytes | None = None,
