@@ -34,6 +34,9 @@ from typing import Iterable
 import torch
 
 
+MIN_GEOMETRIC, MAX_GEOMETRIC = 1.01, 1e6
+
+
 @dataclass(frozen=True)
 class MomentumSchedule:
     """Answers "sync momentum after step ``step``?" (steps count completed optimizer steps, from 1)."""
@@ -55,8 +58,10 @@ class MomentumSchedule:
             raise ValueError("slices (streamed averaging) replaces every and geometric: set one of them")
         if self.every < 0:
             raise ValueError(f"every must be >= 0, got {self.every}")
-        if self.geometric is not None and not self.geometric > 1.0:
-            raise ValueError(f"geometric ratio must be > 1, got {self.geometric}")
+        # a ratio a hair above 1 never moves a float past 2 (s * r == s): ``due`` looped for ever, and a
+        # manifest is anyone's in an open run
+        if self.geometric is not None and not MIN_GEOMETRIC <= self.geometric <= MAX_GEOMETRIC:
+            raise ValueError(f"geometric ratio must be in [{MIN_GEOMETRIC}, {MAX_GEOMETRIC:g}], got {self.geometric}")
         if self.start < 1:
             raise ValueError(f"start must be >= 1, got {self.start}")
         if self.until is not None and self.until < 0:
@@ -74,14 +79,12 @@ class MomentumSchedule:
             return True
         if self.every and step % self.every == 0:
             return True
-        return self.geometric is not None and step in self._geometric_steps(step)
-
-    def _geometric_steps(self, limit: int) -> set[int]:
-        steps, s = set(), float(self.start)
-        while s <= limit:
-            steps.add(int(math.ceil(s - 1e-9)))
+        if self.geometric is None:
+            return False
+        s = float(self.start)  # at most log(2**53) / log(MIN_GEOMETRIC) ~ 3700 products
+        while math.ceil(s - 1e-9) < step:
             s *= self.geometric
-        return steps
+        return math.ceil(s - 1e-9) == step
 
     def selects(self, name: str) -> bool:
         return not self.params or any(fnmatch.fnmatchcase(name, pattern) for pattern in self.params)

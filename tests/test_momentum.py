@@ -1,4 +1,5 @@
 """MomentumSchedule against hand-computed step and name sets; in-process averaging against numpy."""
+import math
 import numpy as np
 import pytest
 import torch
@@ -34,6 +35,21 @@ def test_bad_schedules_are_refused():
                           ({"slices": 4, "geometric": 2.0}, "replaces")):
         with pytest.raises(ValueError, match=words):
             MomentumSchedule(**kwargs)
+
+
+def test_a_ratio_a_hair_above_one_is_refused_and_due_stays_cheap_far_out():
+    """geometric=1.0000000000000002 (from anyone's manifest in an open run) made ``due`` loop for ever:
+    s * r == s once s >= 2. Ratios below 1.01 are refused; at 1.01, step 2**52 is answered at once."""
+    import time
+
+    for ratio in (1.0000000000000002, 1.001, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="geometric"):
+            MomentumSchedule(geometric=ratio)
+    schedule = MomentumSchedule(geometric=1.01)
+    started = time.perf_counter()
+    assert not schedule.due(2**52 + 1) and schedule.due(1) and schedule.due(2)
+    assert time.perf_counter() - started < 0.5
+    assert _due(schedule, 300) == sorted({math.ceil(1.01**k - 1e-9) for k in range(600) if 1.01**k <= 300})
 
 
 def test_selects_by_fnmatch_pattern():
