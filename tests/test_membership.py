@@ -289,7 +289,40 @@ def test_admission_exchange_proves_the_key_both_ways_says_why_it_refuses_and_rat
     assert not not_listed.admitted and not_listed.reason == "not on the run's allow-list"
     guesses, guessed_admitted = results[6]  # online guessing: a few tries per peer per minute, then "busy"
     assert [v.reason for v in guesses[-2:]] == ["too many admission attempts; try again later"] * 2
+    assert [v.busy for v in guesses[-3:]] == [False, True, True]  # a newcomer asks again later: no refusal
     assert all(not v.admitted for v in guesses) and not guessed_admitted
+
+
+def test_idle_admission_streams_neither_hold_slots_for_long_nor_make_newcomers_quit():
+    """An outsider keeps 40 admission streams open without a hello, re-dialing each as soon as it is
+    closed. Before, each held one of the member's 16 exchange slots for 10 s and every newcomer heard
+    "busy", which stopped it for good. Now one peer holds at most two (the rest closed at once), a
+    silent one is dropped after the hello timeout, and the newcomer is admitted at once."""
+    from lioncub_p2p.testing import hold_streams
+
+    async def scenario():
+        member = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        maddrs = [str(m) for m in await member.get_visible_maddrs()]
+        outsider = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        newcomer = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        server = admit.AdmitServer(member, Admission(), lambda pid: None)
+        stop, dialed = asyncio.Event(), [0]
+        try:
+            await server.start()
+            holding = asyncio.create_task(hold_streams(outsider, member.peer_id.to_base58(), admit.ADMIT_PROTOCOL,
+                                                       40, stop, dialed=dialed))
+            await asyncio.sleep(1.0)
+            verdict = await admit.ask_admission(newcomer, member.peer_id.to_base58(), Admission())
+            open_now = server.gate.open_total
+            stop.set()
+            await holding
+            return verdict, open_now, server.gate.refused
+        finally:
+            await asyncio.gather(member.shutdown(), outsider.shutdown(), newcomer.shutdown())
+
+    verdict, open_now, refused = asyncio.run(scenario())
+    assert verdict.admitted and not verdict.busy, verdict
+    assert open_now <= 3 and refused >= 38, (open_now, refused)  # the outsider's two and the newcomer's
 
 
 async def _store_raw_locally(_dht, node, key: str, subkey, value: bytes, expiration: float) -> None:

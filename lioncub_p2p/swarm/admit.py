@@ -16,8 +16,10 @@ runs). A member admits a newcomer for itself (the leader then lists it); the ver
 newcomer why, within one exchange, so it stops at once with one line instead of waiting for ever.
 
 Fixed-size messages (no protobuf: nothing here but nonces, MACs and a short reason); every read is
-bounded in size and time; a member serves at most ``MAX_CONCURRENT`` exchanges and a few per peer per
-minute (online guessing costs the guesser a round trip and a scrypt each, and is rate-limited here).
+bounded in size and time; a member serves at most ``MAX_CONCURRENT`` exchanges, two per peer (a stream
+past them is closed at once, one that sends no hello within ``HELLO_TIMEOUT`` is dropped) and a few per peer per
+minute (online guessing costs the guesser a round trip and a scrypt each, and is rate-limited here:
+those are answered ``BUSY``, which a newcomer takes as "ask again later", never as a refusal).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from typing import Callable
 from hivemind.p2p import P2P, PeerID
 
 from ..allreduce.admission import PROOF_BYTES, Admission
+from ..wire.gate import StreamGate, guard
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,7 @@ MAGIC = b"LCA1"
 NONCE_BYTES = 32
 MAX_REASON_BYTES = 200
 EXCHANGE_TIMEOUT = 10.0
+HELLO_TIMEOUT = 3.0  # the newcomer's first message
 MAX_CONCURRENT = 16
 MAX_PER_PEER_PER_MINUTE = 6
 LINGER_S = 5.0  # a member waits this long for the newcomer to close after the verdict
@@ -60,6 +64,7 @@ class Verdict:
     member_proved: bool  # the member showed it holds the run key (private runs)
     secret_required: bool
     reason: str = ""
+    busy: bool = False  # the member had too many exchanges: ask again later, nothing refused
 
 
 async def _read(reader: asyncio.StreamReader, n: int) -> bytes:
@@ -75,11 +80,14 @@ class AdmitServer:
     def __init__(self, p2p: P2P, admission: Admission, on_admitted: Callable[[str], None]):
         self.p2p, self.admission, self.on_admitted = p2p, admission, on_admitted
         self.peer_id = p2p.peer_id.to_base58()
-        self._active = 0
+        # newcomers are strangers: two exchanges each at once, MAX_CONCURRENT in all; a stream past them is
+        # closed at once (held open, streams over the cap were no cap at all)
+        self.gate = StreamGate("admit", per_peer=2, stranger_per_peer=2, strangers=MAX_CONCURRENT,
+                               total=MAX_CONCURRENT)
         self._attempts: OrderedDict[str, deque[float]] = OrderedDict()
 
     async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(ADMIT_PROTOCOL, self._on_stream)
+        await self.p2p.add_binary_stream_handler(ADMIT_PROTOCOL, guard(self.gate, self._on_stream))
 
     def _rate_limited(self, peer_id: str) -> bool:
         now = time.monotonic()
@@ -94,18 +102,15 @@ class AdmitServer:
 
     async def _on_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         newcomer = info.peer_id.to_base58()
-        busy = self._active >= MAX_CONCURRENT or self._rate_limited(newcomer)
-        self._active += 1
+        busy = self._rate_limited(newcomer)
         try:
             await asyncio.wait_for(self._exchange(newcomer, reader, writer, busy), EXCHANGE_TIMEOUT)
         except (AdmitError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
             logger.debug("admission exchange with %s broke off: %s", newcomer, e)
-        finally:
-            self._active -= 1
-            writer.close()
 
     async def _exchange(self, newcomer: str, reader, writer, busy: bool) -> None:
-        newcomer_nonce = await _read(reader, 4 + NONCE_BYTES)
+        # the hello within a few seconds: a stream that sends nothing holds one of MAX_CONCURRENT slots
+        newcomer_nonce = await asyncio.wait_for(_read(reader, 4 + NONCE_BYTES), HELLO_TIMEOUT)
         member_nonce = os.urandom(NONCE_BYTES)
         flags = (SECRET_REQUIRED if self.admission.needs_secret else 0) | (ALLOW_LIST if self.admission.allow else 0)
         writer.write(MAGIC + bytes([flags]) + member_nonce)
@@ -162,5 +167,6 @@ async def _ask(me: str, member: str, admission: Admission, reader, writer) -> Ve
     proved = required and admission.needs_secret and admission.checks_proof(
         answer, "member", me, member, newcomer_nonce, member_nonce)
     if code != ADMITTED:
-        return Verdict(False, False, required, "".join(ch for ch in reason if ch.isprintable()) or f"code {code}")
+        return Verdict(False, False, required, "".join(ch for ch in reason if ch.isprintable()) or f"code {code}",
+                       busy=code == BUSY)
     return Verdict(True, proved, required)

@@ -93,6 +93,10 @@ class RunFinder:
                 self.log.warning(f"ask:{group.author}", "could not ask %s for admission: %s: %s", group.author,
                                  type(e).__name__, e)
                 continue
+            if verdict.busy:  # too many newcomers at once (or someone holding the slots): ask again later
+                failures += 1
+                self.log.warning(f"busy:{group.author}", "%s is busy admitting others: asking again", group.author)
+                continue
             line = refusal(verdict, self.run_id, group.author, self.peer_id, self.admission.needs_secret)
             if line is not None:
                 refusals.append(line)
