@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import time
+from types import SimpleNamespace
 
 import msgpack
 import pytest
@@ -68,6 +69,29 @@ def _signed_raw(identity: Identity, body: bytes, exp: float, run: str = "run", k
     """A record whose payload bytes are exactly ``body`` (what a hostile author can sign)."""
     sig = identity.sign(signed_bytes(run, kind, identity.peer_id, exp, body))
     return {"r": run, "t": kind, "p": body, "k": identity.public_key, "s": sig}
+
+
+def test_a_flood_of_records_cannot_hide_the_authors_a_reader_wants():
+    """Only the first ``limit`` records of a key are looked at: 300 manifests from throwaway ids stored
+    before the coordinator's pushed its manifest out, and a joiner fell back to default settings. A
+    reader that names the authors it would take looks at theirs only."""
+    from lioncub_p2p.swarm.records import read_records
+
+    exp = _expires()
+    items = {f"junk{i}": SimpleNamespace(value={"r": "run"}, expiration_time=exp) for i in range(300)}
+    items[ALICE.peer_id] = SimpleNamespace(value=seal(ALICE, "run", "manifest", exp, {"lr": 0.1}), expiration_time=exp)
+
+    class Dht:
+        def get(self, key, latest, return_future):
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(SimpleNamespace(value=items))
+            return future
+
+    log = RateLimitedLog(logging.getLogger("test"))
+    read = lambda **kw: asyncio.run(read_records(Dht(), "run", "manifest", Verifier(), log, timeout=5,  # noqa: E731
+                                                 limit=256, **kw))
+    assert read() == []  # ALICE's is the 301st
+    assert [author for author, _, _ in read(authors={ALICE.peer_id, "someone"})] == [ALICE.peer_id]
 
 
 def test_hostile_payloads_are_refused_before_conversion():

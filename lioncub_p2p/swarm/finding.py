@@ -69,9 +69,10 @@ class RunFinder:
 
     def read_manifest(self) -> Manifest | None:
         """The run's manifest, as published by a member of the trusted group or a coordinator."""
-        found = self.loop.run(manifests.read(self.dht, self.run_id, self.verifier, self.log), timeout=30)
         latest = self.upkeep.history.latest
         members = ([latest.author] + latest.member_ids()) if latest is not None else []
+        found = self.loop.run(manifests.read(self.dht, self.run_id, self.verifier, self.log,
+                                             authors=set(members) | set(self.anchors)), timeout=30)
         return manifests.choose(found, members, self.anchors)
 
     def admitted_group(self, candidates: list[GroupRecord]) -> GroupRecord | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -349,11 +350,12 @@ async def store(dht: DHT, run_id: str, manifest: Manifest, identity: Identity, *
 
 
 async def read(dht: DHT, run_id: str, verifier: Verifier, log: RateLimitedLog, *,
-               timeout: float = 10.0) -> dict[str, Manifest]:
-    """Every well-formed, signed manifest of the run, by author (bad ones logged and skipped)."""
+               timeout: float = 10.0, authors: Collection[str] | None = None) -> dict[str, Manifest]:
+    """Every well-formed, signed manifest of the run, by author (bad ones logged and skipped); only
+    ``authors``' if given (those ``choose`` would take: a flood of others' cannot hide theirs)."""
     manifests = {}
     for author, payload, _ in await read_records(dht, run_id, "manifest", verifier, log, timeout=timeout,
-                                                 limit=MAX_MANIFESTS):
+                                                 limit=MAX_MANIFESTS, authors=authors):
         try:
             manifests[author] = Manifest.from_payload(payload)
         except (ManifestError, TypeError) as e:

@@ -27,6 +27,7 @@ import math
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 from typing import Any, Iterable
 
 import msgpack
@@ -192,9 +193,11 @@ async def store_record(dht: Any, identity: Identity, run_id: str, kind: str, pay
 
 
 async def read_records(dht: Any, run_id: str, kind: str, verifier: Verifier, log: RateLimitedLog, *,
-                       timeout: float, limit: int) -> list[tuple[str, dict, float]]:
+                       timeout: float, limit: int, authors: Collection[str] | None = None) -> list[tuple[str, dict, float]]:
     """(author, payload, expiration) of every valid, unexpired record of ``kind``; the first ``limit``
-    looked at. Never raises for what the DHT holds: a timeout or a bad record is logged and skipped."""
+    looked at. ``authors``: only theirs are looked at (nor counted, nor verified), so records from
+    throwaway ids cannot push a wanted one past ``limit``. Never raises for what the DHT holds: a
+    timeout or a bad record is logged and skipped."""
     try:
         found = await asyncio.wait_for(dht.get(dht_key(run_id, kind), latest=True, return_future=True), timeout)
     except asyncio.TimeoutError:
@@ -203,7 +206,9 @@ async def read_records(dht: Any, run_id: str, kind: str, verifier: Verifier, log
     if found is None or not isinstance(found.value, dict):
         return []
     now, out = get_dht_time(), []
-    for i, (subkey, item) in enumerate(found.value.items()):
+    items = found.value.items() if authors is None else \
+        ((subkey, item) for subkey, item in found.value.items() if subkey in authors)
+    for i, (subkey, item) in enumerate(items):
         if i >= limit:
             log.warning(f"flood:{kind}", "more than %d %s records; ignoring the rest", limit, kind)
             break
