@@ -147,12 +147,30 @@ def test_unknown_vote_encodings(capsys, flag, value, words):
     (["--weight", "inf"], ["--weight must be at most"]),
     (["--max-seconds", "-5"], ["--max-seconds must be 0 or more"]),
     (["--linger", "nan"], ["--linger must be 0 or more"]),
-    (["--run-secret", ""], ["--run-secret is empty", "is the variable you passed set?"]),
+    (["--run-secret", ""], ["--run-secret (or $LIONCUB_RUN_SECRET) is empty", "is the variable you passed set?"]),
     (["--method", "hivemind-fp16", "--run-secret", "s", "--identity-path", "id.key"],
      ["hivemind-fp16", "has no --run-secret, --identity-path", "leave them out"]),
 ])
 def test_numbers_out_of_range(capsys, argv, words):
     one_line_error(train.main, argv, capsys, *words)
+
+
+def test_the_run_secret_from_the_environment_and_a_warning_for_a_short_one(capsys, monkeypatch):
+    """--run-secret shows in the process list to every user of the machine: $LIONCUB_RUN_SECRET stands in
+    for it, checked as the flag is. A short secret gets a warning (offline guessing from one admission
+    exchange), not a refusal."""
+    monkeypatch.setenv("LIONCUB_RUN_SECRET", "")
+    one_line_error(train.main, [], capsys, "$LIONCUB_RUN_SECRET) is empty")
+    monkeypatch.setenv("LIONCUB_RUN_SECRET", "x" * 32)
+    one_line_error(train.main, ["--method", "hivemind-fp16"], capsys, "has no $LIONCUB_RUN_SECRET")
+    monkeypatch.setenv("LIONCUB_RUN_SECRET", "s3cret")  # the next mistake stops it after the secret's checks
+    with pytest.raises(SystemExit):
+        train.main(["--upload-timeout", "30", "--result-timeout", "20"])
+    assert "a run secret of 6 characters can be guessed offline" in capsys.readouterr().err
+    monkeypatch.setenv("LIONCUB_RUN_SECRET", "x" * 32)
+    with pytest.raises(SystemExit):
+        train.main(["--upload-timeout", "30", "--result-timeout", "20"])
+    assert "guessed" not in capsys.readouterr().err
 
 
 def test_momentum_wire_alone_keeps_the_default_schedule():

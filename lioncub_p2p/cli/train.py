@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -72,6 +74,10 @@ def opinions(args: argparse.Namespace) -> Manifest:
         raise UsageError(f"{e}") from None
 
 
+SECRET_ENV = "LIONCUB_RUN_SECRET"
+MIN_SECRET_CHARS = 16
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lioncub-train", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
@@ -80,7 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--initial-peers", nargs="*", default=[],
                      help="coordinators' multiaddrs, as they print them: /ip4/IP/tcp/PORT/p2p/PEER_ID")
     run.add_argument("--initial-peers-file", default=None, help="read --initial-peers from this file (waits for it)")
-    run.add_argument("--run-secret", default=None, help="the run's shared secret, if it has one (admission)")
+    run.add_argument("--run-secret", default=None,
+                     help=f"the run's shared secret, if it has one (admission); else ${SECRET_ENV} if set, which "
+                          "other users of this machine cannot read in its process list")
     run.add_argument("--allow-peers", nargs="*", default=[], help="admit only these peer ids")
     run.add_argument("--preflight", action="store_true",
                      help="check coordinators, reachability, bandwidth and round time, then exit")
@@ -302,8 +310,11 @@ def check_settings(args: argparse.Namespace) -> list[str]:
             raise UsageError(f"{flag} must be positive, got {value:g}")
     if args.weight is not None and args.weight > MAX_WEIGHT:
         raise UsageError(f"--weight must be at most {MAX_WEIGHT:g} (your upload Mbit/s, say), got {args.weight:g}")
+    secret_flag = "--run-secret"
+    if args.run_secret is None and os.environ.get(SECRET_ENV) is not None:
+        args.run_secret, secret_flag = os.environ[SECRET_ENV], f"${SECRET_ENV}"
     if args.method and args.method.startswith("hivemind"):  # the baseline trains without these: say so
-        ignored = [flag for flag, value in (("--run-secret", args.run_secret), ("--allow-peers", args.allow_peers),
+        ignored = [flag for flag, value in ((secret_flag, args.run_secret), ("--allow-peers", args.allow_peers),
                                             ("--checkpoint-dir", args.checkpoint_dir),
                                             ("--identity-path", args.identity_path),
                                             ("--tensorboard", args.tensorboard)) if value]
@@ -311,8 +322,12 @@ def check_settings(args: argparse.Namespace) -> list[str]:
             raise UsageError(f"--method {args.method} (hivemind's averager, a baseline) has no {', '.join(ignored)}: "
                              f"leave {'it' if len(ignored) == 1 else 'them'} out, or use --method lioncub")
     if args.run_secret is not None and not args.run_secret:
-        raise UsageError("--run-secret is empty (is the variable you passed set?): pass the run's secret, or leave "
-                         "the flag out for an open run")
+        raise UsageError(f"--run-secret (or ${SECRET_ENV}) is empty (is the variable you passed set?): pass the "
+                         "run's secret, or leave it out for an open run")
+    if args.run_secret is not None and len(args.run_secret) < MIN_SECRET_CHARS:
+        # anyone posing as the run's leader receives a newcomer's proof and may test guesses on it offline
+        print(f"warning: a run secret of {len(args.run_secret)} characters can be guessed offline from one admission "
+              f"exchange: use {MIN_SECRET_CHARS} or more random ones (openssl rand -hex 16)", file=sys.stderr)
     if args.weight_decay is not None and not args.weight_decay >= 0:
         raise UsageError(f"--weight-decay must be 0 or more, got {args.weight_decay:g}")
     if not 0 < args.upload_timeout < args.result_timeout:
