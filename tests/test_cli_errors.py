@@ -20,7 +20,7 @@ import torch
 from lioncub_p2p import LionCub, MomentumSchedule
 from lioncub_p2p.cli import coordinator, plot, train
 from lioncub_p2p.sim import launcher
-from lioncub_p2p.swarm import Manifest, checkpoint
+from lioncub_p2p.swarm import Manifest, checkpoint, snapshot
 from lioncub_p2p.tasks.digits import digits_task
 
 PEER_ID = "12D3KooWA5YjZ5cu4eMJ8tdUuDAm8pjZdBHghmLpgNybBqdvyVhd"
@@ -329,6 +329,17 @@ def test_checkpoint_of_another_model(tmp_path, capsys, monkeypatch):
     one_line_error(train.main, ["--checkpoint-dir", str(tmp_path / "ckpt"), "--hidden", "32", *LOOPBACK], capsys,
                    "not a readable checkpoint")
     assert saved.read_bytes() == b"not a snapshot"
+    # another run's checkpoint of the same model: before, a new run in an old run's folder resumed its
+    # weights and step silently (the default --run-id is the same for both)
+    other = checkpoint.save(tmp_path / "old-run", LionCub(model.named_parameters(), lr=1e-3), "last-week")
+    one_line_error(train.main, ["--checkpoint-dir", str(other.parent), "--hidden", "32", "--run-id", "this-week",
+                                *LOOPBACK], capsys, "holds the state of run 'last-week', not 'this-week'",
+                   "another --checkpoint-dir")
+    fresh = LionCub(model.named_parameters(), lr=1e-3)
+    with pytest.raises(snapshot.SnapshotError, match="not 'this-week'"):
+        checkpoint.restore(other.parent, fresh, "this-week")
+    assert checkpoint.restore(other.parent, fresh, "last-week") == 0
+    assert checkpoint.restore(tmp_path / "ckpt-old", fresh, "x") is None
 
 
 BAD_TASKS = textwrap.dedent('''

@@ -71,7 +71,7 @@ def check_writable_file(flag: str, path: str) -> None:
                          f"path") from None
 
 
-def check_checkpoint_fits(directory: str, optimizer: LionCub, hint: str) -> int | None:
+def check_checkpoint_fits(directory: str, optimizer: LionCub, hint: str, run_id: str | None = None) -> int | None:
     """The step of the checkpoint in ``directory`` if it fits this model (None if there is none).
 
     The same checks ``checkpoint.restore`` makes, without loading anything: a checkpoint of another
@@ -86,6 +86,10 @@ def check_checkpoint_fits(directory: str, optimizer: LionCub, hint: str) -> int 
     except (OSError, snapshot.SnapshotError, KeyError, TypeError, ValueError) as e:
         raise UsageError(f"{path} is not a readable checkpoint ({e}); move it away or choose another "
                          f"--checkpoint-dir") from None
+    try:
+        checkpoint.check_run(path, header, run_id)
+    except snapshot.SnapshotError as e:
+        raise UsageError(str(e)) from None
     layout = snapshot.Layout.of(optimizer)
     if entries != layout.entries:
         theirs, ours = _params(entries), _params(layout.entries)

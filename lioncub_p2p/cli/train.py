@@ -238,7 +238,7 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
         params = list(task.model.named_parameters())
         if args.checkpoint_dir:  # a checkpoint of another model: one line now, not a SnapshotError after joining
             check_checkpoint_fits(args.checkpoint_dir, LionCub(params, lr=settings.lr),
-                                  hint="--task and --hidden")
+                                  hint="--task and --hidden", run_id=args.run_id)
         optimizer = LionCub(params, lr=settings.lr, weight_decay=settings.weight_decay, aggregator=swarm)
         metrics = open(args.metrics_jsonl, "a") if args.metrics_jsonl else None
         board = _tensorboard(args.tensorboard)

@@ -314,7 +314,7 @@ class Swarm:
         self.book.shape = RoundShape(optimizer.buffer_bytes, self.upload, self.result, config.seed,
                                      config.max_group or 0, momentum=sync.spec)
         if self.config.checkpoint_dir:
-            restored = checkpoint.restore(self.config.checkpoint_dir, optimizer)
+            restored = checkpoint.restore(self.config.checkpoint_dir, optimizer, self.config.run_id)
             if restored is not None:
                 logger.info("resumed checkpoint at step %d", restored)
         came_in_at = optimizer.step_count  # before any download
@@ -443,7 +443,7 @@ class Swarm:
                     self.log.warning("offer", "step %d: no snapshot for joiners: %s: %s", step, type(e).__name__, e)
             if self.config.checkpoint_dir and self.config.checkpoint_every and step % self.config.checkpoint_every == 0:
                 try:
-                    checkpoint.save(self.config.checkpoint_dir, optimizer)
+                    checkpoint.save(self.config.checkpoint_dir, optimizer, self.config.run_id)
                 except OSError as e:
                     self.log.warning("checkpoint", "step %d: checkpoint not written to %s: %s", step,
                                      self.config.checkpoint_dir, e)

@@ -97,13 +97,15 @@ def state_tag(optimizer: LionCub, *, full: bool = False, samples: int = 1 << 16)
     return h.digest()
 
 
-def encode(optimizer: LionCub) -> tuple[bytes, bytes]:
+def encode(optimizer: LionCub, *, run: str | None = None) -> tuple[bytes, bytes]:
     """(snapshot bytes, digest of the parameters and the in-flight update). With a round in flight
-    this waits for its update."""
+    this waits for its update. ``run``: the run id a checkpoint belongs to (``checkpoint.py``)."""
     pending = optimizer.in_flight_update()
     if pending is not None:
         optimizer.check_update(pending)
     meta = {"format": FORMAT, "step": optimizer.step_count, "tensors": Layout.of(optimizer).entries}
+    if run is not None:
+        meta["run"] = run
     if pending is not None:
         meta["pending"] = str(pending.dtype).removeprefix("torch.")
     header = json.dumps(meta, separators=(",", ":")).encode()
