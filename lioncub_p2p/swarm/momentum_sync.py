@@ -1,6 +1,7 @@
 """A peer's momentum averaging rounds: which elements a sync averages, its round, and what it keeps.
 
-Runs on the training thread, between optimizer steps. It sees the optimizer only through its
+Runs on the training thread, between optimizer steps (``spec`` may be asked on the event loop too: it
+reads only sizes taken when the sync was made). It sees the optimizer only through its
 momentum buffers and the swarm only through functions that name, run and start one round
 (``MomentumRounds``), so it is tested without a network (``tests/test_momentum_sync.py``).
 
@@ -42,6 +43,9 @@ class MomentumSync:
         self.schedule, self.buffers, self.seed = schedule, buffers, seed
         self.result = AverageResult(trimmed=rule == "trimmed_mean")
         self.codec = upload_codec(schedule.wire)
+        # sizes only, read once here (the training thread): ``spec`` is also asked on the event loop (an
+        # accusation names a momentum round's shape), which must not touch the optimizer meanwhile
+        self.numels = tuple(m.numel() for name, m in buffers() if schedule.selects(name))
 
     def due(self, step: int) -> bool:
         return self.schedule.due(step)
@@ -52,7 +56,7 @@ class MomentumSync:
                 if self.schedule.selects(name)]
 
     def spec(self, round_id: bytes, step: int, members: tuple[PeerSpec, ...]) -> RoundSpec:
-        numel = sum(hi - lo for _, lo, hi in self.selected(step))
+        numel = sum(hi - lo for lo, hi in (self.schedule.slice_of(step, n) for n in self.numels))
         return RoundSpec(round_id, step, members, self.codec.nbytes_for(numel), self.codec, self.result, self.seed,
                          family="momentum")
 
