@@ -288,8 +288,11 @@ class LionCub(torch.optim.Optimizer):
         when a run is over, before evaluating or saving the model for use."""
         exclusive = getattr(self.aggregator, "exclusive", None)
         with exclusive() if exclusive is not None else contextlib.nullcontext():
-            if self._in_flight is not None:
+            while self._in_flight is not None:
+                generation = self._generation
                 update = self._in_flight.wait()
+                if self._generation != generation:  # repaired while waiting: the donor's state and its round
+                    continue  # in flight (if any) replaced ours: flush that one
                 if update is not None:
                     self._apply(update)
                 self._in_flight = None

@@ -562,7 +562,9 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
             if diverge_at_end == i:  # after its last round: nothing but the closing check can tell
                 with torch.no_grad():
                     next(model.parameters()).add_(1e-3)
+            trained = time.monotonic()
             swarm.settle_final_state(60.0)  # as lioncub-train does after its last step (its --linger)
+            out.setdefault("settle_s", {})[i] = time.monotonic() - trained
             out.setdefault("final_repairs", {})[i] = swarm.final_repairs
             out[i] = (opt.step_count, snapshot.params_digest(opt), swarm.repairs - repairs_before,
                       snapshot.encode(opt)[1])
@@ -644,6 +646,21 @@ def test_a_peer_that_diverged_after_the_last_round_takes_the_groups_final_parame
     assert {out[i][0] for i in range(3)} == {12}
     assert len({out[i][1] for i in range(3)}) == 1  # identical parameters at the end
     assert out["final_repairs"] == {0: 0, 1: 0, 2: 1}
+
+
+@pytest.mark.slow
+def test_an_overlapped_peer_whose_last_round_shows_it_diverged_repairs_inside_the_final_flush():
+    """Overlapped rounds: peer 2 is perturbed before its last step, so only the round still in flight when
+    training ends shows it (``LionCub.flush`` in the closing check). That repair asked for a state past the
+    last step, which nobody reaches: it waited the whole download bound, and had a donor served one, it
+    would have loaded it under the step lock that flush holds (a hang). Now it asks for the last step and
+    ends equal, well within the closing's wait."""
+    configs = [_config("final-flush", delay=1) for _ in range(3)]
+    out = _train_swarm(configs, 16, perturb=(2, 15))
+    assert {out[i][0] for i in range(3)} == {16}
+    assert len({out[i][1] for i in range(3)}) == 1, [out[i][1].hex()[:8] for i in range(3)]
+    assert out[2][2] >= 1 and out["final_repairs"][2] == 0  # repaired by the vote's tags, not the closing's digests
+    assert out["settle_s"][2] < 60, out["settle_s"]  # before: the download bound (120 s and more) first
 
 
 @pytest.mark.slow

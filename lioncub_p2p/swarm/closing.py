@@ -98,8 +98,9 @@ class RunEnd:
         parameters from a member holding them, refusing any that do not hash to it (this peer's momenta
         stay: they differ between peers anyway). True when every member announced the same digest in
         time."""
-        step, deadline = optimizer.step_count, time.monotonic() + seconds
-        optimizer.flush()  # overlapped rounds: the last round's update is part of what is compared
+        step = optimizer.step_count
+        optimizer.flush()  # overlapped rounds: the last round's update is part of what is compared (and may
+        deadline = time.monotonic() + seconds  # repair: the wait for the others starts after it)
         self.state.server.forget()  # a snapshot cached before the flush holds the state without it
         own = snapshot.params_digest(optimizer).hex()  # again only after a download: hashing takes time
         while True:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import statistics
 import time
 from collections import deque
@@ -32,7 +33,7 @@ from ..optim import Resolved, TrainingView
 from . import snapshot
 from .follow import FAR_BEHIND_STEPS, FollowRule, far_behind
 from .lead import failed_reducers
-from .membership import GroupRecord
+from .membership import MAX_EPOCH_GAP, GroupRecord
 from .records import RateLimitedLog
 from .state_sync import StateSync
 from .upkeep import Upkeep
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 STRANDED_AFTER_S = 30.0  # with no live peer that can count votes for this long, a peer that cannot lead stops
 PACE_STEPS = 5  # step gaps whose median is this peer's pace
 SKIP_TRIES = 3  # failed state downloads in a row after which a follower that fell out stops
+EPOCH_READ_S = 2.0  # at most one group read per this long on a reducer's claim of a newer epoch
 
 
 @dataclass
@@ -114,6 +116,7 @@ class VotePipeline:
         self.current = ("vote", 0)  # the kind and step of the round in progress, for failpoints
         self._far_skip_for: int | None = None  # the held-up step of the stall a download was tried for
         self.pace = Pace()
+        self._epoch_read = -math.inf  # when a reducer's newer-epoch claim last cost a DHT read here
 
     def prepare(self, step: int) -> None:
         """Let this peer's reducer count others' votes for ``step`` while it still computes."""
@@ -208,7 +211,7 @@ class VotePipeline:
             r.future.cancel()
             logger.warning("step %d: the vote round failed (%s: %s); applying no update", step, type(e).__name__, e)
             return self._missed(step)
-        if report.group_epoch > self.upkeep.history.latest.epoch:  # a group change we have not seen: fetch it now
+        if self._newer_epoch(report.group_epoch):  # a group change we have not seen: fetch it now
             try:
                 self.loop.run(self.upkeep.refresh_group(), timeout=10)
             except Exception as e:
@@ -223,7 +226,7 @@ class VotePipeline:
         if self.gather is None and not r.again:  # a step received again says nothing of this link's pace
             self._follow_or_vote(report)
         if self.follow.fell_out(report):  # nobody keeps this round any more: skip ahead to a peer's state
-            return self.skip_ahead(step, group)
+            return self.skip_ahead(step, group, r)
         if self.settings.delay:  # what the step waited for: the part of the round that compute did not hide
             self.stats.wait_s = time.perf_counter() - blocked
         consensus, votes = report.consensus_tag()
@@ -234,7 +237,7 @@ class VotePipeline:
             # a two-level group may have diverged as a whole: its own members are the last donors asked
             own = [m.peer_id for m in r.spec.group] if r.spec.combine else []
             try:  # from a peer past the step in progress (overlapped: the next one, whose vote is out)
-                self.state.download(min_step=self.optimizer.step_count + 1, group=group, params_only=True,
+                self.state.download(min_step=self._past(r), group=group, params_only=True,
                                     last=own, slow_link=self.follow.following)
             except Exception as e:  # apply nothing: still diverged, so the next round tries again
                 logger.warning("step %d: repair failed (%s); retrying next step", step, e)
@@ -245,6 +248,23 @@ class VotePipeline:
             return None
         self.prepare(step + 1)
         return update
+
+    def _past(self, r: "RoundInFlight") -> int:
+        """The first step a donor's state must be at to replace this peer's after round ``r``: past the step
+        in progress, unless ``r`` is the last round in flight and no step follows (``LionCub.flush``, at
+        the run's end: nobody goes past it there, and a repair asking for it waited the whole download
+        bound, then applied nothing and settled apart from the group)."""
+        return self.optimizer.step_count + (self.optimizer.in_flight is not r)
+
+    def _newer_epoch(self, claimed: int) -> bool:
+        """Whether a reducer's claim of a newer group epoch is worth a DHT read on the training thread now:
+        the claim is not signed, so a liar claiming one every step made every step wait for a read. At
+        most one read per ``EPOCH_READ_S``, and never for a claim past what a member would follow."""
+        latest = self.upkeep.history.latest.epoch
+        if not latest < claimed <= latest + MAX_EPOCH_GAP or time.monotonic() - self._epoch_read < EPOCH_READ_S:
+            return False
+        self._epoch_read = time.monotonic()
+        return True
 
     def _again(self, r: "RoundInFlight", holder: GroupRecord) -> torch.Tensor | None:
         """This peer ran ``step`` in an older group than the record that holds it (the record reached it
@@ -269,13 +289,13 @@ class VotePipeline:
                         "only, no votes)" if self.follow.following else "votes count again: voting")
             self.in_background(self.upkeep.announce())
 
-    def skip_ahead(self, step: int, group: GroupRecord) -> torch.Tensor | None:
+    def skip_ahead(self, step: int, group: GroupRecord, r: "RoundInFlight | None" = None) -> torch.Tensor | None:
         """Download a newer state; after ``SKIP_TRIES`` failures in a row stop (``stranded``) rather than
         go on applying zeros: a follower nobody serves any more must not finish as if it had trained."""
         logger.warning("step %d: this peer fell so far behind that nobody keeps its round: downloading the state", step)
         try:
-            self.state.download(min_step=self.optimizer.step_count + 1, group=group, params_only=True,
-                                slow_link=self.follow.following)
+            self.state.download(min_step=self.optimizer.step_count + 1 if r is None else self._past(r), group=group,
+                                params_only=True, slow_link=self.follow.following)
         except Exception as e:
             self._skip_failures += 1
             logger.warning("step %d: skipping ahead failed (%s); retrying next step", step, e)

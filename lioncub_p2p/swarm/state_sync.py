@@ -59,7 +59,9 @@ class StateSync:
         self.optimizer: LionCub | None = None  # set at join
         self.server = StateServer(p2p, run_id, max_uploads=max_uploads, provider=self.snapshot_between_steps,
                                   admission=admission, current_step=self._step)
-        self.step_lock = threading.Lock()
+        # reentrant: a repair inside ``LionCub.flush`` (which holds it through ``exclusive``) loads the state
+        # under ``exclusive`` again, on the same thread (a plain Lock hung that thread for good)
+        self.step_lock = threading.RLock()
         self._in_step = False
         self.synced = False
         self.loads = 0  # states loaded from others (a download replaces this peer's momenta too)
