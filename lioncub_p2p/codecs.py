@@ -479,9 +479,7 @@ class AverageResult:
 
     ``trimmed=True`` drops, per element, the ``trim`` fraction of largest and of smallest values
     (at least one of each once n >= 3) before averaging: one peer sending huge values moves the
-    result by at most the spread of the honest ones. With two rows there is nothing to drop: each is
-    clipped to the smaller of the two rows' largest |value| first, so one of two (a quorum of two in a
-    group of three) cannot push 1e34 into everyone's momenta (``audit.value_bound`` checks the same)."""
+    result by at most the spread of the honest ones."""
 
     trimmed: bool = False
     trim: float = 0.2
@@ -498,9 +496,6 @@ class AverageResult:
 
     def aggregate(self, rows: torch.Tensor) -> torch.Tensor:
         n = rows.shape[0]
-        if self.trimmed and n == 2:
-            limit = rows.abs().amax(1).min()
-            return rows.clamp(-limit, limit).mean(0)
         if not self.trimmed or n < 3:
             return rows.mean(0)
         k = max(1, int(n * self.trim))

@@ -219,14 +219,11 @@ def judge(header: pb.ResultHeader, wire: bytes, k: int, answers: list[pb.AuditAn
 
 def value_bound(header: pb.ResultHeader, result: ResultCodec, upload: UploadCodec) -> float:
     """The largest |value| a momentum result may hold: what the counted voters signed, after trimming
-    (a trimmed mean of c values drops k per side, so it is bounded by the (k+1)-th largest bound; of
-    two, each row is clipped to the smaller row maximum: the smaller bound)."""
+    (a trimmed mean of c values drops k per side, so it is bounded by the (k+1)-th largest bound)."""
     bounds = sorted((s.max_abs for s in header.statements), reverse=True)
     c = len(bounds)
     drop = 0
-    if isinstance(result, AverageResult) and result.trimmed and c == 2:
-        drop = 1
-    elif isinstance(result, AverageResult) and result.trimmed and c >= 3:
+    if isinstance(result, AverageResult) and result.trimmed and c >= 3:
         drop = max(1, int(c * result.trim))
         if 2 * drop >= c:
             drop = (c - 1) // 2
