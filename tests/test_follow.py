@@ -186,12 +186,15 @@ def test_follow_rule_follows_when_votes_stop_counting_and_probes_back():
 
 
 def test_a_followed_round_nobody_keeps_is_a_skip_ahead():
-    forgotten = _report(1, [[], [], []], followed=True, status="missing")
+    forgotten = _report(1, [[], [], [], []], followed=True, status="missing")  # parts 0, 2, 3 (1 is its own)
     assert not FollowRule.fell_out(forgotten)  # a round that failed for everyone: apply nothing, as voters do
-    forgotten.parts[2].forgotten = True  # one reducer says it no longer keeps it: it may lie
+    forgotten.parts[2].forgotten = True  # one reducer of three says it no longer keeps it: it may lie
     assert not FollowRule.fell_out(forgotten)
-    forgotten.parts[0].forgotten = True  # most do (part 1 is its own): the group moved on
+    forgotten.parts[0].forgotten = True  # two of three do: the group moved on
     assert FollowRule.fell_out(forgotten)
+    one_gone = _report(1, [[], [], []], followed=True, status="missing")  # parts 0 and 2; reducer 0 left
+    one_gone.parts[2].forgotten = True  # the one still there says so: half is enough
+    assert FollowRule.fell_out(one_gone)
     voted = _report(1, [[], [], []], followed=False, status="missing")
     voted.parts[0].forgotten = voted.parts[2].forgotten = True
     assert not FollowRule.fell_out(voted)

@@ -14,7 +14,7 @@ and the reducers wait a while for its vote (up to half the group's step after th
 back-off for a member that never makes it): counted in at least half of the parts, it is a voter
 again. A probe is cheap when the follower is still behind: reducers refuse a vote for a round
 they closed at its first chunk. When it falls so far behind that nobody keeps its round any more (every
-part missing, and most parts' reducers say they no longer keep the round), it **skips ahead**: it downloads the state of a peer past its step, as a repair does;
+part missing, and at least half of the parts' reducers say they no longer keep the round), it **skips ahead**: it downloads the state of a peer past its step, as a repair does;
 after three failed tries it stops with one line rather than train on zeros (``VotePipeline.skip_ahead``).
 A peer whose training thread was held up (its node refused the group's rounds as held up) and finds
 the group more than ``FAR_BEHIND_STEPS`` past it downloads the state at once instead of replaying
@@ -81,10 +81,12 @@ class FollowRule:
         """A followed round of which nobody held any part any more (most parts' reducers said they no
         longer keep the round): skip ahead by downloading state. A round that failed for everyone
         (reducers below their quorum, a reducer gone) is missing here as at every voter: apply nothing,
-        as they do. Most, not one: a single lying reducer must not send a follower into a download."""
+        as they do. At least half, not one: a single lying reducer of three must not send a follower into
+        a download; half, not most: a reducer that left says nothing, and a round of two reducers, one
+        gone, must still let the follower skip ahead."""
         parts = [p for p in report.parts if p.status != "empty" and p.reducer != report.peer]
         return (report.followed and bool(parts) and all(p.status == "missing" for p in parts)
-                and 2 * sum(p.forgotten for p in parts) > len(parts))
+                and 2 * sum(p.forgotten for p in parts) >= len(parts))
 
 
 @dataclass(frozen=True)
