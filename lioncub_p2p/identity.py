@@ -47,7 +47,7 @@ class Identity:
                 raise ValueError("only RSA identities are supported")
             self._key = serialization.load_der_private_key(key_proto.data, password=None)
         except (DecodeError, ValueError, TypeError) as e:
-            raise ValueError(f"{path} is not a libp2p RSA identity ({e or type(e).__name__}): point --identity-path "
+            raise ValueError(f"{path} is not a libp2p RSA identity ({str(e) or type(e).__name__}): point --identity-path "
                              "at the file this peer created, or at a path that does not exist yet") from None
         spki = self._key.public_key().public_bytes(serialization.Encoding.DER,
                                                    serialization.PublicFormat.SubjectPublicKeyInfo)
@@ -83,6 +83,14 @@ def _create_privately(path: Path) -> None:
             os.link(fresh, path)
         except FileExistsError:
             pass
+        except OSError:  # no hard links here (vfat, some network shares): an exclusive create, private from the start
+            try:
+                descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+            except FileExistsError:
+                return
+            with os.fdopen(descriptor, "wb") as f, open(fresh, "rb") as source:
+                f.write(source.read())
+                os.fsync(f.fileno())
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -789,7 +789,7 @@ def test_probes_of_many_peer_ids_spend_one_byte_budget_then_get_busy():
     """Strangers make peer ids for free: probe after probe from new ids would keep a member's uplink busy.
     All probes share one budget of bytes: a probe past it is answered BUSY before a byte is read or
     sent (the caller asks another member), and the budget refills with time."""
-    from lioncub_p2p.swarm.probe import ProbeBudget, ProbeBusy, measure, serve_probe
+    from lioncub_p2p.swarm.probe import PROBE_PROTOCOL, ProbeBudget, ProbeBusy, measure, serve_probe
 
     mib = 1 << 20
     with LocalSwarm(3) as swarm:
@@ -807,6 +807,21 @@ def test_probes_of_many_peer_ids_spend_one_byte_budget_then_get_busy():
                     outcomes.append("busy")
             assert outcomes == ["ok", "ok", "busy"], outcomes
             assert budget.left == mib  # a busy answer spends nothing
+
+            async def read_go_and_leave() -> bytes:
+                _, reader, writer = await outsiders[0].call_binary_stream_handler(PeerID.from_base58(member.peer_id),
+                                                                                   PROBE_PROTOCOL)
+                await write_frame(writer, pb.ProbeRequest(version=PROTOCOL_VERSION, upload_bytes=mib // 2,
+                                                          download_bytes=mib // 2))
+                status = await reader.readexactly(1)
+                writer.close()
+                return status
+            assert swarm.run(read_go_and_leave()) == b"\x00"  # GO: the budget had 1 MiB for it
+            for _ in range(100):  # the member sees the close, and gives back what never moved
+                if budget.left == mib:
+                    break
+                time.sleep(0.05)
+            assert budget.left == mib, budget.left
             budget.rate = 4 * mib
             time.sleep(0.5)  # refilled past one probe's 2 MiB
             up, down = swarm.run(measure(swarm.nodes[2].p2p, member.peer_id, nbytes=mib))

@@ -53,23 +53,31 @@ class ProbeBudget:
         self.left -= nbytes
         return True
 
+    def refund(self, nbytes: int) -> None:
+        """Bytes reserved by ``spend`` that never moved (a caller that read GO and left)."""
+        self.left = min(self.capacity, self.left + nbytes)
+
 
 async def serve_probe(p2p: P2P, admission: Admission = OPEN, budget: ProbeBudget | None = None) -> StreamGate:
     """Answer bandwidth probes; returns the gate (its counters say how many were refused)."""
     gate = StreamGate("probe", per_peer=1, stranger_per_peer=1, strangers=MAX_PROBES, total=MAX_PROBES)
     budget = budget or ProbeBudget()
 
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: pb.ProbeRequest) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: pb.ProbeRequest,
+                     moved: list[int]) -> None:
         left = req.upload_bytes
         while left:  # read and drop: never hold more than a block of what the caller sends
             block = await reader.read(min(BLOCK, left))
             if not block:
                 raise asyncio.IncompleteReadError(b"", left)
             left -= len(block)
+            moved[0] += len(block)
         block = bytes(BLOCK)
         for offset in range(0, req.download_bytes, BLOCK):
-            writer.write(block[: min(BLOCK, req.download_bytes - offset)])
+            size = min(BLOCK, req.download_bytes - offset)
+            writer.write(block[:size])
             await writer.drain()
+            moved[0] += size
 
     async def handle(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -83,7 +91,11 @@ async def serve_probe(p2p: P2P, admission: Admission = OPEN, budget: ProbeBudget
                 await writer.drain()
                 return
             writer.write(GO)
-            await asyncio.wait_for(answer(reader, writer, req), PROBE_DEADLINE_S)
+            moved = [0]  # charged as the bytes move: a caller that reads GO and leaves spends nothing
+            try:
+                await asyncio.wait_for(answer(reader, writer, req, moved), PROBE_DEADLINE_S)
+            finally:
+                budget.refund(req.upload_bytes + req.download_bytes - moved[0])
             await close_after_reply(reader, writer)  # the caller closes once it has read it all (QUIC)
         except (WireError, asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError, OSError):
             pass
