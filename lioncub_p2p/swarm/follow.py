@@ -82,8 +82,9 @@ class FollowRule:
         longer keep the round): skip ahead by downloading state. A round that failed for everyone
         (reducers below their quorum, a reducer gone) is missing here as at every voter: apply nothing,
         as they do. At least half, not one: a single lying reducer of three must not send a follower into
-        a download; half, not most: a reducer that left says nothing, and a round of two reducers, one
-        gone, must still let the follower skip ahead."""
+        a download (of two, it can, when the other part is missing too: a needless download, nothing
+        worse); half, not most: a reducer that left says nothing, and a round of two reducers, one gone,
+        must still let the follower skip ahead."""
         parts = [p for p in report.parts if p.status != "empty" and p.reducer != report.peer]
         return (report.followed and bool(parts) and all(p.status == "missing" for p in parts)
                 and 2 * sum(p.forgotten for p in parts) >= len(parts))

@@ -271,9 +271,9 @@ def next_group(candidates: list[GroupRecord], history: "GroupHistory", *, step: 
     current group's start and ``run_step`` (``announced_step``: where most of the group says the run
     is, which lets a peer that is joining at step 0, or coming back far behind, follow the group of a
     long-running run; a forged far-future step still cannot freeze group changes), and never for a
-    first step before the current group's that this peer has reached (a group slipped in under steps
-    already voted would split the peers still running them; one starting later is a rival leader's
-    next group, which the current group has not taken effect here to contradict). Among several, the newest; for one epoch, the author listed first."""
+    first step before the current group's (a group slipped in under steps already voted would split
+    the peers still running them; ``GroupHistory.for_step`` would not pick it past the current
+    group's start anyway). Among several, the newest; for one epoch, the author listed first."""
     latest = history.latest
     if latest is None:
         return None
@@ -293,7 +293,7 @@ def next_group(candidates: list[GroupRecord], history: "GroupHistory", *, step: 
             problem = f"epoch {group.epoch} is more than {MAX_EPOCH_GAP} past {latest.epoch}"
         elif group.from_step > limit:
             problem = f"it starts at step {group.from_step}, more than {window} steps ahead"
-        elif group.from_step < latest.from_step and group.from_step <= step + 1:  # under steps already run here
+        elif group.from_step < latest.from_step:  # a leader plans from where its group is, never before it
             problem = f"it starts at step {group.from_step}, before this peer's group ({latest.from_step})"
         if problem:
             if log is not None:

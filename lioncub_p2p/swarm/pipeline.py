@@ -211,7 +211,10 @@ class VotePipeline:
             r.future.cancel()
             logger.warning("step %d: the vote round failed (%s: %s); applying no update", step, type(e).__name__, e)
             return self._missed(step)
-        if self._newer_epoch(report.group_epoch):  # a group change we have not seen: fetch it now
+        # a group change we have not seen: fetch it now (always when most reducers ran the step in another
+        # group: the record came late, and ``_again`` needs it)
+        if report.split_off() and report.group_epoch > self.upkeep.history.latest.epoch \
+                or self._newer_epoch(report.group_epoch):
             try:
                 self.loop.run(self.upkeep.refresh_group(), timeout=10)
             except Exception as e:
@@ -254,7 +257,7 @@ class VotePipeline:
         in progress, unless ``r`` is the last round in flight and no step follows (``LionCub.flush``, at
         the run's end: nobody goes past it there, and a repair asking for it waited the whole download
         bound, then applied nothing and settled apart from the group)."""
-        return self.optimizer.step_count + (self.optimizer.in_flight is not r)
+        return self.optimizer.step_count + (self.optimizer.in_flight is not (r.origin or r))
 
     def _newer_epoch(self, claimed: int) -> bool:
         """Whether a reducer's claim of a newer group epoch is worth a DHT read on the training thread now:
@@ -277,7 +280,8 @@ class VotePipeline:
                        "receiving that round's results instead", step, r.group.epoch, holder.epoch)
         spec = self.spec(holder, step)
         future = asyncio.run_coroutine_threadsafe(self.node.follow_round(spec, r.tag), self.loop.loop)
-        return self.finish(RoundInFlight(self, spec, holder, r.tag, time.perf_counter(), future, again=True))
+        return self.finish(RoundInFlight(self, spec, holder, r.tag, time.perf_counter(), future, again=True,
+                                         origin=r))
 
     def _follow_or_vote(self, report: RoundReport) -> None:
         """Follow while this peer's votes come too late to count (``follow.py``); tell the group at once."""
@@ -378,6 +382,7 @@ class RoundInFlight:
     started: float
     future: concurrent.futures.Future
     again: bool = False  # the same step received again in the group that holds it (``VotePipeline._again``)
+    origin: "RoundInFlight | None" = None  # for ``again``: the round it stands in for (the one in flight)
 
     def wait(self) -> torch.Tensor | None:
         """On the training thread: the update to apply (zeros for a missed round; None after a repair)."""
