@@ -163,6 +163,8 @@ class RoundBook:
         if self.shape is None:
             raise Refused("this peer has not joined yet")
         spec = in_round or self.spec(group, accusation.step, kind, own=False)
+        if not 0 <= accusation.part < len(spec.bounds):  # a flat round's id in a two-level vote: this peer's
+            raise Refused("that part is not one of this peer's round")  # spec is its group's, with fewer parts
         start, stop = spec.bounds[accusation.part]
         n, planes = len(spec.group), spec.upload.planes
         leaf = min(leaf_bytes(stop - start, planes) * planes, MAX_LEAF_BYTES)
