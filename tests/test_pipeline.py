@@ -188,3 +188,25 @@ def test_a_step_whose_stall_download_succeeded_starts_no_round_and_applies_nothi
                            spec=no_round)
     result = VotePipeline._start(fake, torch.zeros(1), 21)
     assert isinstance(result, Resolved) and result.wait() is None
+
+
+def test_a_reducers_newer_epoch_claim_costs_at_most_one_group_read_per_period():
+    """The epoch a reducer puts on its result chunks is not signed: a liar claiming a newer one on every
+    chunk made every step of every member wait for a DHT read on the training thread. A claim within
+    the epochs a member would follow is read at most once per ``EPOCH_READ_S``; one past them never;
+    ``_again``'s recovery (most reducers ran the step in another group) reads whatever the limit
+    (``finish``)."""
+    import math
+    from types import SimpleNamespace
+
+    from lioncub_p2p.swarm import pipeline
+    from lioncub_p2p.swarm.membership import MAX_EPOCH_GAP
+
+    fake = SimpleNamespace(upkeep=SimpleNamespace(history=SimpleNamespace(latest=SimpleNamespace(epoch=7))),
+                           _epoch_read=-math.inf)
+    newer = lambda claim: VotePipeline._newer_epoch(fake, claim)  # noqa: E731
+    assert not newer(7) and not newer(7 + MAX_EPOCH_GAP + 1) and not newer(2**63)
+    assert newer(8)
+    assert not newer(8) and not newer(9)  # within the period: no second read
+    fake._epoch_read -= pipeline.EPOCH_READ_S
+    assert newer(9)
