@@ -27,6 +27,7 @@ mean       (2T − total)/total, the exact average vote (D-Lion average)    ceil
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -251,8 +252,9 @@ class FloatTally:
         self.rows[voter] = 0
         self.raw[voter] = 0
 
-    def encode(self, result: "AverageResult", counted: list[int], *, seed: int, step: int, offset: int) -> torch.Tensor:
-        return self.codec.encode(result.aggregate(self.rows[counted])).reshape(-1)
+    def encode(self, result: "AverageResult", counted: list[int], *, seed: int, step: int, offset: int,
+               bounds: Sequence[float] = ()) -> torch.Tensor:
+        return self.codec.encode(result.aggregate(self.rows[counted], bounds)).reshape(-1)
 
 
 UploadCodec = SignUpload | L1Upload | Bf16Upload | Fp8Upload
@@ -479,7 +481,10 @@ class AverageResult:
 
     ``trimmed=True`` drops, per element, the ``trim`` fraction of largest and of smallest values
     (at least one of each once n >= 3) before averaging: one peer sending huge values moves the
-    result by at most the spread of the honest ones."""
+    result by at most the spread of the honest ones. Of two rows there is nothing to drop: both are
+    clipped to the smaller of the two maxima their voters signed (``bounds``, known to every party:
+    the reducer, its auditors, the receivers' ``audit.value_bound``), so one of two cannot push 1e34
+    into everyone's momenta."""
 
     trimmed: bool = False
     trim: float = 0.2
@@ -494,8 +499,12 @@ class AverageResult:
     def wire_size(self, numel: int, total: int) -> int:
         return numel // 8  # numel counts bit positions of the part: its bytes are the encoded values
 
-    def aggregate(self, rows: torch.Tensor) -> torch.Tensor:
+    def aggregate(self, rows: torch.Tensor, bounds: Sequence[float] = ()) -> torch.Tensor:
+        """Per element (so a leaf's recount equals the part's); ``bounds``: the counted voters' signed maxima."""
         n = rows.shape[0]
+        if self.trimmed and n == 2 and len(bounds) == 2:
+            limit = float(min(bounds))
+            return rows.clamp(-limit, limit).mean(0)
         if not self.trimmed or n < 3:
             return rows.mean(0)
         k = max(1, int(n * self.trim))

@@ -155,3 +155,48 @@ def test_fp8_blocks_match_the_numpy_reference_and_keep_each_value_precise():
     assert codec.bits_per_element == 64 / 7 and codec.value_span(16, 40) == slice(14, 35)
     with pytest.raises(ValueError, match="non-finite"):
         codec.encode(torch.tensor([1.0, float("inf")]))
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp8"])
+def test_a_trimmed_mean_of_two_is_clipped_to_the_smaller_signed_maximum_leaf_by_leaf(wire):
+    """A trimmed mean has nothing to drop of two rows (a group of two, a quorum of two in a group of
+    three): it was their plain mean, so one voter's 1e34 reached everyone at half strength. Both rows are
+    now clipped to the smaller of the maxima the two signed, a number every party holds: the reducer's
+    result is bounded by the receivers' ``value_bound``, and the auditors' recount of each Merkle leaf
+    on its own agrees with it (a clip to the rows' own maxima, tried first, did not: 249 of 256 leaves
+    differed, and honest reducers were convicted)."""
+    from lioncub_p2p.allreduce.audit import agrees, leaf_count, leaf_span, recount, value_bound
+    from lioncub_p2p.allreduce.commit import build_header
+    from lioncub_p2p.allreduce.round import RoundSpec
+    from lioncub_p2p.allreduce.partition import PeerSpec
+    from lioncub_p2p.codecs import AverageResult, upload_codec
+    from lioncub_p2p.wire import pb
+
+    codec, rule, numel = upload_codec(wire), AverageResult(trimmed=True), 7 * 2048
+    g = torch.Generator().manual_seed(3)
+    honest = [torch.randn(numel, generator=g) * s for s in (0.5, 2.0)]  # different ranges: a clip bites
+    hostile = torch.full((numel,), 1e34)
+    for rows in (honest, [honest[0], hostile]):
+        uploads = [codec.encode(r) for r in rows]
+        nbytes = uploads[0].numel()
+        tally = codec.tally(nbytes, 2)
+        for voter, u in enumerate(uploads):
+            tally.add(voter, u.view(1, -1) if u.dim() == 1 else u, 0)
+        bounds = [float(codec.decode(u).abs().max()) for u in uploads]
+        wire_bytes = tally.encode(rule, [0, 1], seed=0, step=0, offset=0, bounds=bounds)
+        result = codec.decode(wire_bytes)
+        spec = RoundSpec(b"r" * 16, 1, (PeerSpec("a"), PeerSpec("b")), nbytes, codec, rule, 0, family="momentum")
+        statements = [pb.VoterStatement(root=b"x" * 32, max_abs=b) for b in bounds]
+        header = pb.ResultHeader()
+        header.ParseFromString(build_header(spec, 0, [0, 1], (b"x" * 32, b"x" * 32), b"", 0,
+                                            wire_bytes.numpy().tobytes(), statements))
+        assert float(result.abs().max()) <= value_bound(header, rule, codec)
+        assert float(result.abs().max()) <= 1.05 * min(bounds)
+        leaves = leaf_count(header.stop - header.start, header.leaf_bytes)
+        assert leaves > 4
+        for k in range(leaves):
+            a, b = leaf_span(header, k)
+            votes = [u.view(-1)[a:b].numpy().tobytes() for u in uploads]
+            got = recount(header, codec, rule, k, votes)
+            want = codec.decode(wire_bytes.view(-1)[a:b].contiguous())
+            assert agrees(codec, got, want), (wire, k)

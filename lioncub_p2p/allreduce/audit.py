@@ -92,7 +92,7 @@ def recount(header: pb.ResultHeader, upload: UploadCodec, result: ResultCodec, k
     codes = [torch.frombuffer(bytearray(v), dtype=torch.uint8).view(planes, length) for v in votes]
     if is_values(upload):
         rows = torch.stack([upload.decode(c) for c in codes])
-        return upload.decode(upload.encode(result.aggregate(rows)))
+        return upload.decode(upload.encode(result.aggregate(rows, [s.max_abs for s in header.statements])))
     tally = upload.tally(length, header.group_size)
     for voter, c in zip(header.counted, codes):
         tally.add(voter, c, 0)
@@ -219,11 +219,14 @@ def judge(header: pb.ResultHeader, wire: bytes, k: int, answers: list[pb.AuditAn
 
 def value_bound(header: pb.ResultHeader, result: ResultCodec, upload: UploadCodec) -> float:
     """The largest |value| a momentum result may hold: what the counted voters signed, after trimming
-    (a trimmed mean of c values drops k per side, so it is bounded by the (k+1)-th largest bound)."""
+    (a trimmed mean of c values drops k per side, so it is bounded by the (k+1)-th largest bound; of
+    two, both rows are clipped to the smaller bound: ``AverageResult``)."""
     bounds = sorted((s.max_abs for s in header.statements), reverse=True)
     c = len(bounds)
     drop = 0
-    if isinstance(result, AverageResult) and result.trimmed and c >= 3:
+    if isinstance(result, AverageResult) and result.trimmed and c == 2:
+        drop = 1
+    elif isinstance(result, AverageResult) and result.trimmed and c >= 3:
         drop = max(1, int(c * result.trim))
         if 2 * drop >= c:
             drop = (c - 1) // 2

@@ -196,8 +196,10 @@ class PartReduction:
             return None
         if self.spec.combine:  # a two-level vote: the counts go on to the second level (``VoteNode._combine``)
             self.counts = self.tally.tally.planes().clone()
+        signed = {"bounds": [self.statements[v].max_abs for v in counted]} \
+            if isinstance(self.tally, FloatTally) and all(v in self.statements for v in counted) else {}
         wire = self.tally.encode(self.spec.result, counted, seed=self.spec.seed, step=self.spec.step,
-                                 offset=self.spec.tie_offset + self.start).numpy().tobytes()
+                                 offset=self.spec.tie_offset + self.start, **signed).numpy().tobytes()
         tags = Counter(self.tags.get(v, b"") for v in counted)
         tag, votes = min(tags.items(), key=lambda kv: (-kv[1], kv[0]))
         roots = tuple(self.trees[v].root for v in counted)

@@ -30,8 +30,10 @@ from . import lioncub_pb2 as pb
 # sign their margins' root in the second-level round (voter statements there), group-round headers carry
 # the second level's slices and margin bits, and evidence may carry a MarginsProof; 6: a two-level vote
 # never makes a group of one (``allreduce.hierarchy.assign_groups``): older peers would split differently;
-# leaders send new group records to their members (``lioncub/group/1``, ``GroupNotice``)
-PROTOCOL_VERSION = 6
+# leaders send new group records to their members (``lioncub/group/1``, ``GroupNotice``); 7: a trimmed
+# momentum mean of two voters clips both rows to the smaller signed maximum (older peers would convict
+# its reducer in audits), bandwidth probes answer a status byte first (``lioncub/probe/2``)
+PROTOCOL_VERSION = 7
 HEADER_BYTES = 4
 LINGER_S = 5.0  # the longest a writer waits for its reader to close after the last reply
 LINGER_BYTES = 4 << 20  # ...reading and dropping at most this much meanwhile
