@@ -183,10 +183,12 @@ def average_momenta(momenta: list[list[tuple[str, torch.Tensor]]], schedule: Mom
         lo, hi = schedule.slice_of(step, buffers[0][1].numel())
         numel = hi - lo
         nbytes = codec.nbytes_for(numel)
-        tally = codec.tally(nbytes, len(buffers))
+        tally, bounds = codec.tally(nbytes, len(buffers)), []
         for voter, (_, m) in enumerate(buffers):
-            tally.add(voter, codec.encode(m.view(-1)[lo:hi]), 0)
-        wire = tally.encode(reducer, list(range(len(buffers))), seed=0, step=0, offset=0)
+            encoded = codec.encode(m.view(-1)[lo:hi])
+            tally.add(voter, encoded, 0)
+            bounds.append(float(codec.decode(encoded).abs().max()) if numel else 0.0)  # what a voter signs
+        wire = tally.encode(reducer, list(range(len(buffers))), seed=0, step=0, offset=0, bounds=bounds)
         mean = reducer.decode(wire, 8 * nbytes, len(buffers), codec=codec)[:numel]
         for _, m in buffers:
             m.view(-1)[lo:hi] = mean

@@ -32,7 +32,7 @@ from . import lioncub_pb2 as pb
 # never makes a group of one (``allreduce.hierarchy.assign_groups``): older peers would split differently;
 # leaders send new group records to their members (``lioncub/group/1``, ``GroupNotice``); 7: a trimmed
 # momentum mean of two voters clips both rows to the smaller signed maximum (older peers would convict
-# its reducer in audits), bandwidth probes answer a status byte first (``lioncub/probe/2``)
+# its reducer in audits)
 PROTOCOL_VERSION = 7
 HEADER_BYTES = 4
 LINGER_S = 5.0  # the longest a writer waits for its reader to close after the last reply
