@@ -196,14 +196,14 @@ class PartReduction:
             return None
         if self.spec.combine:  # a two-level vote: the counts go on to the second level (``VoteNode._combine``)
             self.counts = self.tally.tally.planes().clone()
-        signed = {"bounds": [self.statements[v].max_abs for v in counted]} \
-            if isinstance(self.tally, FloatTally) and all(v in self.statements for v in counted) else {}
+        statements = [self.statements[v] for v in counted] if all(v in self.statements for v in counted) else []
+        values = isinstance(self.tally, FloatTally) and statements  # a trimmed mean of two clips by them
+        signed = {"bounds": [s.max_abs for s in statements]} if values else {}
         wire = self.tally.encode(self.spec.result, counted, seed=self.spec.seed, step=self.spec.step,
                                  offset=self.spec.tie_offset + self.start, **signed).numpy().tobytes()
         tags = Counter(self.tags.get(v, b"") for v in counted)
         tag, votes = min(tags.items(), key=lambda kv: (-kv[1], kv[0]))
         roots = tuple(self.trees[v].root for v in counted)
-        statements = [self.statements[v] for v in counted] if all(v in self.statements for v in counted) else []
         header = build_header(self.spec, self.part, counted, roots, tag, votes, wire, statements)
         self.outcome = PartResult(wire, counted, tag, votes, roots, header)
         self.tally = None  # the counts are encoded; the kept codes live on in ``votes`` for audits

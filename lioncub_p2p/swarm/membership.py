@@ -255,9 +255,14 @@ def announced_step(group: GroupRecord, records: dict[str, PeerRecord]) -> int | 
     """Where the run is, as ``group``'s synced members announce it in their signed records: the lower
     median of their steps, so members lying about their own step move it only if they are a majority
     (the group is theirs then anyway). None if no member's record says."""
-    members = set(group.member_ids())
-    steps = sorted(r.step for pid, r in records.items() if pid in members and r.synced and not r.leaving)
+    steps = sorted(r.step for r in synced_members(group, records))
     return steps[(len(steps) - 1) // 2] if steps else None
+
+
+def synced_members(group: GroupRecord, records: dict[str, PeerRecord]) -> list[PeerRecord]:
+    """The signed records of ``group``'s members that hold the state and are not leaving."""
+    members = set(group.member_ids())
+    return [r for pid, r in records.items() if pid in members and r.synced and not r.leaving]
 
 
 def next_group(candidates: list[GroupRecord], history: "GroupHistory", *, step: int, window: int,

@@ -26,7 +26,7 @@ from ..aio import BackgroundLoop
 from ..allreduce.admission import Admission
 from ..optim import LionCub
 from . import snapshot
-from .membership import GroupRecord, PeerRecord, announced_step
+from .membership import GroupRecord, PeerRecord, announced_step, synced_members
 from .state_transfer import FAR_STEPS, StateServer, StateTransferError, download_bound, download_state
 from .upkeep import MAX_TTL_S, STEP_WINDOW, Upkeep
 
@@ -42,8 +42,7 @@ def furthest_step(group: GroupRecord, records: dict[str, PeerRecord], min_step: 
     joiner far past its group (before: any step below 2**53). None while no pace is known (a run's
     first steps, older peers): no bound then."""
     run_step = announced_step(group, records)
-    members = set(group.member_ids())
-    paces = sorted(r.steps_per_s for pid, r in records.items() if pid in members and r.synced and not r.leaving)
+    paces = sorted(r.steps_per_s for r in synced_members(group, records))
     pace = paces[(len(paces) - 1) // 2] if paces else 0.0
     if run_step is None or pace <= 0:
         return None
