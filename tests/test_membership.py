@@ -6,6 +6,9 @@ import functools
 import hashlib
 import json
 import logging
+import subprocess
+import sys
+import textwrap
 import time
 from types import SimpleNamespace
 
@@ -19,6 +22,7 @@ from hivemind.utils import get_dht_time
 from lioncub_p2p.allreduce import PeerSpec
 from lioncub_p2p.allreduce.admission import Admission
 from lioncub_p2p.identity import Identity, Verifier
+from lioncub_p2p.sim.hosts import HostNetwork, missing_tools
 from lioncub_p2p.swarm import admit
 from lioncub_p2p.swarm.membership import (MAX_EPOCH_GAP, MAX_RIVAL_LEAD, GroupHistory, GroupRecord, PeerRecord,
                                           announced_step, next_group, preferred_rival)
@@ -348,6 +352,103 @@ def test_idle_admission_streams_neither_hold_slots_for_long_nor_make_newcomers_q
     assert verdict.admitted and not verdict.busy, verdict
     assert open_now <= 3 and refused >= 38, (open_now, refused)  # the outsider's two and the newcomer's
 
+
+
+FLOOD_MEMBER = textwrap.dedent("""
+    import asyncio, sys
+    from hivemind.p2p import P2P
+    from lioncub_p2p.allreduce.admission import Admission
+    from lioncub_p2p.swarm import admit
+    async def main():
+        p2p = await P2P.create(host_maddrs=["/ip4/0.0.0.0/tcp/31338"], announce_maddrs=[f"/ip4/{sys.argv[1]}/tcp/31338"],
+                               nat_port_map=False, auto_nat=False)
+        server = admit.AdmitServer(p2p, Admission(), lambda pid: None)
+        await server.start()
+        print(f"/ip4/{sys.argv[1]}/tcp/31338/p2p/{p2p.peer_id.to_base58()}", flush=True)
+        await asyncio.to_thread(sys.stdin.readline)  # until the test asks (or is gone: end of file)
+        print(dict(server.gate.open_by_address), server.gate.open_total, server.gate.refused, flush=True)
+    asyncio.run(main())
+""")
+FLOOD_ATTACKER = textwrap.dedent("""
+    import asyncio, sys
+    from hivemind.p2p import P2P
+    from lioncub_p2p.swarm import admit
+    from lioncub_p2p.testing import hold_streams
+    async def main():
+        ids = await asyncio.gather(*(P2P.create(initial_peers=[sys.argv[1]], host_maddrs=["/ip4/0.0.0.0/tcp/0"])
+                                     for _ in range(8)))
+        stop, dialed = asyncio.Event(), [0]
+        member = sys.argv[1].split("/")[-1]
+        tasks = [asyncio.create_task(hold_streams(p, member, admit.ADMIT_PROTOCOL, 2, stop, dialed=dialed,
+                                                  first=admit.MAGIC + bytes(32), redial=0.01)) for p in ids]
+        for _ in range(200):  # until all 16 streams were dialed (without the cap, 16 slots held from now on)
+            if dialed[0] >= 16:
+                break
+            await asyncio.sleep(0.05)
+        print("holding", dialed[0], flush=True)
+        await asyncio.sleep(40)
+    asyncio.run(main())
+""")
+FLOOD_NEWCOMER = textwrap.dedent("""
+    import asyncio, sys, time
+    from hivemind.p2p import P2P
+    from lioncub_p2p.allreduce.admission import Admission
+    from lioncub_p2p.swarm import admit
+    async def main():
+        p2p = await P2P.create(initial_peers=[sys.argv[1]], host_maddrs=["/ip4/0.0.0.0/tcp/0"])
+        await asyncio.to_thread(sys.stdin.readline)  # started beside the attacker: go once it holds its streams
+        start, tries = time.monotonic(), 0
+        while time.monotonic() - start < 6.0:
+            tries += 1
+            try:
+                verdict = await admit.ask_admission(p2p, sys.argv[1].split("/")[-1], Admission(), timeout=3.0)
+                if verdict.admitted:
+                    break
+            except Exception:
+                await asyncio.sleep(0.2)
+        else:
+            verdict = None
+        print("admitted" if verdict else "not-admitted", f"{time.monotonic() - start:.2f} {tries}", flush=True)
+        await p2p.shutdown()
+    asyncio.run(main())
+""")
+
+
+@pytest.mark.slow
+def test_throwaway_ids_on_another_host_cannot_keep_a_newcomer_behind_nat_out():
+    """Eight peer ids on one host hold two admission streams each, each sending a hello and then
+    nothing, re-dialing at once whenever one is closed: without the cap per network address they held
+    all 16 of the member's slots and a newcomer found none free (its streams closed at once). Now the
+    attacker's host holds two, and a newcomer behind a NAT router (counted under the router's
+    address) is admitted at once. One network namespace per host."""
+    why = missing_tools(nat=True)
+    assert why is None, f"this test builds network namespaces and a NAT router: {why}"
+    with HostNetwork() as net:
+        member_host, attacker_host, home = net.add_public("m"), net.add_public("a"), net.add_private("n")
+        member = subprocess.Popen(net.exec_prefix("m") + [sys.executable, "-c", FLOOD_MEMBER, member_host.ip],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        attacker = newcomer_proc = None
+        try:
+            maddr = member.stdout.readline().strip()
+            attacker = subprocess.Popen(net.exec_prefix("a") + [sys.executable, "-c", FLOOD_ATTACKER, maddr],
+                                        stdout=subprocess.PIPE, text=True, start_new_session=True)
+            newcomer_proc = subprocess.Popen(net.exec_prefix("n") + [sys.executable, "-c", FLOOD_NEWCOMER, maddr],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                             start_new_session=True)
+            holding = attacker.stdout.readline().split()
+            newcomer = newcomer_proc.communicate("go\n", timeout=60)[0].split()
+            member.stdin.write("report\n")
+            member.stdin.flush()
+            by_address = member.stdout.readline().strip()
+        finally:
+            for proc in (member, attacker, newcomer_proc):
+                if proc is not None:
+                    proc.kill()
+                    proc.wait(10)
+    assert holding[0] == "holding" and int(holding[1]) >= 16, holding  # the flood was on
+    # at once: not after the attacker's silent streams time out (3 s), when it may land in a gap
+    assert newcomer[0] == "admitted" and float(newcomer[1]) < 1.0, newcomer
+    assert f"'{attacker_host.ip}': 2" in by_address and home.public_ip != attacker_host.ip, by_address
 
 async def _store_raw_locally(_dht, node, key: str, subkey, value: bytes, expiration: float) -> None:
     node.protocol.storage.store_subkey(DHTID.generate(key), subkey, value, expiration)

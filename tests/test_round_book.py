@@ -12,6 +12,7 @@ from lioncub_p2p.codecs import result_codec, upload_codec
 from lioncub_p2p.swarm.accuse import Accusation, Refused
 from lioncub_p2p.swarm.membership import GroupHistory, GroupRecord
 from lioncub_p2p.swarm.round_book import RoundBook, RoundShape
+from lioncub_p2p.wire import PROTOCOL_VERSION
 
 
 def _book(peer_id: str = "a", *, max_group: int = 3, liars: dict[str, str] | None = None,
@@ -22,11 +23,13 @@ def _book(peer_id: str = "a", *, max_group: int = 3, liars: dict[str, str] | Non
     return book
 
 
-def test_round_ids_name_run_kind_step_and_epoch():
-    """Every member derives the same id from the same record; any field changed names another round."""
+def test_round_ids_name_run_protocol_kind_step_and_epoch():
+    """Every member derives the same id from the same record; any field changed names another round; a
+    header signed under another protocol version names no round of this one."""
     book = _book()
     rid = book.round_id("vote", 7, 5)
-    assert rid == hashlib.blake2b(b"run|vote|7|5", digest_size=16).digest()
+    assert rid == hashlib.blake2b(f"run|{PROTOCOL_VERSION}|vote|7|5".encode(), digest_size=16).digest()
+    assert rid != hashlib.blake2b(f"run|{PROTOCOL_VERSION - 1}|vote|7|5".encode(), digest_size=16).digest()
     assert len({rid, book.round_id("momentum", 7, 5), book.round_id("vote", 8, 5), book.round_id("vote", 7, 6),
                 RoundBook("other", "a", GroupHistory(), dict).round_id("vote", 7, 5)}) == 5
 

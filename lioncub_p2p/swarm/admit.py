@@ -16,10 +16,13 @@ runs). A member admits a newcomer for itself (the leader then lists it); the ver
 newcomer why, within one exchange, so it stops at once with one line instead of waiting for ever.
 
 Fixed-size messages (no protobuf: nothing here but nonces, MACs and a short reason); every read is
-bounded in size and time; a member serves at most ``MAX_CONCURRENT`` exchanges, two per peer (a stream
-past them is closed at once, one that sends no hello within ``HELLO_TIMEOUT`` is dropped) and a few per peer per
-minute (online guessing costs the guesser a round trip and a scrypt each, and is rate-limited here:
-those are answered ``BUSY``, which a newcomer takes as "ask again later", never as a refusal).
+bounded in size and time; a member serves at most ``MAX_CONCURRENT`` exchanges, two per peer id and two
+per network address (``wire.gate.address_bucket``: ids cost nothing, so a handful of throwaway ids on
+one host held every slot); a stream past them is closed at once, one that has not sent its hello and
+proof within ``PROOF_TIMEOUT`` is dropped; and a few per peer per minute (online guessing costs the
+guesser a round trip and a scrypt each, and is rate-limited here: those are answered ``BUSY``, which a
+newcomer takes as "ask again later", never as a refusal). The proof is checked before the allow-list,
+so a peer without the key learns nothing of the list from the verdict.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from hivemind.p2p import P2P, PeerID
 
 from ..allreduce.admission import PROOF_BYTES, Admission
 from ..wire.gate import StreamGate, guard
+from .records import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +47,9 @@ MAGIC = b"LCA1"
 NONCE_BYTES = 32
 MAX_REASON_BYTES = 200
 EXCHANGE_TIMEOUT = 10.0
-HELLO_TIMEOUT = 3.0  # the newcomer's first message
+PROOF_TIMEOUT = 3.0  # the newcomer's hello and proof, both: until then it is a stranger holding a slot
 MAX_CONCURRENT = 16
+PER_ADDRESS = 2  # exchanges at once from one network address (``wire.gate.address_bucket``)
 MAX_PER_PEER_PER_MINUTE = 6
 LINGER_S = 5.0  # a member waits this long for the newcomer to close after the verdict
 
@@ -75,15 +80,17 @@ async def _read(reader: asyncio.StreamReader, n: int) -> bytes:
 
 
 class AdmitServer:
-    """A member's end: answers newcomers, and calls ``on_admitted(peer_id)`` for each it admits."""
+    """A member's end: answers newcomers, and calls ``on_admitted(peer_id)`` for each that proved the run
+    key (private runs; in an open run there is nothing to remember, and throwaway ids would grow it)."""
 
     def __init__(self, p2p: P2P, admission: Admission, on_admitted: Callable[[str], None]):
         self.p2p, self.admission, self.on_admitted = p2p, admission, on_admitted
         self.peer_id = p2p.peer_id.to_base58()
-        # newcomers are strangers: two exchanges each at once, MAX_CONCURRENT in all; a stream past them is
-        # closed at once (held open, streams over the cap were no cap at all)
+        # newcomers are strangers: two exchanges each and per address at once, MAX_CONCURRENT in all; a
+        # stream past them is closed at once (held open, streams over the cap were no cap at all)
         self.gate = StreamGate("admit", per_peer=2, stranger_per_peer=2, strangers=MAX_CONCURRENT,
-                               total=MAX_CONCURRENT)
+                               total=MAX_CONCURRENT, stranger_per_address=PER_ADDRESS)
+        self.log = RateLimitedLog(logger)
         self._attempts: OrderedDict[str, deque[float]] = OrderedDict()
 
     async def start(self) -> None:
@@ -109,32 +116,36 @@ class AdmitServer:
             logger.debug("admission exchange with %s broke off: %s", newcomer, e)
 
     async def _exchange(self, newcomer: str, reader, writer, busy: bool) -> None:
-        # the hello within a few seconds: a stream that sends nothing holds one of MAX_CONCURRENT slots
-        newcomer_nonce = await asyncio.wait_for(_read(reader, 4 + NONCE_BYTES), HELLO_TIMEOUT)
-        member_nonce = os.urandom(NONCE_BYTES)
-        flags = (SECRET_REQUIRED if self.admission.needs_secret else 0) | (ALLOW_LIST if self.admission.allow else 0)
-        writer.write(MAGIC + bytes([flags]) + member_nonce)
-        await writer.drain()
-        proof = await _read(reader, 4 + PROOF_BYTES)
+        # hello and proof within a few seconds: until then the stream holds one of MAX_CONCURRENT slots
+        newcomer_nonce, member_nonce, proof = await asyncio.wait_for(self._hello_and_proof(reader, writer),
+                                                                     PROOF_TIMEOUT)
         if busy:
             code = BUSY
-        elif self.admission.allow and newcomer not in self.admission.allow:
-            code = NOT_ALLOWED
         elif not self.admission.checks_proof(proof, "newcomer", newcomer, self.peer_id, newcomer_nonce, member_nonce):
             code = WRONG_SECRET
+        elif self.admission.allow and newcomer not in self.admission.allow:
+            code = NOT_ALLOWED
         else:
             code = ADMITTED
         answer = self.admission.proof("member", newcomer, self.peer_id, newcomer_nonce, member_nonce) \
             if code == ADMITTED and self.admission.needs_secret else b""
-        if code == ADMITTED:  # before the verdict: the newcomer may announce itself the moment it reads it
-            self.on_admitted(newcomer)
-        else:
-            logger.info("refused admission to %s: %s", newcomer, _REASONS[code])
+        if code == ADMITTED and self.admission.needs_secret:  # before the verdict: the newcomer may announce
+            self.on_admitted(newcomer)                          # itself the moment it reads it
+        elif code != ADMITTED:  # throwaway ids make every line new: rate-limited per reason
+            self.log.warning(f"refused:{code}", "refused admission to %s: %s", newcomer, _REASONS[code])
         reason = _REASONS.get(code, "").encode()[:MAX_REASON_BYTES]
         writer.write(MAGIC + bytes([code]) + answer.ljust(PROOF_BYTES, b"\0") + bytes([len(reason)]) + reason)
         await writer.drain()
         # let the newcomer close first: closing now can drop the verdict still in flight (seen over QUIC)
         await asyncio.wait_for(reader.read(1), LINGER_S)
+
+    async def _hello_and_proof(self, reader, writer) -> tuple[bytes, bytes, bytes]:
+        newcomer_nonce = await _read(reader, 4 + NONCE_BYTES)
+        member_nonce = os.urandom(NONCE_BYTES)
+        flags = (SECRET_REQUIRED if self.admission.needs_secret else 0) | (ALLOW_LIST if self.admission.allow else 0)
+        writer.write(MAGIC + bytes([flags]) + member_nonce)
+        await writer.drain()
+        return newcomer_nonce, member_nonce, await _read(reader, 4 + PROOF_BYTES)
 
 
 async def ask_admission(p2p: P2P, member: str, admission: Admission, *, timeout: float = EXCHANGE_TIMEOUT) -> Verdict:

@@ -60,7 +60,8 @@ class ProbeBudget:
 
 async def serve_probe(p2p: P2P, admission: Admission = OPEN, budget: ProbeBudget | None = None) -> StreamGate:
     """Answer bandwidth probes; returns the gate (its counters say how many were refused)."""
-    gate = StreamGate("probe", per_peer=1, stranger_per_peer=1, strangers=MAX_PROBES, total=MAX_PROBES)
+    gate = StreamGate("probe", per_peer=1, stranger_per_peer=1, strangers=MAX_PROBES, total=MAX_PROBES,
+                      stranger_per_address=1)  # ids cost nothing: one host cannot take every probe slot
     budget = budget or ProbeBudget()
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: pb.ProbeRequest,

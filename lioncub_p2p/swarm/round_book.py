@@ -1,6 +1,8 @@
 """RoundBook: the rounds of a run as this peer names them, from the group records it follows.
 
-A round is named by its run, kind, step and group epoch (``round_id``); every member derives the same
+A round is named by its run, the protocol version, its kind, step and group epoch (``round_id``): a
+signed result header of another version, whose rules differ, never names a round of this one (an audit
+would re-judge it under this version's rules). Every member derives the same
 spec from the same group record, so nothing is negotiated per round. With the manifest's
 ``max_group`` a group too big for one flat round votes two-level (``hierarchy.two_level_layout``,
 at least ``MIN_GROUPS`` groups): this peer's round is its group's, whose id is derived from the flat
@@ -23,6 +25,7 @@ from ..allreduce import PeerSpec, RoundSpec, hierarchy
 from ..allreduce.audit import MAX_EVIDENCE_BYTES
 from ..allreduce.commit import MAX_HEADER_BYTES, MAX_LEAF_BYTES, leaf_bytes
 from ..codecs import ResultCodec, UploadCodec
+from ..wire import PROTOCOL_VERSION
 from .accuse import Accusation, Refused
 from .membership import GroupHistory, GroupRecord
 
@@ -53,7 +56,8 @@ class RoundBook:
         self.steps: OrderedDict[bytes, int] = OrderedDict()  # round id -> step, of this peer's recent rounds
 
     def round_id(self, kind: str, step: int, epoch: int) -> bytes:
-        return hashlib.blake2b(f"{self.run_id}|{kind}|{step}|{epoch}".encode(), digest_size=16).digest()
+        return hashlib.blake2b(f"{self.run_id}|{PROTOCOL_VERSION}|{kind}|{step}|{epoch}".encode(),
+                               digest_size=16).digest()
 
     def spec(self, group: GroupRecord, step: int, kind: str = "vote", *, own: bool = True) -> RoundSpec:
         """The round of ``step`` with ``group``; ``own``: this peer takes part (the training thread's, kept

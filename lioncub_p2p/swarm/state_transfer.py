@@ -80,8 +80,10 @@ class StateServer:
         self.current_step = current_step  # this peer's step: a new download gets that state, not an older cached one
         self.admission = admission
         self.serving = True  # False while this peer holds no state of the swarm (joining): refuse at once
-        # streams before admission: 2 per peer, 16 in all (a download holds its stream; busy ones end at once)
-        self.gate = StreamGate("state", per_peer=2, stranger_per_peer=2, strangers=16, total=16)
+        # streams before admission: 2 per peer id and per network address, 16 in all (a download holds its
+        # stream; busy ones end at once)
+        self.gate = StreamGate("state", per_peer=2, stranger_per_peer=2, strangers=16, total=16,
+                               stranger_per_address=2)
 
     async def start(self) -> None:
         self._offered = asyncio.Condition()

@@ -32,8 +32,9 @@ from . import lioncub_pb2 as pb
 # never makes a group of one (``allreduce.hierarchy.assign_groups``): older peers would split differently;
 # leaders send new group records to their members (``lioncub/group/1``, ``GroupNotice``); 7: a trimmed
 # momentum mean of two voters clips both rows to the smaller signed maximum (older peers would convict
-# its reducer in audits)
-PROTOCOL_VERSION = 7
+# its reducer in audits); 8: round ids name the protocol version (a header signed under another version's
+# rules names no round of this one)
+PROTOCOL_VERSION = 8
 HEADER_BYTES = 4
 LINGER_S = 5.0  # the longest a writer waits for its reader to close after the last reply
 LINGER_BYTES = 4 << 20  # ...reading and dropping at most this much meanwhile
