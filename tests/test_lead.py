@@ -669,3 +669,24 @@ def test_a_probation_in_another_group_ends_when_most_of_its_group_mates_report_i
 def test_a_peer_reports_the_voteless_group_mates_whose_votes_count_steadily():
     run = {"b": lead.STEADY_ROUNDS, "c": lead.STEADY_ROUNDS - 1, "d": lead.STEADY_ROUNDS + 4}
     assert lead.steady_votes({"b", "c"}, run) == ("b",)  # d is no voteless mate
+
+
+def test_a_follower_warns_when_a_group_drops_a_member_whose_votes_it_counts_steadily(caplog):
+    """Followers cannot check a leader's judgement of health; a drop of a member whose votes counted here
+    in a row, whose record is fresh and says nothing of leaving, is said in the log (by the author),
+    and the group is followed all the same."""
+    def follow(records: dict[str, PeerRecord]) -> list[str]:
+        upkeep = _upkeep("b", _Directory())
+        upkeep.trust(GroupRecord(3, 5, tuple(PeerSpec(pid) for pid in "abcd")))
+        upkeep.records = records
+        upkeep.counted_run.update(c=lead.STEADY_ROUNDS, d=lead.STEADY_ROUNDS - 1)  # d: counted, not steadily
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="test"):
+            upkeep.consider([GroupRecord(4, 12, (PeerSpec("a"), PeerSpec("b")), author="a")])
+        assert upkeep.history.latest.epoch == 4
+        return [r.getMessage() for r in caplog.records if "drops" in r.getMessage()]
+
+    warned = follow(_records())
+    assert len(warned) == 1 and "by a drops c" in warned[0], warned
+    assert follow(_records(c=dict(leaving=True))) == []  # it said it leaves
+    assert follow({pid: r for pid, r in _records().items() if pid != "c"}) == []  # its record is gone

@@ -155,6 +155,7 @@ class Upkeep:
         chosen = next_group(candidates, self.history, step=step, window=window,
                             run_step=announced_step(self.history.latest, self.records), refused=liars, log=self.log)
         if chosen is not None:
+            self.note_drops(chosen, liars)
             self.trust(chosen)
             # how much notice it came with: a member at or past its first step when it reads it ran that
             # step in the old group (not logged in ``trust``: a joining peer trusts its first group before
@@ -168,6 +169,24 @@ class Upkeep:
                         rival.epoch, rival.author, self.history.latest.author)
             self.history.replace(rival)
             self.trust(rival)
+
+    def note_drops(self, group: GroupRecord, liars: Collection[str]) -> None:
+        """Say so when ``group`` drops a member whose votes counted here in ``STEADY_ROUNDS`` rounds in a row
+        and whose record is fresh, not leaving, not stalled. Followers cannot check a leader's judgement of
+        health (any member of the last two groups may author the next), so this is only a warning: a link
+        between the leader and that member, or a member dropping honest ones to lead the rest."""
+        latest = self.history.latest
+        if latest is None:
+            return
+        kept, stalled = set(group.member_ids()), self.stalls.stalled(now=time.monotonic())
+        for pid in latest.member_ids():
+            record = self.records.get(pid)
+            if pid in kept or pid == self.peer_id or record is None or record.leaving or pid in liars \
+                    or pid in stalled or self.counted_run.get(pid, 0) < STEADY_ROUNDS:
+                continue
+            self.log.warning(f"drop:{group.author}", "group epoch %d by %.60s drops %.60s, whose votes counted here in "
+                             "the last %d rounds and whose record is fresh: a link between the two, or a member "
+                             "dropping honest ones", group.epoch, group.author, pid, self.counted_run[pid])
 
     def record_lifetime(self, following: bool = False, hold_s: float = 0.0) -> float:
         """Seconds this peer's next record lives: ``record_ttl``, longer where announcements land late
