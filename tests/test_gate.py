@@ -20,6 +20,9 @@ def test_address_buckets_are_the_ipv4_address_the_ipv6_64_or_the_relay_and_loopb
     relayed = "/ip4/198.51.100.1/tcp/4001/p2p/QmRelay/p2p-circuit"
     assert address_bucket(relayed) == "relay:198.51.100.1" != address_bucket("/ip4/198.51.100.1/tcp/4001")
     assert address_bucket("/ip4/127.0.0.1/tcp/5") is None and address_bucket("/ip6/::1/tcp/5") is None
+    assert address_bucket("/ip4/127.0.0.1/tcp/5/p2p/QmRelay/p2p-circuit") == "relay:127.0.0.1"  # not this host's
+    assert address_bucket("/ip6/::ffff:203.0.113.7/tcp/1") == "203.0.113.7"
+    assert address_bucket("/ip6/::ffff:127.0.0.1/tcp/1") is None
     assert address_bucket(None) == address_bucket("/dns4/example.org/tcp/1") == address_bucket("/ip4/999.1.1.1") == ""
 
 

@@ -365,8 +365,17 @@ FLOOD_MEMBER = textwrap.dedent("""
         server = admit.AdmitServer(p2p, Admission(), lambda pid: None)
         await server.start()
         print(f"/ip4/{sys.argv[1]}/tcp/31338/p2p/{p2p.peer_id.to_base58()}", flush=True)
+        peak = {}
+
+        async def watch():  # the most streams each address held at once
+            while True:
+                for bucket, n in server.gate.open_by_address.items():
+                    peak[bucket] = max(peak.get(bucket, 0), n)
+                await asyncio.sleep(0.005)
+        watching = asyncio.create_task(watch())
         await asyncio.to_thread(sys.stdin.readline)  # until the test asks (or is gone: end of file)
-        print(dict(server.gate.open_by_address), server.gate.open_total, server.gate.refused, flush=True)
+        watching.cancel()
+        print(peak, server.gate.refused, flush=True)
     asyncio.run(main())
 """)
 FLOOD_ATTACKER = textwrap.dedent("""
@@ -415,6 +424,7 @@ FLOOD_NEWCOMER = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("processes")  # ten daemons in three processes: not beside a trainer-process test
 def test_throwaway_ids_on_another_host_cannot_keep_a_newcomer_behind_nat_out():
     """Eight peer ids on one host hold two admission streams each, each sending a hello and then
     nothing, re-dialing at once whenever one is closed: without the cap per network address they held
@@ -439,16 +449,17 @@ def test_throwaway_ids_on_another_host_cannot_keep_a_newcomer_behind_nat_out():
             newcomer = newcomer_proc.communicate("go\n", timeout=60)[0].split()
             member.stdin.write("report\n")
             member.stdin.flush()
-            by_address = member.stdout.readline().strip()
+            peak_by_address = member.stdout.readline().strip()
         finally:
             for proc in (member, attacker, newcomer_proc):
                 if proc is not None:
                     proc.kill()
                     proc.wait(10)
     assert holding[0] == "holding" and int(holding[1]) >= 16, holding  # the flood was on
-    # at once: not after the attacker's silent streams time out (3 s), when it may land in a gap
-    assert newcomer[0] == "admitted" and float(newcomer[1]) < 1.0, newcomer
-    assert f"'{attacker_host.ip}': 2" in by_address and home.public_ip != attacker_host.ip, by_address
+    # at its first try: without the cap, every try is closed at once until a silent stream of the attacker
+    # times out (3 s) and a try lands in the gap before it re-dials
+    assert newcomer[0] == "admitted" and newcomer[2] == "1", newcomer
+    assert f"'{attacker_host.ip}': 2" in peak_by_address and home.public_ip != attacker_host.ip, peak_by_address
 
 async def _store_raw_locally(_dht, node, key: str, subkey, value: bytes, expiration: float) -> None:
     node.protocol.storage.store_subkey(DHTID.generate(key), subkey, value, expiration)

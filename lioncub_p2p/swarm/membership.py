@@ -373,6 +373,10 @@ class GroupHistory:
         groups = self.by_epoch
         return groups[max(groups)] if groups else None
 
+    def lists(self, peer_id: str) -> bool:
+        """Whether any group kept here lists ``peer_id`` (callable from any thread: it reads one snapshot)."""
+        return any(peer_id in g.member_ids() for g in list(self.by_epoch.values()))
+
     def for_step(self, step: int) -> GroupRecord | None:
         """The newest group whose ``from_step`` has come by ``step``."""
         eligible = [g for g in self.by_epoch.values() if g.from_step <= step]

@@ -145,7 +145,7 @@ class RoundBook:
 
     def is_member(self, peer_id: str) -> bool:
         """In any group this peer still knows of."""
-        return any(peer_id in g.member_ids() for g in list(self.history.by_epoch.values()))
+        return self.history.lists(peer_id)
 
     def in_run(self, peer_id: str) -> bool:
         """In the run's current group (every group of a two-level vote) and not proven to lie."""

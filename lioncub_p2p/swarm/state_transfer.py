@@ -67,7 +67,8 @@ class StateServer:
 
     def __init__(self, p2p: P2P, run_id: str, *, max_uploads: int = 2, wait_timeout: float = 60.0,
                  provider: Callable[[int], tuple[int, bytes, bytes] | None] | None = None,
-                 admission: Admission = OPEN, current_step: Callable[[], int] | None = None):
+                 admission: Admission = OPEN, current_step: Callable[[], int] | None = None,
+                 is_member: Callable[[str], bool] | None = None):
         self.p2p, self.run_id = p2p, run_id.encode()
         self.max_uploads, self.wait_timeout = max_uploads, wait_timeout
         self._uploads = 0
@@ -80,10 +81,11 @@ class StateServer:
         self.current_step = current_step  # this peer's step: a new download gets that state, not an older cached one
         self.admission = admission
         self.serving = True  # False while this peer holds no state of the swarm (joining): refuse at once
-        # streams before admission: 2 per peer id and per network address, 16 in all (a download holds its
-        # stream; busy ones end at once)
+        # streams before admission: 2 per peer, 16 in all; a stranger's also 2 per network address (members
+        # of this peer's groups behind one NAT still download side by side); a download holds its stream,
+        # busy ones end at once
         self.gate = StreamGate("state", per_peer=2, stranger_per_peer=2, strangers=16, total=16,
-                               stranger_per_address=2)
+                               stranger_per_address=2, is_member=is_member)
 
     async def start(self) -> None:
         self._offered = asyncio.Condition()

@@ -39,8 +39,8 @@ WARN_EVERY_S = 60.0  # one warning per refused peer and gate per minute; the res
 def address_bucket(address: object) -> str | None:
     """The network address a stream's multiaddr (``/ip4/1.2.3.4/tcp/5``, ``/ip6/...``, a relayed
     ``/ip4/R/tcp/p/p2p/Rid/p2p-circuit``) comes from, as ``StreamGate`` counts it: the IPv4 address, the
-    IPv6 /64 (one home or server gets a whole /64), the relay's for a relayed stream; "" for one it cannot
-    read (all such share one bucket); None for loopback (not capped)."""
+    IPv6 /64 (one home or server gets a whole /64; an IPv4-mapped one as IPv4), the relay's for a relayed
+    stream; "" for one it cannot read (all such share one bucket); None for loopback (not capped)."""
     parts = str(address or "").split("/")
     if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
         return ""
@@ -48,10 +48,12 @@ def address_bucket(address: object) -> str | None:
         ip = ipaddress.ip_address(parts[2])
     except ValueError:
         return ""
-    if ip.is_loopback:
+    ip = getattr(ip, "ipv4_mapped", None) or ip  # ::ffff:1.2.3.4 is 1.2.3.4
+    relayed = "p2p-circuit" in parts  # whoever is behind a relay, even one on this host, is no local process
+    if ip.is_loopback and not relayed:
         return None
     bucket = str(ipaddress.ip_network(f"{ip}/64", strict=False)) if ip.version == 6 else str(ip)
-    return f"relay:{bucket}" if "p2p-circuit" in parts else bucket
+    return f"relay:{bucket}" if relayed else bucket
 
 
 class StreamGate:
