@@ -242,11 +242,19 @@ def _check(outcome: Outcome) -> None:
 
 # -- the attacks ---------------------------------------------------------------------------------------------
 
-def test_forged_member_records_with_huge_weights_change_nothing():
+def test_forged_member_records_change_nothing_and_no_record_reveals_the_run_secret():
     """Item 1: a record under a member's subkey with weight=inf (and NaN, and a validly signed one by
-    the rogue's key with a far later expiration) crashed every trainer of a private run."""
+    the rogue's key with a far later expiration) crashed every trainer of a private run.
+
+    Item 8, in the same private run: public peer records carried HMAC(secret, run | peer id); "s3cret"
+    fell to a word list at ~366k guesses/s. Now no DHT record or key name is a function of the secret:
+    the same word-list attack, run on every byte of the run's records the rogue's DHT node holds (the
+    forgeries among them), finds nothing (and finds "s3cret" in one old-style record, so the attack
+    itself works)."""
     weights_seen: list[float] = []
     victim_listed: list[bool] = []
+    dumped: dict = {}
+    keys = [f"forge.{kind}" for kind in ("peers", "group", "manifest")]
 
     def attack(rogue: Rogue, trainers: list[Trainer]):
         victim = trainers[1].swarm.peer_id
@@ -269,12 +277,16 @@ def test_forged_member_records_with_huge_weights_change_nothing():
             if record is not None:
                 weights_seen.append(record.weight)
             victim_listed.append(victim in trainers[0].swarm.history.latest.member_ids())
+            dumped.update(rogue.dump(keys))
+            dumped["key_ids"] = rogue.key_ids()
+            dumped["peer_ids"] = [t.swarm.peer_id for t in trainers]
         return observe
 
     outcome = run_scenario("forge", attack, secret="s3cret")
     _check(outcome)
     assert weights_seen and set(weights_seen) == {1.0}  # the victim's own record kept being read, never the forgery
     assert victim_listed and all(victim_listed)  # its record was never shadowed: it never left the group
+    _check_no_record_reveals_the_secret(dumped, "forge", keys)
 
 
 def test_undecodable_and_unkeyed_values_do_not_freeze_membership():
@@ -337,23 +349,8 @@ def test_far_future_steps_cannot_freeze_group_changes():
             assert all(g.author != outcome.rogue.peer_id for g in t.swarm.history.by_epoch.values())
 
 
-def test_the_run_secret_is_not_offline_checkable_from_public_records():
-    """Item 8: public peer records carried HMAC(secret, run | peer id); "s3cret" fell to a word list at
-    ~366k guesses/s. Now no DHT record or key name is a function of the secret: the same word-list
-    attack, run on every byte of the run's records the rogue's DHT node holds, finds nothing (and
-    finds "s3cret" in one old-style record, so the attack itself works)."""
-    dumped: dict = {}
-    keys = [f"secret.{kind}" for kind in ("peers", "group", "manifest")]
-
-    def attack(rogue: Rogue, trainers: list[Trainer]):
-        def collect():
-            dumped.update(rogue.dump(keys))
-            dumped["key_ids"] = rogue.key_ids()
-            dumped["peer_ids"] = [t.swarm.peer_id for t in trainers]
-        return collect
-
-    outcome = run_scenario("secret", attack, secret="s3cret")
-    _check(outcome)
+def _check_no_record_reveals_the_secret(dumped: dict, run: str, keys: list[str]) -> None:
+    """The word-list attack of item 8 on what the rogue's DHT node held of ``run``'s ``keys``."""
     assert set(dumped) >= set(keys)
     # the DHT keys the run writes are the public names: nothing namespaced by the secret
     public = {DHTID.generate(k).to_bytes() for k in keys}
@@ -361,9 +358,9 @@ def test_the_run_secret_is_not_offline_checkable_from_public_records():
 
     def candidates(guess: str, peer_id: str) -> set[bytes]:
         """What a guesser would compare against: the old token, and every MAC a run key could make."""
-        old = hmac.new(guess.encode(), f"lioncub-admission|secret|{peer_id}".encode(), hashlib.sha256).digest()
-        key = run_key(guess.encode(), "secret")
-        new = hmac.new(key, b"|".join([b"lioncub-token", b"secret", peer_id.encode()]), hashlib.sha256).digest()
+        old = hmac.new(guess.encode(), f"lioncub-admission|{run}|{peer_id}".encode(), hashlib.sha256).digest()
+        key = run_key(guess.encode(), run)
+        new = hmac.new(key, b"|".join([b"lioncub-token", run.encode(), peer_id.encode()]), hashlib.sha256).digest()
         raw = {old[:16], new[:16], new, key, guess.encode()}
         return raw | {r.hex().encode() for r in raw}  # hex, as a JSON payload would carry it
 
@@ -380,5 +377,5 @@ def test_the_run_secret_is_not_offline_checkable_from_public_records():
               if isinstance(value, dict) and isinstance(field, bytes)]
     assert blobs and found_in(blobs) == set()
     victim = dumped["peer_ids"][0]  # the attack works: it finds the secret in an old-style record at once
-    old_token = hmac.new(b"s3cret", f"lioncub-admission|secret|{victim}".encode(), hashlib.sha256).digest()[:16]
+    old_token = hmac.new(b"s3cret", f"lioncub-admission|{run}|{victim}".encode(), hashlib.sha256).digest()[:16]
     assert found_in([msgpack.packb({"weight": 1.0, "token": old_token})]) == {"s3cret"}

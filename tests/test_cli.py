@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -257,7 +258,10 @@ def test_trainers_adopt_the_coordinators_manifest(tmp_path):
         wait_for_file(tmp_path / "a", 90)
         assert "published run man's manifest" in procs.log("coord")
         peers = ["--run-id", "man", "--initial-peers-file", str(tmp_path / "a"), *LOOPBACK, "--quiet"]
-        done = _train(*peers, "--steps", "6", "--final-state", "final.state", cwd=tmp_path)
+        with ThreadPoolExecutor(2) as pool:  # side by side: each start-up costs seconds
+            refusing = pool.submit(_train, *peers, "--steps", "6", "--task", "digits", cwd=tmp_path)
+            done = _train(*peers, "--steps", "6", "--final-state", "final.state", cwd=tmp_path)
+            other = refusing.result()
         assert done.returncode == 0, done.stderr[-3000:]
         assert "training byte-gpt" in done.stderr and "test bits per byte" in done.stdout
         header, _ = snapshot.read_header((tmp_path / "final.state").read_bytes())
@@ -265,7 +269,6 @@ def test_trainers_adopt_the_coordinators_manifest(tmp_path):
         assert [list(e) for e in header["tensors"] if e[0].startswith("param:")] == expected
         assert header["step"] == 6 and sum(torch.Size(e[2]).numel() for e in expected) < 20_000  # 16 wide, not 128
 
-        other = _train(*peers, "--steps", "6", "--task", "digits", cwd=tmp_path)
         assert other.returncode == 1
         last = other.stderr.strip().splitlines()[-1]
         assert last.startswith("error: ") and "task=digits" in last and "task=byte-gpt" in last, other.stderr
