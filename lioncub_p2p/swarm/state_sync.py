@@ -57,7 +57,8 @@ class StateSync:
         self.upkeep, self.liars, self.join_timeout, self.round_bound = upkeep, liars, join_timeout, round_bound
         self.optimizer: LionCub | None = None  # set at join
         self.server = StateServer(p2p, run_id, max_uploads=max_uploads, provider=self.snapshot_between_steps,
-                                  admission=admission, current_step=self._step, is_member=upkeep.history.lists)
+                                  admission=admission, current_step=self._step,
+                                  is_member=lambda pid: self.upkeep.history.lists(pid))
         # reentrant: a repair inside ``LionCub.flush`` (which holds it through ``exclusive``) loads the state
         # under ``exclusive`` again, on the same thread (a plain Lock hung that thread for good)
         self.step_lock = threading.RLock()
