@@ -19,8 +19,9 @@ if "OMP_NUM_THREADS" not in os.environ:
 # two (a healthy peer followed for 4 steps); before, 663-747 s against 853 s, with two other tests flaky
 # (since fixed). Tests that run
 # whole trainer processes (test_sim, test_multihost, test_swarm_processes, the NAT trainer) share the xdist group
-# "processes": one worker runs them one after another, so two of them never load the 2 cores at once;
-# every other test goes to whichever worker is free. Items are handed out in collection order, so the
+# "processes": one worker runs them one after another, so two of them never load the 2 cores at once
+# (it starts first: xdist hands out the largest group first; pytest 9.2 broke the grouping, hence the
+# pin in pyproject.toml and tests/test_suite_setup.py); every other test goes to whichever worker is free. Items are handed out in collection order, so the
 # longest files go first (seconds measured on a 2-core machine); unlisted files keep their order.
 LONGEST_FILES_FIRST = {
     "test_sim.py": 380, "test_swarm.py": 120, "test_attacks_round.py": 100, "test_cli.py": 100,

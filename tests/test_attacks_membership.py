@@ -268,6 +268,7 @@ def test_forged_member_records_change_nothing_and_no_record_reveals_the_run_secr
         body = canonical(PeerRecord(victim, weight=1e6, step=12, synced=True).payload())
         for_victims_subkey = {**signed_by_rogue, "p": body,
                               "s": rogue.identity.sign(signed_bytes("forge", "peers", victim, later + 1, body))}
+        dumped["before"] = rogue.dump(keys)  # the victim's own record too: the forgeries shadow it on this node
         for value, expiration in ((old_format, far), ({**old_format, "weight": float("nan")}, far),
                                   (signed_by_rogue, later), (for_victims_subkey, later + 1)):
             rogue.store("forge.peers", victim, value, expiration)
@@ -287,6 +288,7 @@ def test_forged_member_records_change_nothing_and_no_record_reveals_the_run_secr
     assert weights_seen and set(weights_seen) == {1.0}  # the victim's own record kept being read, never the forgery
     assert victim_listed and all(victim_listed)  # its record was never shadowed: it never left the group
     _check_no_record_reveals_the_secret(dumped, "forge", keys)
+    assert len(dumped["before"]["forge.peers"]) >= 3  # every trainer's own record was scanned, the victim's too
 
 
 def test_undecodable_and_unkeyed_values_do_not_freeze_membership():
@@ -372,7 +374,8 @@ def _check_no_record_reveals_the_secret(dumped: dict, run: str, keys: list[str])
                     hits.add(guess)
         return hits
 
-    blobs = [bytes(v) for key in keys for v in dumped[key].values()]
+    dumps = (dumped, dumped.get("before", {}))  # what the node held at the end, and before any forgery
+    blobs = [bytes(v) for dump in dumps for key in keys for v in dump.get(key, {}).values()]
     blobs += [bytes(field) for blob in blobs for value in [msgpack.unpackb(blob, raw=False)] for field in value.values()
               if isinstance(value, dict) and isinstance(field, bytes)]
     assert blobs and found_in(blobs) == set()

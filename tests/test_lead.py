@@ -673,20 +673,29 @@ def test_a_peer_reports_the_voteless_group_mates_whose_votes_count_steadily():
 
 def test_a_follower_warns_when_a_group_drops_a_member_whose_votes_it_counts_steadily(caplog):
     """Followers cannot check a leader's judgement of health; a drop of a member whose votes counted here
-    in a row, whose record is fresh and says nothing of leaving, is said in the log (by the author),
-    and the group is followed all the same."""
-    def follow(records: dict[str, PeerRecord]) -> list[str]:
+    in a row lately, whose record is unexpired and says nothing of leaving, is said in the log (naming
+    the author), and the group is followed all the same."""
+    from hivemind.utils import get_dht_time
+
+    def fresh(records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
+        return {pid: replace(r, expires=get_dht_time() + 60) if r.expires == 50.0 else r for pid, r in records.items()}
+
+    def follow(records: dict[str, PeerRecord], *, epoch: int = 4, suspects: frozenset = frozenset()) -> list[str]:
         upkeep = _upkeep("b", _Directory())
+        upkeep.verdicts = type("V", (_Verdicts,), {"suspects": lambda self: set(suspects)})()
         upkeep.trust(GroupRecord(3, 5, tuple(PeerSpec(pid) for pid in "abcd")))
         upkeep.records = records
-        upkeep.counted_run.update(c=lead.STEADY_ROUNDS, d=lead.STEADY_ROUNDS - 1)  # d: counted, not steadily
+        upkeep.steady_at.update(c=time.monotonic(), d=time.monotonic() - 60)  # d: steady, but long ago
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="test"):
-            upkeep.consider([GroupRecord(4, 12, (PeerSpec("a"), PeerSpec("b")), author="a")])
-        assert upkeep.history.latest.epoch == 4
+            upkeep.consider([GroupRecord(epoch, 12, (PeerSpec("a"), PeerSpec("b")), author="a")])
+        assert upkeep.history.latest.epoch == epoch
         return [r.getMessage() for r in caplog.records if "drops" in r.getMessage()]
 
-    warned = follow(_records())
+    warned = follow(fresh(_records()))
     assert len(warned) == 1 and "by a drops c" in warned[0], warned
-    assert follow(_records(c=dict(leaving=True))) == []  # it said it leaves
-    assert follow({pid: r for pid, r in _records().items() if pid != "c"}) == []  # its record is gone
+    assert follow(fresh(_records(c=dict(leaving=True)))) == []  # it said it leaves
+    assert follow({pid: r for pid, r in fresh(_records()).items() if pid != "c"}) == []  # its record is gone
+    assert follow(_records()) == []  # ...or expired
+    assert follow(fresh(_records()), suspects=frozenset({"c"})) == []  # suspected here too
+    assert follow(fresh(_records()), epoch=5) == []  # an epoch was skipped: the drop may be another author's

@@ -277,6 +277,10 @@ def test_a_newcomer_follows_the_group_of_a_long_running_run_but_not_a_liars_far_
 
 # -- the admission exchange between two daemons ----------------------------------------------------------
 
+async def _no_wait() -> None:
+    return None
+
+
 async def _exchanges(cases: list[tuple[Admission, Admission]], repeat_last: int = 1):
     """Run each (member's admission, newcomer's admission) exchange on one pair of daemons."""
     member = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -351,6 +355,36 @@ def test_idle_admission_streams_neither_hold_slots_for_long_nor_make_newcomers_q
     verdict, open_now, refused = asyncio.run(scenario())
     assert verdict.admitted and not verdict.busy, verdict
     assert open_now <= 3 and refused >= 38, (open_now, refused)  # the outsider's two and the newcomer's
+
+
+def test_a_member_whose_admission_slots_are_full_answers_busy_by_closing_the_stream():
+    """A gate closes a stream over its caps before reading a byte: the newcomer reads no challenge at all,
+    which means "busy, ask again" (it logged "could not ask ...: IncompleteReadError" before); a stream
+    that breaks after a partial challenge is still an error."""
+    async def scenario():
+        member = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        newcomer = await P2P.create(initial_peers=[str(m) for m in await member.get_visible_maddrs()],
+                                    host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        server = admit.AdmitServer(member, Admission(), lambda pid: None)
+        try:
+            await server.start()
+            server.gate.total = 0  # full
+            return await admit.ask_admission(newcomer, member.peer_id.to_base58(), Admission()), server.gate.refused
+        finally:
+            await asyncio.gather(member.shutdown(), newcomer.shutdown())
+
+    verdict, refused = asyncio.run(scenario())
+    assert verdict.busy and not verdict.admitted and refused == 1, verdict
+
+    async def half_a_challenge():
+        reader = asyncio.StreamReader()
+        reader.feed_data(admit.MAGIC + b"\0")
+        reader.feed_eof()
+        return await admit._ask("me", "member", Admission(), reader, SimpleNamespace(write=lambda b: None,
+                                                                                      drain=_no_wait))
+
+    with pytest.raises(asyncio.IncompleteReadError):
+        asyncio.run(half_a_challenge())
 
 
 

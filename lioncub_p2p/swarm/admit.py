@@ -161,9 +161,16 @@ async def ask_admission(p2p: P2P, member: str, admission: Admission, *, timeout:
 
 async def _ask(me: str, member: str, admission: Admission, reader, writer) -> Verdict:
     newcomer_nonce = os.urandom(NONCE_BYTES)
-    writer.write(MAGIC + newcomer_nonce)
-    await writer.drain()
-    challenge = await _read(reader, 4 + 1 + NONCE_BYTES)
+    try:
+        writer.write(MAGIC + newcomer_nonce)
+        await writer.drain()
+        challenge = await _read(reader, 4 + 1 + NONCE_BYTES)
+    except (asyncio.IncompleteReadError, ConnectionResetError) as e:
+        if getattr(e, "partial", b""):
+            raise
+        # closed before a byte of its challenge (the hello's write may see it first): its gate was full
+        # (admission slots, or this address's)
+        return Verdict(False, False, False, _REASONS[BUSY], busy=True)
     flags, member_nonce = challenge[0], challenge[1:]
     required = bool(flags & SECRET_REQUIRED)
     # prove only to a member that asks for the secret: an open "member" has no use for our proof

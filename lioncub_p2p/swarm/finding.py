@@ -9,7 +9,6 @@ read from the same place, and taken only from the trusted group's members or the
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
@@ -89,10 +88,6 @@ class RunFinder:
                 continue
             try:
                 verdict = self.loop.run(ask_admission(self.p2p, group.author, self.admission), timeout=15)
-            except asyncio.IncompleteReadError:  # closed before its challenge: its admission slots are full
-                failures += 1
-                self.log.warning(f"busy:{group.author}", "%s is busy admitting others: asking again", group.author)
-                continue
             except Exception as e:  # unreachable, or not a lioncub peer: try the next
                 if "protocols not supported" not in str(e):  # a peer that is up but serves no admission is no member
                     failures += 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Mapping
@@ -26,8 +27,8 @@ from hivemind.utils import get_dht_time
 
 from ..wire import PROTOCOL_VERSION
 from . import manifest as manifests
-from .lead import (NOTICE_S, REST_S, STEADY_ROUNDS, Health, Stalls, asleep_since_drop, leader_of, missing_votes, plan_group,
-                   reported_by_most, reported_group, steady_votes, steps_ahead)
+from .lead import (DROP_AFTER_S, NOTICE_S, REST_S, STEADY_ROUNDS, Health, Stalls, asleep_since_drop, leader_of,
+                   missing_votes, plan_group, reported_by_most, reported_group, steady_votes, steps_ahead)
 from .manifest import Manifest
 from .membership import (Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group,
                          preferred_rival)
@@ -155,8 +156,9 @@ class Upkeep:
         chosen = next_group(candidates, self.history, step=step, window=window,
                             run_step=announced_step(self.history.latest, self.records), refused=liars, log=self.log)
         if chosen is not None:
-            self.note_drops(chosen, liars)
+            before = self.history.latest
             self.trust(chosen)
+            self.note_drops(before, chosen)
             # how much notice it came with: a member at or past its first step when it reads it ran that
             # step in the old group (not logged in ``trust``: a joining peer trusts its first group before
             # it has a step to compare)
@@ -170,23 +172,31 @@ class Upkeep:
             self.history.replace(rival)
             self.trust(rival)
 
-    def note_drops(self, group: GroupRecord, liars: Collection[str]) -> None:
-        """Say so when ``group`` drops a member whose votes counted here in ``STEADY_ROUNDS`` rounds in a row
-        and whose record is fresh, not leaving, not stalled. Followers cannot check a leader's judgement of
-        health (any member of the last two groups may author the next), so this is only a warning: a link
-        between the leader and that member, or a member dropping honest ones to lead the rest."""
-        latest = self.history.latest
-        if latest is None:
-            return
-        kept, stalled = set(group.member_ids()), self.stalls.stalled(now=time.monotonic())
-        for pid in latest.member_ids():
-            record = self.records.get(pid)
-            if pid in kept or pid == self.peer_id or record is None or record.leaving or pid in liars \
-                    or pid in stalled or self.counted_run.get(pid, 0) < STEADY_ROUNDS:
-                continue
-            self.log.warning(f"drop:{group.author}", "group epoch %d by %.60s drops %.60s, whose votes counted here in "
-                             "the last %d rounds and whose record is fresh: a link between the two, or a member "
-                             "dropping honest ones", group.epoch, group.author, pid, self.counted_run[pid])
+    def note_drops(self, before: GroupRecord | None, group: GroupRecord) -> None:
+        """Say so when ``group``, the epoch after ``before``, drops a member whose votes counted here in
+        ``STEADY_ROUNDS`` rounds in a row lately (``steady_at``: this peer's own rounds went on), whose record
+        is unexpired, not leaving, and which is neither stalled nor suspected here. Followers cannot check a
+        leader's judgement of health (any member of the last two groups may author the next), so this is only
+        a warning: a link between the leader and that member, suspicions told to the leader alone, or a
+        member dropping honest ones to lead the rest. Never raises: the group is followed already."""
+        if before is None or group.epoch != before.epoch + 1:
+            return  # across skipped epochs the drop may be another author's
+        try:
+            now, dht_now = time.monotonic(), get_dht_time()
+            kept, stalled = set(group.member_ids()), self.stalls.stalled(now=now)
+            suspects = set(self.verdicts.suspects()) | set(self.verdicts.liars)
+            recent = DROP_AFTER_S + 2 * self.refresh_period
+            for pid in before.member_ids():
+                record = self.records.get(pid)
+                if pid in kept or pid == self.peer_id or record is None or record.leaving or record.expires <= dht_now \
+                        or pid in stalled or pid in suspects or now - self.steady_at.get(pid, -math.inf) > recent:
+                    continue
+                self.log.warning(f"drop:{group.author}:{pid}", "group epoch %d by %.60s drops %.60s, whose votes "
+                                 "counted here in every recent round and whose record is fresh: a link between the "
+                                 "two, suspicions told to the leader alone, or a member dropping honest ones",
+                                 group.epoch, group.author, pid)
+        except Exception as e:  # a warning must never cost the group change
+            logger.debug("could not check group epoch %d's drops: %s", group.epoch, e)
 
     def record_lifetime(self, following: bool = False, hold_s: float = 0.0) -> float:
         """Seconds this peer's next record lives: ``record_ttl``, longer where announcements land late

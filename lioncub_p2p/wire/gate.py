@@ -128,16 +128,16 @@ def guard(gate: StreamGate, handler: Handler) -> Handler:
     """``handler`` behind ``gate``; the writer is always closed, and a cancellation ends it quietly."""
 
     async def guarded(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        release = gate.enter(info.peer_id.to_base58(), getattr(info, "addr", None))
-        if release is None:
-            writer.close()
-            return
+        release = None
         try:
-            await handler(info, reader, writer)
+            release = gate.enter(info.peer_id.to_base58(), getattr(info, "addr", None))
+            if release is not None:
+                await handler(info, reader, writer)
         except asyncio.CancelledError:
             pass  # the loop is shutting down or the stream's round expired: nothing to report
         finally:
-            release()
+            if release is not None:
+                release()
             writer.close()
 
     return guarded
