@@ -45,12 +45,23 @@ def test_a_dialback_reaches_no_relay_no_low_port_and_a_lying_answer_gives_no_add
     assert reachability.observed_ip("/ip4/9.9.9.9/tcp/4001/p2p/QmRelay/p2p-circuit") is None
     assert reachability.observed_ip("/ip4/9.9.9.9/tcp/4001") == "9.9.9.9"
     assert reachability.observed_ip("/ip6/::1/tcp/4001") == "::1"
+    # an answer's "observed IP" goes into this peer's announced addresses: only one it could be dialed at
+    for unusable in ("fe80::1%eth0", "224.0.0.1", "ff02::1", "0.0.0.0", "::", "1.2.3.4/tcp/1"):
+        assert reachability.parse_ip(unusable) is None, unusable
+    assert reachability.parse_ip("203.0.113.9") == "203.0.113.9" and reachability.parse_ip("10.78.0.2") == "10.78.0.2"
 
     async def lying_answer(info, reader, writer):
         from lioncub_p2p.wire import PROTOCOL_VERSION, pb, read_frame, write_frame
 
         await read_frame(reader, pb.DialbackRequest, 256)
         await write_frame(writer, pb.DialbackAnswer(version=PROTOCOL_VERSION, observed_ip="1.2.3.4/tcp/1/p2p-circuit"))
+        writer.close()
+
+    async def forging_answer(info, reader, writer):  # an error with a line of its own for the volunteer's log
+        from lioncub_p2p.wire import PROTOCOL_VERSION, pb, read_frame, write_frame
+
+        await read_frame(reader, pb.DialbackRequest, 256)
+        await write_frame(writer, pb.DialbackAnswer(version=PROTOCOL_VERSION, error="busy\n  [ OK ] forged\x1b[2K"))
         writer.close()
 
     async def scenario():
@@ -63,14 +74,18 @@ def test_a_dialback_reaches_no_relay_no_low_port_and_a_lying_answer_gives_no_add
             low = await reachability._ask(client, server.peer_id, 80, os.urandom(16))
             await liar.add_binary_stream_handler(reachability.DIALBACK_PROTOCOL, lying_answer)
             lied = await reachability.check([str(m) for m in await liar.get_visible_maddrs()], reachability.free_port())
-            return low, lied
+            await liar.remove_binary_stream_handler(reachability.DIALBACK_PROTOCOL)
+            await liar.add_binary_stream_handler(reachability.DIALBACK_PROTOCOL, forging_answer)
+            forged = await reachability.check([str(m) for m in await liar.get_visible_maddrs()], reachability.free_port())
+            return low, lied, forged
         finally:
             for p2p in (client, liar, server):
                 await p2p.shutdown()
 
-    low, lied = asyncio.run(scenario())
+    low, lied, forged = asyncio.run(scenario())
     assert "bad request" in low.error and not low.connected, low
     assert lied.answered and not lied.dialable and lied.observed_ip is None, lied
+    assert "forged" in forged.note and "\n" not in forged.note and "\x1b" not in forged.note, forged
 
 
 class FakeCheck:

@@ -80,3 +80,41 @@ def test_the_leader_is_the_first_reducing_member_not_proven_to_lie():
     assert verdicts.leader(GROUP) == LEADER and verdicts.leader(GROUP, besides=LEADER) == REDUCER
     verdicts.liars[LEADER] = "proved"
     assert verdicts.leader(GROUP) == REDUCER and verdicts.leader(None) is None
+
+
+def test_evidence_recounts_are_bounded_even_when_their_accusations_time_out(monkeypatch):
+    """The accusation stream's timeout cancels the wait for a recount, not the recount in its thread: a
+    member uploading evidence slowly and often stacked recounts in the thread pool. At most
+    ``MAX_PROVING`` run at once, counted until their threads end."""
+    import threading
+
+    from lioncub_p2p.swarm import verdicts as verdicts_module
+
+    release = threading.Event()
+
+    def slow_prove(evidence):
+        release.wait(10)
+        return None
+
+    monkeypatch.setattr(verdicts_module, "prove", slow_prove)
+    verdicts, _ = _verdicts()
+
+    async def scenario():
+        waits = [asyncio.create_task(verdicts.on_accusation(OTHER, _accusation("lie")))
+                 for _ in range(verdicts_module.MAX_PROVING)]
+        await asyncio.sleep(0.1)
+        for wait in waits:  # the streams time out
+            wait.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+        with pytest.raises(Refused, match="busy"):  # their recounts still run
+            await verdicts.on_accusation(OTHER, _accusation("lie"))
+        release.set()
+        for _ in range(100):
+            if verdicts._proving == 0:
+                break
+            await asyncio.sleep(0.02)
+        with pytest.raises(Refused, match="does not prove"):  # a slot again
+            await verdicts.on_accusation(OTHER, _accusation("lie"))
+
+    asyncio.run(scenario())
+    assert verdicts._proving == 0

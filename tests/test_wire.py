@@ -102,3 +102,13 @@ def test_a_rounds_first_chunk_is_small_and_chunks_tile_the_part():
                 assert spans[0][1] * planes <= min(FIRST_CHUNK_BYTES, chunk)
                 assert spans[0] == (0, min(nbytes, min(FIRST_CHUNK_BYTES, chunk) // planes // 8 * 8))
                 assert all(length * planes <= chunk for _, length in spans)
+
+
+def test_a_peers_text_reaches_a_log_line_printable_and_bounded():
+    """Errors and reasons peers send end up in this peer's log: a newline or a terminal escape in them
+    would forge lines ("[ OK ] ..."), a megabyte of them would flood it."""
+    from lioncub_p2p.wire import printable
+
+    forged = "busy\n  [ OK ] bandwidth to Qm…: upload 900 Mbit/s\x1b[2K\r"
+    assert printable(forged) == "busy  [ OK ] bandwidth to Qm…: upload 900 Mbit/s[2K"
+    assert printable("x" * 10**6, 200) == "x" * 200 and printable("\n" * 10**6) == ""

@@ -34,7 +34,7 @@ from google.protobuf.message import DecodeError
 from ..allreduce.audit import MAX_EVIDENCE_BYTES, check_evidence
 from ..allreduce.commit import parse_header
 from ..identity import Verifier
-from ..wire import WireError, pb
+from ..wire import WireError, pb, printable
 from ..wire.gate import StreamGate, guard
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def prove(evidence: bytes, verifier: Verifier | None = None) -> Proof | None:
 
 
 def _clean(text: str) -> str:
-    return "".join(ch for ch in text if ch.isprintable())[:MAX_REASON]
+    return printable(text, MAX_REASON)
 
 
 def _encode(accusation: Accusation) -> bytes:

@@ -37,6 +37,7 @@ from typing import Callable
 from hivemind.p2p import P2P, PeerID
 
 from ..allreduce.admission import PROOF_BYTES, Admission
+from ..wire import printable
 from ..wire.gate import StreamGate, guard
 from .records import RateLimitedLog
 
@@ -185,6 +186,6 @@ async def _ask(me: str, member: str, admission: Admission, reader, writer) -> Ve
     proved = required and admission.needs_secret and admission.checks_proof(
         answer, "member", me, member, newcomer_nonce, member_nonce)
     if code != ADMITTED:
-        return Verdict(False, False, required, "".join(ch for ch in reason if ch.isprintable()) or f"code {code}",
+        return Verdict(False, False, required, printable(reason, MAX_REASON_BYTES) or f"code {code}",
                        busy=code == BUSY)
     return Verdict(True, proved, required)

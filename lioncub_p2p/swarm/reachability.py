@@ -35,14 +35,14 @@ from typing import Awaitable, Callable
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
-from ..wire.gate import StreamGate, guard
+from ..wire import PROTOCOL_VERSION, WireError, pb, printable, read_frame, write_frame
+from ..wire.gate import StreamGate, address_bucket, guard
 
 logger = logging.getLogger(__name__)
 DIALBACK_PROTOCOL = "lioncub/dialback/1"
 CONNECT_TIMEOUT = 3.0
 MAX_CONCURRENT = 8  # dial-backs served at once; more are refused
-PER_IP_BURST, PER_IP_RATE = 8.0, 1.0  # dial-backs per observed IP: a burst, then this many per second
+PER_IP_BURST, PER_IP_RATE = 8.0, 1.0  # dial-backs per caller address: a burst, then this many per second
 MIN_PORT = 1024  # the lowest port a dial-back connects to
 
 
@@ -64,26 +64,29 @@ def observed_ip(maddr: Multiaddr | str | None) -> str | None:
 
 
 def parse_ip(text: str) -> str | None:
-    """``text`` as an IP address, or None if it is not one."""
+    """``text`` as an IP address a peer could be dialed at, or None if it is not one (a scoped IPv6
+    address, ``fe80::1%eth0``, names an interface of the answering host; multicast and unspecified
+    addresses dial nobody)."""
     try:
-        return str(ipaddress.ip_address(text))
+        ip = ipaddress.ip_address(text)
     except ValueError:
         return None
+    return None if "%" in text or ip.is_multicast or ip.is_unspecified else str(ip)
 
 
 async def serve_dialback(p2p: P2P) -> None:
     """Answer dial-back requests (coordinators and listening members run this)."""
     busy = 0
-    budgets: dict[str, tuple[float, float]] = {}  # observed IP -> (tokens, when)
+    budgets: dict[str, tuple[float, float]] = {}  # caller's address (``gate.address_bucket``) -> (tokens, when)
 
-    def allow(ip: str) -> bool:
+    def allow(address: str) -> bool:
         now = time.monotonic()
-        tokens, when = budgets.get(ip, (PER_IP_BURST, now))
+        tokens, when = budgets.get(address, (PER_IP_BURST, now))
         tokens = min(PER_IP_BURST, tokens + (now - when) * PER_IP_RATE)
         if len(budgets) > 4096:  # bounded memory: forget the oldest callers
             for old in sorted(budgets, key=lambda k: budgets[k][1])[:2048]:
                 del budgets[old]
-        budgets[ip] = (tokens - 1, now) if tokens >= 1 else (tokens, now)
+        budgets[address] = (tokens - 1, now) if tokens >= 1 else (tokens, now)
         return tokens >= 1
 
     async def handle(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -95,17 +98,18 @@ async def serve_dialback(p2p: P2P) -> None:
             if ip is None:
                 answer.error = "no IP address observed for this stream (relayed?)"
                 return
-            if busy >= MAX_CONCURRENT or not allow(ip):
+            req, _ = await asyncio.wait_for(read_frame(reader, pb.DialbackRequest, 256), CONNECT_TIMEOUT)
+            # a port below 1024 is a service's, never a volunteer's check listener: no bytes of a
+            # stranger's choosing go to a mail or web server on the caller's host
+            if req is None or not MIN_PORT <= req.port <= 65535 or not 16 <= len(req.nonce) <= 32:
+                answer.error = f"bad request (a port from {MIN_PORT} and a 16-32 byte nonce)"
+                return
+            # counted once a valid request is in: a caller that says nothing holds a gate slot, not a dial
+            if busy >= MAX_CONCURRENT or not allow(address_bucket(info.addr) or ip):
                 answer.error = "busy: try again in a few seconds"
                 return
             busy += 1
             try:
-                req, _ = await asyncio.wait_for(read_frame(reader, pb.DialbackRequest, 256), CONNECT_TIMEOUT)
-                # a port below 1024 is a service's, never a volunteer's check listener: no bytes of a
-                # stranger's choosing go to a mail or web server on the caller's host
-                if req is None or not MIN_PORT <= req.port <= 65535 or not 16 <= len(req.nonce) <= 32:
-                    answer.error = f"bad request (a port from {MIN_PORT} and a 16-32 byte nonce)"
-                    return
                 answer.connected = await _dial_and_send(ip, req.port, req.nonce)
             finally:
                 busy -= 1
@@ -119,8 +123,9 @@ async def serve_dialback(p2p: P2P) -> None:
             writer.close()
 
     # every caller is a stranger (it asks before it joins): one stream each, twice the dial-backs served
+    # and two per address (ids cost nothing: one host could hold every slot)
     gate = StreamGate("dialback", per_peer=1, stranger_per_peer=1, strangers=2 * MAX_CONCURRENT,
-                      total=2 * MAX_CONCURRENT)
+                      total=2 * MAX_CONCURRENT, stranger_per_address=2)
     await p2p.add_binary_stream_handler(DIALBACK_PROTOCOL, guard(gate, handle))
 
 
@@ -191,8 +196,8 @@ async def check(initial_peers: list[str], port: int, *, timeout: float = 10.0, h
             except Exception as e:  # that peer is down or does not serve dial-backs: ask the next
                 notes.append(f"{peer.to_base58()[:12]}…: {type(e).__name__}")
                 continue
-            if answer.error:
-                notes.append(f"{peer.to_base58()[:12]}…: {answer.error}")
+            if answer.error:  # a peer's words, into this peer's log: no forged lines
+                notes.append(f"{peer.to_base58()[:12]}…: {printable(answer.error)}")
                 continue
             if answer.connected:
                 try:  # the coordinator wrote the nonce before answering; give it a moment to land

@@ -25,6 +25,7 @@ from .records import RateLimitedLog
 logger = logging.getLogger(__name__)
 
 MAX_PROOFS_KEPT = 64  # liars whose evidence this peer keeps to show later leaders
+MAX_PROVING = 2  # members' evidence checked at once (a recount of up to 64 MiB each, in a worker thread)
 RETRY_REPORT_S = 10.0  # a leader that could not be told about a liar is told again after this
 
 
@@ -47,11 +48,26 @@ class Verdicts:
         self.suspicions = Suspicions()  # unprovable reports (misrepresented votes, unanswered audits)
         self._proofs: OrderedDict[str, Accusation] = OrderedDict()  # liar -> the checked evidence (for new leaders)
         self._reported: set[tuple[str, str]] = set()  # (liar, leader) this peer gave the evidence to
+        self._proving = 0  # members' evidence being checked in threads (the event loop's count)
 
     def suspects(self) -> set[str]:
         """Proven liars (for the rest of the run), and reducers that two members reported for the same
         round in the last few minutes: the leader drops them and does not add them."""
         return set(self.liars) | self.suspicions.suspects()
+
+    async def _prove_bounded(self, evidence: bytes):
+        """``prove`` in a worker thread, at most ``MAX_PROVING`` at once. Counted until the thread ends: the
+        accusation stream's timeout cancels the wait, not the recount, so a member uploading evidence
+        slowly and often would otherwise stack recounts in the thread pool."""
+        if self._proving >= MAX_PROVING:
+            raise Refused("busy checking other evidence: try again later")
+        self._proving += 1
+        recount = asyncio.get_running_loop().run_in_executor(None, prove, evidence)
+        recount.add_done_callback(self._proved)
+        return await asyncio.shield(recount)  # a cancelled wait leaves the recount, and its count, running
+
+    def _proved(self, _recount: asyncio.Future) -> None:
+        self._proving -= 1
 
     async def act_on(self, caught: list[Caught]) -> None:
         """What this peer's audits caught: a lie it can prove convicts the reducer here and goes to the
@@ -156,7 +172,7 @@ class Verdicts:
         """A member's report: a lie only with evidence that proves exactly it; else a suspicion."""
         if accusation.kind != "lie":
             return self.suspect(accusation, accuser)
-        proof = await asyncio.to_thread(prove, accusation.evidence)
+        proof = await self._prove_bounded(accusation.evidence)
         if proof is None or (proof.reducer, proof.round_id, proof.part, proof.step) != \
                 (accusation.accused, accusation.round_id, accusation.part, accusation.step):
             raise Refused("the evidence does not prove that reducer lied in that round and part")

@@ -102,5 +102,11 @@ async def close_after_reply(reader: asyncio.StreamReader, writer: asyncio.Stream
     return closed
 
 
+def printable(text: str, limit: int = 200) -> str:
+    """A peer's text (an error, a reason) as it may go into a log line: printable characters only (no
+    newline or terminal escape to forge lines with), at most ``limit`` of them."""
+    return "".join(ch for ch in text[: 4 * limit] if ch.isprintable())[:limit]
+
+
 __all__ = ["pb", "PROTOCOL_VERSION", "MAX_CHUNK_BYTES", "MAX_FRAME_BYTES", "WireError", "write_frame", "read_frame",
-           "close_after_reply", "LINGER_S"]
+           "close_after_reply", "LINGER_S", "printable"]
