@@ -118,3 +118,32 @@ def test_evidence_recounts_are_bounded_even_when_their_accusations_time_out(monk
 
     asyncio.run(scenario())
     assert verdicts._proving == 0
+
+
+def test_a_leader_busy_with_other_evidence_is_told_again_later(monkeypatch):
+    """Several members report one liar to the leader at once; past its recounts in progress it answers
+    "busy": that report is retried after ``RETRY_REPORT_S``, unlike a refusal that says why."""
+    from lioncub_p2p.swarm import verdicts as verdicts_module
+
+    monkeypatch.setattr(verdicts_module, "RETRY_REPORT_S", 0.05)
+    answers = [(False, verdicts_module.BUSY), (True, "convicted")]
+    sent: list[str] = []
+
+    async def send(to: str, accusation: Accusation) -> tuple[bool, str]:
+        sent.append(to)
+        return answers.pop(0)
+
+    verdicts = Verdicts(ME, Rounds(), send, lambda coro: coro.close(), RateLimitedLog(logging.getLogger("t")))
+    lie = Accusation("lie", REDUCER, ROUND, 1, 7, "flipped", b"evidence")
+
+    async def scenario():
+        await verdicts._report(lie)
+        assert (REDUCER, LEADER) in verdicts._reported  # in flight...
+        await asyncio.sleep(0.2)
+        assert (REDUCER, LEADER) not in verdicts._reported  # ...and, busy, open to a retry
+        await verdicts._report(lie)
+        await asyncio.sleep(0.2)
+        assert (REDUCER, LEADER) in verdicts._reported  # heard this time: not told a third time
+
+    asyncio.run(scenario())
+    assert sent == [LEADER, LEADER]

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 MAX_PROOFS_KEPT = 64  # liars whose evidence this peer keeps to show later leaders
 MAX_PROVING = 2  # members' evidence checked at once (a recount of up to 64 MiB each, in a worker thread)
+BUSY = "busy checking other evidence: try again later"  # the refusal an accuser retries (RETRY_REPORT_S)
 RETRY_REPORT_S = 10.0  # a leader that could not be told about a liar is told again after this
 
 
@@ -60,9 +61,9 @@ class Verdicts:
         accusation stream's timeout cancels the wait, not the recount, so a member uploading evidence
         slowly and often would otherwise stack recounts in the thread pool."""
         if self._proving >= MAX_PROVING:
-            raise Refused("busy checking other evidence: try again later")
-        self._proving += 1
+            raise Refused(BUSY)
         recount = asyncio.get_running_loop().run_in_executor(None, prove, evidence)
+        self._proving += 1
         recount.add_done_callback(self._proved)
         return await asyncio.shield(recount)  # a cancelled wait leaves the recount, and its count, running
 
@@ -156,7 +157,7 @@ class Verdicts:
                 self.spawn(self._report(self._proofs[liar]))
 
     async def _send(self, to: str, accusation: Accusation) -> bool:
-        """Whether ``to`` heard it (took it or said why not)."""
+        """Whether ``to`` heard it (took it or said why not; "busy" is not heard: it is told again)."""
         try:
             taken, note = await self.send(to, accusation)
         except Exception as e:
@@ -166,7 +167,7 @@ class Verdicts:
         logger.info("told %s that %s %s: %s", to, accusation.accused,
                     "lied" if accusation.kind == "lie" else f"is suspect ({accusation.kind})",
                     note if taken else f"refused: {note}")
-        return True
+        return taken or note != BUSY
 
     async def on_accusation(self, accuser: str, accusation: Accusation) -> str:
         """A member's report: a lie only with evidence that proves exactly it; else a suspicion."""
