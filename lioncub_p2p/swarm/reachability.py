@@ -36,7 +36,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from ..wire import PROTOCOL_VERSION, WireError, pb, printable, read_frame, write_frame
-from ..wire.gate import StreamGate, address_bucket, guard
+from ..wire.gate import StreamGate, address_bucket, guard, multiaddr_ip
 
 logger = logging.getLogger(__name__)
 DIALBACK_PROTOCOL = "lioncub/dialback/1"
@@ -57,10 +57,8 @@ class Reachability:
 def observed_ip(maddr: Multiaddr | str | None) -> str | None:
     """The IP of a multiaddr such as /ip4/1.2.3.4/tcp/5 (None if it has none, or if it is a relayed
     stream's: /ip4/R/tcp/p/p2p/Rid/p2p-circuit names the relay's host, which a dial-back must not reach)."""
-    parts = str(maddr or "").split("/")
-    if "p2p-circuit" in parts:
-        return None
-    return parse_ip(parts[2]) if len(parts) > 2 and parts[1] in ("ip4", "ip6") else None
+    ip, relayed = multiaddr_ip(maddr)
+    return None if relayed or ip is None else parse_ip(str(ip))
 
 
 def parse_ip(text: str) -> str | None:

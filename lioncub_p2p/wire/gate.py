@@ -36,21 +36,29 @@ Handler = Callable[[object, asyncio.StreamReader, asyncio.StreamWriter], Awaitab
 WARN_EVERY_S = 60.0  # one warning per refused peer and gate per minute; the rest at debug level
 
 
+def multiaddr_ip(address: object) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address | None, bool]:
+    """The IP a stream's multiaddr starts with (None if it names none), and whether the stream is relayed
+    (``.../p2p-circuit``: then the IP is the relay's)."""
+    parts = str(address or "").split("/")
+    relayed = "p2p-circuit" in parts
+    if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+        return None, relayed
+    try:
+        return ipaddress.ip_address(parts[2]), relayed
+    except ValueError:
+        return None, relayed
+
+
 def address_bucket(address: object) -> str | None:
     """The network address a stream's multiaddr (``/ip4/1.2.3.4/tcp/5``, ``/ip6/...``, a relayed
     ``/ip4/R/tcp/p/p2p/Rid/p2p-circuit``) comes from, as ``StreamGate`` counts it: the IPv4 address, the
     IPv6 /64 (one home or server gets a whole /64; an IPv4-mapped one as IPv4), the relay's for a relayed
     stream; "" for one it cannot read (all such share one bucket); None for loopback (not capped)."""
-    parts = str(address or "").split("/")
-    if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
-        return ""
-    try:
-        ip = ipaddress.ip_address(parts[2])
-    except ValueError:
+    ip, relayed = multiaddr_ip(address)
+    if ip is None:
         return ""
     ip = getattr(ip, "ipv4_mapped", None) or ip  # ::ffff:1.2.3.4 is 1.2.3.4
-    relayed = "p2p-circuit" in parts  # whoever is behind a relay, even one on this host, is no local process
-    if ip.is_loopback and not relayed:
+    if ip.is_loopback and not relayed:  # whoever is behind a relay, even one on this host, is no local process
         return None
     bucket = str(ipaddress.ip_network(f"{ip}/64", strict=False)) if ip.version == 6 else str(ip)
     return f"relay:{bucket}" if relayed else bucket
