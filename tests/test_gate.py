@@ -1,5 +1,6 @@
-"""The stream gate's caps per peer id and per network address (``wire/gate.py``), without a network, and
-the remote address a real libp2p stream hands the gate."""
+"""The stream gate's caps per peer id and per network address (``wire/gate.py``), without a network; the
+remote address a real libp2p stream hands the gate; and the gates of the servers strangers reach first
+(dial-back, state download, probe), driven through their real handlers."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +9,13 @@ from types import SimpleNamespace
 
 from hivemind.p2p import P2P
 
+from lioncub_p2p.aio import BackgroundLoop
+from lioncub_p2p.allreduce.admission import OPEN
+from lioncub_p2p.allreduce.partition import PeerSpec
+from lioncub_p2p.swarm import probe, reachability
+from lioncub_p2p.swarm.membership import GroupHistory, GroupRecord
+from lioncub_p2p.swarm.state_sync import StateSync
+from lioncub_p2p.wire import HEADER_BYTES, PROTOCOL_VERSION, pb
 from lioncub_p2p.wire.gate import StreamGate, address_bucket, guard
 
 
@@ -86,3 +94,119 @@ def test_a_libp2p_stream_hands_its_handler_the_remote_address():
     seen = asyncio.run(scenario())
     assert len(seen) == 1 and seen[0].startswith("/ip4/127.0.0.1/"), seen
     assert address_bucket(seen[0]) is None  # loopback: exempt
+
+
+class _Handlers:
+    """A P2P stand-in that keeps the stream handlers a server registers."""
+
+    def __init__(self):
+        self.handlers = {}
+
+    async def add_binary_stream_handler(self, protocol, handler) -> None:
+        self.handlers[protocol] = handler
+
+
+class _Stream:
+    """One incoming stream: its caller (id, multiaddr), what it sends, and what it was answered."""
+
+    def __init__(self, peer_id: str, addr: str, sent: bytes | None):
+        self.info = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: peer_id), addr=addr)
+        self.reader = asyncio.StreamReader()
+        if sent is not None:  # None: a caller that opens the stream and says nothing
+            self.reader.feed_data(sent)
+            self.reader.feed_eof()
+        self.answer, self.closed = b"", False
+
+    def write(self, data: bytes) -> None:
+        self.answer += data
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def error(self) -> str:
+        return pb.DialbackAnswer.FromString(self.answer[HEADER_BYTES:]).error if self.answer else "<no answer>"
+
+
+def test_dialback_serves_two_streams_per_address_and_counts_only_valid_requests_against_its_budget(monkeypatch):
+    """The dial-back server (``reachability.serve_dialback``): a third stream from one address is closed
+    unanswered while two are open; requests that are not valid cost the caller's address nothing; valid
+    ones draw on its budget until it answers busy, while another address is still served."""
+    dialed: list[tuple[str, int]] = []
+
+    async def dial(ip: str, port: int, nonce: bytes) -> bool:
+        dialed.append((ip, port))
+        return True
+
+    monkeypatch.setattr(reachability, "_dial_and_send", dial)
+    monkeypatch.setattr(reachability, "PER_IP_RATE", 0.0)  # no refill: the budget is the burst
+
+    def request(port: int) -> bytes:
+        body = pb.DialbackRequest(version=PROTOCOL_VERSION, port=port, nonce=b"n" * 16).SerializeToString()
+        return len(body).to_bytes(HEADER_BYTES, "big") + body
+
+    async def scenario() -> None:
+        p2p = _Handlers()
+        await reachability.serve_dialback(p2p)
+        handle = p2p.handlers[reachability.DIALBACK_PROTOCOL]
+        host, other = "/ip4/203.0.113.7/tcp/4001", "/ip4/198.51.100.9/tcp/4001"
+        silent = [_Stream(f"quiet{i}", host, None) for i in range(2)]
+        waiting = [asyncio.create_task(handle(s.info, s.reader, s)) for s in silent]
+        await asyncio.sleep(0.05)
+        third = _Stream("third", host, request(5000))
+        await handle(third.info, third.reader, third)
+        assert third.closed and third.answer == b"" and not dialed  # closed before a byte was read
+        elsewhere = _Stream("elsewhere", other, request(5000))
+        await handle(elsewhere.info, elsewhere.reader, elsewhere)
+        assert elsewhere.error() == "" and dialed == [("198.51.100.9", 5000)]
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+        for i in range(int(reachability.PER_IP_BURST) * 2):  # bad ports: answered, never counted
+            bad = _Stream(f"bad{i}", host, request(80))
+            await handle(bad.info, bad.reader, bad)
+            assert bad.error().startswith("bad request"), bad.error()
+        answers = []
+        for i in range(int(reachability.PER_IP_BURST) + 1):
+            s = _Stream(f"caller{i}", host, request(5000 + i))
+            await handle(s.info, s.reader, s)
+            answers.append(s.error())
+        assert answers[:-1] == [""] * int(reachability.PER_IP_BURST) and answers[-1].startswith("busy"), answers
+        late = _Stream("late", other, request(6000))
+        await handle(late.info, late.reader, late)
+        assert late.error() == ""  # one address's budget is its own
+
+    asyncio.run(scenario())
+
+
+def test_the_state_server_caps_strangers_per_address_but_not_members_of_this_peers_groups():
+    """``StateSync``'s download gate: strangers behind one address share two streams; a member of a
+    group this peer keeps is counted by its id only (several members behind one NAT download at once)."""
+    history = GroupHistory()
+    history.add(GroupRecord(1, 0, (PeerSpec("me"), PeerSpec("mate1"), PeerSpec("mate2"))))
+    loop = BackgroundLoop("gate-test")
+    try:
+        sync = StateSync(p2p=None, loop=loop, run_id="r", peer_id="me", admission=OPEN,
+                         upkeep=SimpleNamespace(history=history), liars=dict, max_uploads=1, join_timeout=5.0,
+                         round_bound=5.0)
+    finally:
+        loop.stop()
+    gate, nat = sync.server.gate, "/ip4/203.0.113.7/tcp/4001"
+    strangers = [gate.enter(f"stranger{i}", nat) for i in range(4)]
+    assert sum(r is not None for r in strangers) == 2
+    mates = [gate.enter(pid, nat) for pid in ("mate1", "mate1", "mate2", "mate2")]
+    assert all(r is not None for r in mates)  # members: 2 each by id, whatever the address holds
+    assert gate.enter("mate1", nat) is None  # ...and no more than that
+
+
+def test_the_probe_server_takes_one_probe_per_address():
+    async def gate() -> StreamGate:
+        return await probe.serve_probe(_Handlers())
+
+    probes = asyncio.run(gate())
+    held = [probes.enter(f"id{i}", "/ip4/203.0.113.7/tcp/1") for i in range(3)]
+    assert sum(r is not None for r in held) == 1
+    assert probes.enter("another", "/ip6/2001:db8::1/tcp/1") is not None
