@@ -30,6 +30,11 @@ class Rounds:
     def latest(self):
         return GROUP
 
+    def accusation_header(self, accuser, accusation, evidence_bytes):
+        if self.round_of(accusation.round_id, accusation.step, accusation.part, accusation.accused) is None:
+            raise Refused("not a recent round of this peer's groups")
+        return 1 << 22
+
 
 def _verdicts() -> tuple[Verdicts, list[tuple[str, Accusation]]]:
     sent: list[tuple[str, Accusation]] = []
@@ -147,3 +152,58 @@ def test_a_leader_busy_with_other_evidence_is_told_again_later(monkeypatch):
 
     asyncio.run(scenario())
     assert sent == [LEADER, LEADER]
+
+
+def test_a_member_busy_with_recounts_says_so_before_the_evidence_is_uploaded(monkeypatch):
+    """Over a real stream (``AccuseServer`` behind ``Verdicts.on_header``): while ``MAX_PROVING`` recounts
+    run, a lie's header is answered "busy" before READY, so the accuser never uploads its evidence (up
+    to 64 MiB) only to hear "busy" after it; once a slot is free the evidence is read and recounted."""
+    import threading
+
+    from hivemind.p2p import P2P
+
+    from lioncub_p2p.swarm import verdicts as verdicts_module
+    from lioncub_p2p.swarm.accuse import AccuseServer, send_accusation
+
+    release = threading.Event()
+
+    def slow_prove(evidence):
+        release.wait(10)
+        return None
+
+    monkeypatch.setattr(verdicts_module, "prove", slow_prove)
+    verdicts, _ = _verdicts()
+    lie = Accusation("lie", REDUCER, ROUND, 1, 7, "flipped", b"e" * (1 << 20))
+    read: list[int] = []  # evidence bytes the server took in
+
+    async def on_accusation(accuser: str, accusation: Accusation) -> str:
+        read.append(len(accusation.evidence))
+        return await verdicts.on_accusation(accuser, accusation)
+
+    async def scenario() -> list[tuple[bool, str]]:
+        member = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        accuser = await P2P.create(initial_peers=[str(m) for m in await member.get_visible_maddrs()],
+                                   host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        answers = []
+        try:
+            await AccuseServer(member, verdicts.on_header, on_accusation, lambda pid: True).start()
+            held = [asyncio.create_task(verdicts.on_accusation(OTHER, _accusation("lie")))
+                    for _ in range(verdicts_module.MAX_PROVING)]
+            await asyncio.sleep(0.1)
+            answers.append(await send_accusation(accuser, member.peer_id.to_base58(), lie, timeout=20))
+            release.set()
+            await asyncio.gather(*held, return_exceptions=True)
+            for _ in range(100):
+                if verdicts._proving == 0:
+                    break
+                await asyncio.sleep(0.02)
+            answers.append(await send_accusation(accuser, member.peer_id.to_base58(), lie, timeout=20))
+            return answers
+        finally:
+            release.set()
+            await asyncio.gather(member.shutdown(), accuser.shutdown())
+
+    busy, recounted = asyncio.run(scenario())
+    assert busy == (False, verdicts_module.BUSY)
+    assert not recounted[0] and "does not prove" in recounted[1], recounted
+    assert read == [1 << 20]  # only the second upload was read: the busy answer came before READY

@@ -231,7 +231,7 @@ class Swarm:
         self.end = RunEnd(peer_id=self.peer_id, loop=self.loop, upkeep=self.upkeep, state=self.state,
                           refresh_period=config.refresh_period)
         self.admit_server = AdmitServer(self.p2p, self.admission, self.upkeep.admitted.add)
-        self.accuse_server = AccuseServer(self.p2p, self.book.accusation_header, self.verdicts.on_accusation,
+        self.accuse_server = AccuseServer(self.p2p, self.verdicts.on_header, self.verdicts.on_accusation,
                                           self.book.is_member)
         self.notices = GroupNoticeServer(self.p2p, config.run_id, self.directory.verifier, self.book.is_member,
                                          lambda group: self.upkeep.consider([group], "pushed"), self.log)

@@ -37,6 +37,10 @@ class RoundLookup(Protocol):
     def step_of(self, round_id: bytes) -> int | None:
         """The step of one of this peer's own recent rounds."""
 
+    def accusation_header(self, accuser: str, accusation: Accusation, evidence_bytes: int) -> int:
+        """Before any evidence is read: raises Refused unless it names a recent round of this peer's
+        groups and another of its members; else the most evidence bytes that round can produce."""
+
     def latest(self) -> GroupRecord | None:
         """The newest group this peer follows."""
 
@@ -168,6 +172,15 @@ class Verdicts:
                     "lied" if accusation.kind == "lie" else f"is suspect ({accusation.kind})",
                     note if taken else f"refused: {note}")
         return taken or note != BUSY
+
+    def on_header(self, accuser: str, accusation: Accusation, evidence_bytes: int) -> int:
+        """An accusation's header, before its evidence travels (``AccuseServer``): the round's checks, and
+        "busy" while ``MAX_PROVING`` recounts run, said before the accuser uploads up to 64 MiB rather
+        than after. (A recount that starts during the upload can still make it busy after.)"""
+        bound = self.rounds.accusation_header(accuser, accusation, evidence_bytes)
+        if accusation.kind == "lie" and self._proving >= MAX_PROVING:
+            raise Refused(BUSY)
+        return bound
 
     async def on_accusation(self, accuser: str, accusation: Accusation) -> str:
         """A member's report: a lie only with evidence that proves exactly it; else a suspicion."""
