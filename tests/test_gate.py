@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from hivemind.p2p import P2P
 
 from lioncub_p2p.aio import BackgroundLoop
-from lioncub_p2p.allreduce.admission import OPEN
+from lioncub_p2p.allreduce.admission import OPEN, Admission
 from lioncub_p2p.allreduce.partition import PeerSpec
 from lioncub_p2p.swarm import probe, reachability
 from lioncub_p2p.swarm.membership import GroupHistory, GroupRecord
@@ -210,3 +210,46 @@ def test_the_probe_server_takes_one_probe_per_address():
     held = [probes.enter(f"id{i}", "/ip4/203.0.113.7/tcp/1") for i in range(3)]
     assert sum(r is not None for r in held) == 1
     assert probes.enter("another", "/ip6/2001:db8::1/tcp/1") is not None
+
+
+def test_a_probe_tells_a_refused_token_from_a_member_whose_slots_are_taken():
+    """Preflight fails on a refused run token and only warns when a member is busy: a probe over the
+    gate's cap (here the caller's own second stream; on the internet, another volunteer behind the same
+    NAT) is closed unanswered and reads as busy, a wrong token as denied (before, both closed unanswered
+    and preflight told the volunteer to check its run secret)."""
+    async def scenario() -> list[str]:
+        member = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        caller = await P2P.create(initial_peers=[str(m) for m in await member.get_visible_maddrs()],
+                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        private = Admission(run_id="r", secret=b"the run's secret")
+        target, token = member.peer_id.to_base58(), private.token(caller.peer_id.to_base58())
+        outcomes: list[str] = []
+
+        async def probe_once(token: bytes) -> None:
+            try:
+                up, down = await asyncio.wait_for(probe.measure(caller, target, nbytes=64 << 10, token=token), 20)
+                outcomes.append("ok" if up > 0 and down > 0 else "zero")
+            except (probe.ProbeBusy, probe.ProbeDenied) as e:
+                outcomes.append(type(e).__name__)
+
+        async def until(condition) -> None:
+            for _ in range(200):
+                if condition():
+                    return
+                await asyncio.sleep(0.02)
+
+        try:
+            gate = await probe.serve_probe(member, admission=private)
+            await probe_once(b"\0" * len(token))
+            await until(lambda: gate.open_total == 0)
+            _, _, held = await caller.call_binary_stream_handler(member.peer_id, probe.PROBE_PROTOCOL)
+            await until(lambda: gate.open_total == 1)
+            await probe_once(token)
+            held.close()
+            await until(lambda: gate.open_total == 0)
+            await probe_once(token)
+            return outcomes
+        finally:
+            await asyncio.gather(member.shutdown(), caller.shutdown())
+
+    assert asyncio.run(scenario()) == ["ProbeDenied", "ProbeBusy", "ok"]

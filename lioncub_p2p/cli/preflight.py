@@ -6,14 +6,13 @@ secret, an open run one with a secret) and this peer's flags agree with the run'
 failed check with a non-zero exit; whether peers can dial this machine (the coordinators dial it
 back, the same check lioncub-train makes before joining: dialable, or it will join in client mode),
 and the exact flags to change; the upload and download bandwidth to a member of the run's group (a
-timed 4 MiB probe each way, only to members: the probe carries the run token; a refused probe is a
-failed check); the compute time of one step of the run's task here; and the role this link puts the
+timed 4 MiB probe each way, only to members: the probe carries the run token; a refused token is a
+failed check, a member that is busy or closes the probe unanswered a warning and the next member); the compute time of one step of the run's task here; and the role this link puts the
 peer in at the group's current pace (voter, follower, or behind: ``swarm/follow.py``). Exit code 0:
 ready.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 
@@ -23,7 +22,7 @@ from ..swarm import AdmissionRefused, Manifest, SettingsMismatch, Swarm, SwarmCo
 from ..swarm.membership import GroupRecord, PeerRecord
 from ..swarm.config import LISTEN_ALL
 from ..swarm.follow import link_role
-from ..swarm.probe import ProbeBusy, measure
+from ..swarm.probe import ProbeBusy, ProbeDenied, measure
 from ..swarm.reachability import ListenPlan
 from .addresses import PUBLIC_PORT_ADVICE, dialable_from_outside, scope
 
@@ -136,8 +135,8 @@ def preflight(config: SwarmConfig, task_for: Callable[[Manifest], tuple]) -> int
                 break
             except ProbeBusy as e:
                 print(f"  [WARN] {e}")
-            except (ConnectionError, asyncio.IncompleteReadError) as e:
-                refusals.append(f"{pid[:12]}… ({type(e).__name__})")  # a member closes a probe it refuses, unanswered
+            except ProbeDenied:
+                refusals.append(f"{pid[:12]}…")
             except Exception as e:
                 print(f"  [WARN] probe to {pid[:12]}… failed: {type(e).__name__}: {e}")
         if refusals and up is None:

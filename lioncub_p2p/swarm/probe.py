@@ -1,15 +1,18 @@
 """A bandwidth probe every swarm member answers, for volunteers' preflight checks.
 
 ``lioncub/probe/2``: the caller sends a ``ProbeRequest`` (how many bytes it will send, how many it
-wants back, each at most 8 MiB); the member answers one status byte (``GO``, or ``BUSY`` and closes),
-the caller then sends that many bytes, and the member reads and discards them, block by block, and
+wants back, each at most 8 MiB); the member answers one status byte (``GO``; ``BUSY`` or ``DENIED``, a
+token this run does not admit, and closes), the caller then sends that many bytes, and the member reads and discards them, block by block, and
 answers with the requested bytes. Both directions are timed by the caller.
 
 A probe costs the member at most one 64 KiB block of memory and ``PROBE_DEADLINE_S`` of time, and a
 member serves ``MAX_PROBES`` at once, one per caller: probes cannot grow a trainer or crowd it. Nor can
 they take its link: all probes together spend a ``ProbeBudget`` of bytes (a burst of
 ``BUDGET_BYTES``, refilled at ``BUDGET_BYTES_PER_S``, about 1 Mbit/s), since peer ids cost a stranger
-nothing; past it a member answers ``BUSY`` and the caller asks another member.
+nothing; past it a member answers ``BUSY`` and the caller asks another member. A stream over the
+gate's caps (one per caller and per address) is closed before a byte is read: the caller hears nothing,
+which ``measure`` reports as busy, never as a refused token (another volunteer behind the same NAT
+probing at the same time is not a wrong run secret).
 """
 from __future__ import annotations
 
@@ -30,11 +33,15 @@ FIRST_FRAME_S = 5.0
 PROBE_DEADLINE_S = 120.0  # 2 x 8 MiB at ~1.1 Mbit/s
 BUDGET_BYTES = 4 * MAX_PROBE_BYTES  # two of the largest probes at once, or four preflights (4 MiB each way)
 BUDGET_BYTES_PER_S = 128 << 10  # ~1 Mbit/s: one preflight's probe a minute, sustained
-GO, BUSY = b"\x00", b"\x01"
+GO, BUSY, DENIED = b"\x00", b"\x01", b"\x02"
 
 
 class ProbeBusy(Exception):
-    """The member's probe budget is spent for now (other callers probed it): ask another member."""
+    """The member cannot take this probe now (its budget or its slots are taken): ask another member."""
+
+
+class ProbeDenied(Exception):
+    """The member does not admit this peer's run token (a wrong or missing run secret, or not allow-listed)."""
 
 
 class ProbeBudget:
@@ -83,13 +90,15 @@ async def serve_probe(p2p: P2P, admission: Admission = OPEN, budget: ProbeBudget
     async def handle(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             req, _ = await asyncio.wait_for(read_frame(reader, pb.ProbeRequest, 1024), FIRST_FRAME_S)
-            if req is None or admission.reason(info.peer_id.to_base58(), req.token):
+            if req is None:
                 return
             if req.upload_bytes > MAX_PROBE_BYTES or req.download_bytes > MAX_PROBE_BYTES:
                 raise WireError("probe larger than 8 MiB")
-            if not budget.spend(req.upload_bytes + req.download_bytes):
-                writer.write(BUSY)
+            denied = admission.reason(info.peer_id.to_base58(), req.token)
+            if denied or not budget.spend(req.upload_bytes + req.download_bytes):
+                writer.write(DENIED if denied else BUSY)  # said, so a caller tells a wrong secret from a full member
                 await writer.drain()
+                await close_after_reply(reader, writer)  # a status closed at once can be lost (QUIC)
                 return
             writer.write(GO)
             moved = [0]  # charged as the bytes move: a caller that reads GO and leaves spends nothing
@@ -106,13 +115,21 @@ async def serve_probe(p2p: P2P, admission: Admission = OPEN, budget: ProbeBudget
 
 
 async def measure(p2p: P2P, peer_id: str, *, nbytes: int = 4 << 20, token: bytes = b"") -> tuple[float, float]:
-    """(upload, download) in Mbit/s between this peer and ``peer_id``. Raises ``ProbeBusy`` when the
-    member's probe budget is spent, a ConnectionError or IncompleteReadError when it refused us."""
+    """(upload, download) in Mbit/s between this peer and ``peer_id``. Raises ``ProbeDenied`` when the
+    member refuses this peer's token, ``ProbeBusy`` when its probe budget is spent or it closed the
+    stream unanswered (its slots were taken), ConnectionError or IncompleteReadError when a probe broke off."""
     _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), PROBE_PROTOCOL)
     try:
         await write_frame(writer, pb.ProbeRequest(version=PROTOCOL_VERSION, upload_bytes=nbytes, download_bytes=nbytes,
                                                   token=token))
-        if await reader.readexactly(1) != GO:
+        try:
+            status = await reader.readexactly(1)
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise ProbeBusy(f"{peer_id[:12]}… closed the probe unanswered ({type(e).__name__}: its probe slots are "
+                            "taken, one per address): ask another member, or again in a minute") from e
+        if status == DENIED:
+            raise ProbeDenied(f"{peer_id[:12]}… does not admit this peer's run token")
+        if status != GO:
             raise ProbeBusy(f"{peer_id[:12]}… answered probes of others in the last minutes (its probe budget is "
                             "spent): ask another member, or again in a minute")
         started = time.perf_counter()
