@@ -806,8 +806,22 @@ def test_state_tags_reach_consensus(odd_swarm):
     codes = _codes("sign", 3, 8 * 900, seed=10)
     odd_swarm.allreduce(codes, tags=[b"good", b"bad!", b"good"])
     for report in odd_swarm.reports:
-        tag, votes = report.consensus_tag()
-        assert tag == b"good" and votes == 2 * 3  # two voters agree, in each of the three parts
+        assert report.tag_majority() == (b"good", 2 * 3, 3 * 3)  # two of three voters, in each of three parts
+
+
+def test_parts_split_one_to_one_make_no_tag_majority():
+    """Each part counted two voters whose tags differ: its result names the smaller tag, held by 1 of its 2
+    votes. Summed over three parts that is 3 of 6 votes, no majority: nobody repairs toward it (the old
+    count, of the named tags' votes alone, said "3 of 3", and the honest peers downloaded a perturbed state)."""
+    from lioncub_p2p.allreduce.round import PartReport, RoundReport
+
+    split = [PartReport(k, k, 0, 1, "ok", counted=[k, 2], tag=b"A-perturbed", tag_votes=1) for k in range(2)]
+    split.append(PartReport(2, 2, 0, 1, "ok", counted=[0, 2], tag=b"A-perturbed", tag_votes=1))
+    assert RoundReport("r", 15, 0, split).tag_majority() == (b"", 3, 6)
+    full = [PartReport(k, k, 0, 1, "ok", counted=[0, 1, 2], tag=b"honest", tag_votes=2) for k in range(3)]
+    assert RoundReport("r", 15, 2, full + split[:1]).tag_majority() == (b"honest", 6, 11)
+    missing = [PartReport(0, 0, 0, 1, "missing", counted=[0, 1, 2], tag=b"x", tag_votes=3)]
+    assert RoundReport("r", 15, 0, missing).tag_majority() == (b"", 0, 0)  # only parts received count
 
 
 def test_a_lying_reducer_is_caught_by_unpredictable_audits():

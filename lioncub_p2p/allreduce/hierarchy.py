@@ -168,10 +168,9 @@ def group_tag(tag: bytes, votes: int, counted: int, combined: RoundReport) -> tu
     (``tag``, held by ``votes`` of the ``counted`` voters), unless most groups hold another state (each
     reducer votes its group's tag in the combine round): then that tag, as if every voter of the group
     had sent it, so every voter of a group that diverged as a whole repairs (the flat round's check,
-    ``RoundReport.consensus_tag``, only compares a voter with its own group)."""
-    across, groups = combined.consensus_tag()
-    every = sum(p.tag_votes for p in combined.parts if p.status in ("ok", "recovered"))
-    if across and across != tag and 2 * groups > every:
+    ``RoundReport.tag_majority``, only compares a voter with its own group)."""
+    across, _, _ = combined.tag_majority()
+    if across and across != tag:
         return across, counted
     return tag, votes
 

@@ -298,14 +298,23 @@ class RoundReport:
         others = [p for p in self.parts if p.status != "empty" and p.reducer != self.peer]
         return bool(others) and 2 * sum(p.other_group for p in others) > len(others)
 
-    def consensus_tag(self) -> tuple[bytes, int]:
-        """The state tag most voters sent, summed over the parts this peer received, and its votes."""
+    def tag_majority(self) -> tuple[bytes, int, int]:
+        """(tag, its votes, every vote counted) over the parts this peer received: the state tag most
+        voters sent, summed over the parts, against all the votes those parts counted; the tag is b""
+        unless it holds more than half of them. A part's result names only its most common tag (a tie
+        by byte order) and how many sent it: its other counted voters sent other tags. Measured against
+        the named tags' votes alone, parts that each counted two voters apart made one of them "3 of 3"
+        by byte order, and the honest peers repaired toward a perturbed one."""
         votes: dict[bytes, int] = {}
+        every = 0
         for p in self.parts:
-            if p.status in ("ok", "recovered") and p.tag_votes:
-                votes[p.tag] = votes.get(p.tag, 0) + p.tag_votes
+            if p.status in ("ok", "recovered"):
+                every += len(p.counted)
+                if p.tag_votes:
+                    votes[p.tag] = votes.get(p.tag, 0) + p.tag_votes
         if not votes:
-            return b"", 0
-        return min(votes.items(), key=lambda kv: (-kv[1], kv[0]))
+            return b"", 0, every
+        tag, held = min(votes.items(), key=lambda kv: (-kv[1], kv[0]))
+        return (tag if 2 * held > every else b""), held, every
 
 

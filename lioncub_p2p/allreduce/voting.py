@@ -41,7 +41,7 @@ class VotingMixin:
         ``one_at_a_time``: recover missing parts as a follower does (a follower's probe vote).
 
         ``tag`` (≤ 32 bytes, e.g. a digest of this peer's parameters) travels with the votes; each
-        reducer returns the most common tag of the voters it counted (``RoundReport.consensus_tag``).
+        reducer returns the most common tag of the voters it counted (``RoundReport.tag_majority``).
 
         The update is packed uint8 (nbytes,) for a complete majority result, else float32
         (nbytes*8,) with zeros in parts nobody received (bf16 rounds: values, NaN where missing).

@@ -109,6 +109,7 @@ class Swarm:
     follow = _from_rounds("follow")
     repairs = _from_rounds("repairs")
     skips = _from_rounds("skips")
+    rejoins = _from_rounds("rejoins")
     missed_rounds = _from_rounds("missed_rounds")
     last_report = _from_rounds("last_report")
     stranded = _from_rounds("stranded")

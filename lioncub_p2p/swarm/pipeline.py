@@ -106,6 +106,7 @@ class VotePipeline:
         self.stats = StepStats()
         self.repairs = 0
         self.skips = 0  # state downloads of a follower that fell out of the group's kept rounds
+        self.rejoins = 0  # state downloads after this peer found itself dropped from the group
         self._skip_failures = 0
         self.follow = FollowRule()  # vote, or only receive results when this peer's votes come too late
         self.missed_rounds = 0
@@ -162,6 +163,7 @@ class VotePipeline:
             logger.warning("step %d: this peer is not in the group (dropped after a stall?): rejoining", step)
             try:
                 self.rejoin()
+                self.rejoins += 1
             except Exception as e:  # keep the training loop alive; the next step tries again
                 logger.warning("rejoining failed: %s", e)
                 self.check_stranded(step)
@@ -232,11 +234,10 @@ class VotePipeline:
             return self.skip_ahead(step, group, r)
         if self.settings.delay:  # what the step waited for: the part of the round that compute did not hide
             self.stats.wait_s = time.perf_counter() - blocked
-        consensus, votes = report.consensus_tag()
-        all_votes = sum(p.tag_votes for p in report.parts if p.status in ("ok", "recovered"))
-        if votes * 2 > all_votes and consensus != tag:
+        consensus, votes, every = report.tag_majority()
+        if consensus and consensus != tag:
             logger.warning("step %d: parameters differ from %d of %d votes: repairing from a peer", step, votes,
-                           all_votes)
+                           every)
             # a two-level group may have diverged as a whole: its own members are the last donors asked
             own = [m.peer_id for m in r.spec.group] if r.spec.combine else []
             try:  # from a peer past the step in progress (overlapped: the next one, whose vote is out)
