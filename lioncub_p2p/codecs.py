@@ -227,6 +227,13 @@ def is_values(codec: object) -> bool:
     return isinstance(codec, (Bf16Upload, Fp8Upload))
 
 
+def signed_max(codec: ValuesUpload, codes: torch.Tensor) -> float:
+    """The largest |value| ``codes`` decode to (0 for none): the bound a voter signs for its part of a
+    momentum round, which its reducer checks and a trimmed mean of two clips by."""
+    values = codec.decode(codes)
+    return float(values.abs().max()) if values.numel() else 0.0
+
+
 class FloatTally:
     """Each voter's values of one part, decoded into rows so robust rules can look at all of them,
     and its bytes as received (what audits open)."""

@@ -10,7 +10,7 @@ from collections.abc import Collection
 import numpy as np
 import torch
 
-from ..codecs import FloatTally, is_values, unpack_planes
+from ..codecs import FloatTally, is_values, signed_max, unpack_planes
 from ..wire import WireError, pb
 from .commit import MAX_TAG_BYTES, MerkleTree, build_header, leaf_bytes
 from .round import PartResult, RoundSpec
@@ -88,8 +88,7 @@ class PartReduction:
         if not last and length % 8:
             raise WireError(f"a non-final chunk of {length} bytes is not a multiple of 8")
         if voter in self.statements and is_values(self.spec.upload) and length % self.spec.upload.align == 0:
-            values = self.spec.upload.decode(codes)
-            if values.numel() and float(values.abs().max()) > self.statements[voter].max_abs:
+            if signed_max(self.spec.upload, codes) > self.statements[voter].max_abs:
                 raise WireError(f"values above the bound {self.statements[voter].max_abs} the voter signed")
         if self.spec.margin_caps:
             self._check_margins(voter, codes)

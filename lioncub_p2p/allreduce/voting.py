@@ -21,7 +21,7 @@ import time
 import torch
 from hivemind.p2p import PeerID
 
-from ..codecs import is_values
+from ..codecs import is_values, signed_max
 from ..wire import PROTOCOL_VERSION, WireError, pb, read_frame, write_frame
 from .assembly import assemble
 from .audit import check_statements, decoded, value_bound
@@ -162,8 +162,7 @@ class VotingMixin:
         a, b = spec.bounds[j]
         max_abs = 0.0  # a second level's margins are bounded by their codec
         if is_values(spec.upload):
-            values = spec.upload.decode(upload[0, a:b])
-            max_abs = float(values.abs().max()) if values.numel() else 0.0
+            max_abs = signed_max(spec.upload, upload[0, a:b])
         signature = self.identity.sign(statement_signed_bytes(spec.round_id, j, root, max_abs))
         return pb.VoterStatement(root=root, max_abs=max_abs, signature=signature, public_key=self.identity.public_key)
 

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..codecs import (AverageResult, pack_planes, reduce_votes, result_codec, unpack_planes, upload_codec,
-                      wire_bits_per_element)
+from ..codecs import (AverageResult, pack_planes, reduce_votes, result_codec, signed_max, unpack_planes,
+                      upload_codec, wire_bits_per_element)
 from ..momentum import MomentumSchedule, average_in_process
 from ..optim import LionCub
 from ..tasks import BUILTIN, TaskError
@@ -187,7 +187,7 @@ def average_momenta(momenta: list[list[tuple[str, torch.Tensor]]], schedule: Mom
         for voter, (_, m) in enumerate(buffers):
             encoded = codec.encode(m.view(-1)[lo:hi])
             tally.add(voter, encoded, 0)
-            bounds.append(float(codec.decode(encoded).abs().max()) if numel else 0.0)  # what a voter signs
+            bounds.append(signed_max(codec, encoded))
         wire = tally.encode(reducer, list(range(len(buffers))), seed=0, step=0, offset=0, bounds=bounds)
         mean = reducer.decode(wire, 8 * nbytes, len(buffers), codec=codec)[:numel]
         for _, m in buffers:

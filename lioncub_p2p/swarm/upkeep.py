@@ -184,7 +184,7 @@ class Upkeep:
         try:
             now, dht_now = time.monotonic(), get_dht_time()
             kept, stalled = set(group.member_ids()), self.stalls.stalled(now=now)
-            suspects = set(self.verdicts.suspects()) | set(self.verdicts.liars)
+            suspects = self.verdicts.suspects()  # proven liars among them
             recent = DROP_AFTER_S + 2 * self.refresh_period
             for pid in before.member_ids():
                 record = self.records.get(pid)
