@@ -233,10 +233,11 @@ def test_a_probe_tells_a_refused_token_from_a_member_whose_slots_are_taken():
                 outcomes.append(type(e).__name__)
 
         async def until(condition) -> None:
-            for _ in range(200):
+            for _ in range(500):
                 if condition():
                     return
                 await asyncio.sleep(0.02)
+            raise AssertionError(f"the probe gate still holds {gate.open_total} stream(s) after 10 s")
 
         try:
             gate = await probe.serve_probe(member, admission=private)

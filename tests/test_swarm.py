@@ -522,7 +522,7 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
             out.setdefault("joined_in_flight", {})[i] = opt.in_flight is not None
             x, y = task.shard(i, len(swarms))
             gen = torch.Generator().manual_seed(i)
-            repairs_before, rejoins_before, repair_steps = 0, 0, out["repair_steps"].setdefault(i, [])
+            repairs_before, rejoins_before, skips_before, repair_steps = 0, 0, 0, out["repair_steps"].setdefault(i, [])
             while opt.step_count < steps:
                 if stall and stall[1] == opt.step_count \
                         and (stall[0](i, swarm) if callable(stall[0]) else stall[0] == i):
@@ -530,7 +530,7 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
                     time.sleep(stall[2])
                 if perturb and opt.step_count == perturb[1]:
                     repairs_before = swarm.repairs  # counted from the perturbed step on (a start-up race may repair)
-                    rejoins_before = swarm.rejoins
+                    rejoins_before, skips_before = swarm.rejoins, swarm.skips
                     repair_steps.clear()
                     if perturb[0](i, swarm) if callable(perturb[0]) else perturb[0] == i:
                         with torch.no_grad():
@@ -571,7 +571,7 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
                       snapshot.encode(opt)[1])
             out.setdefault("repairs", {})[i] = swarm.repairs
             out.setdefault("rejoins", {})[i] = swarm.rejoins - rejoins_before  # since the perturbation
-            out.setdefault("skips", {})[i] = swarm.skips
+            out.setdefault("skips", {})[i] = swarm.skips - skips_before
         except Exception as e:  # surfaced by the assertions below
             errors.append(e)
 
@@ -668,6 +668,7 @@ def test_an_overlapped_peer_whose_last_round_shows_it_diverged_repairs_inside_th
     # repair first waited out the whole download bound (120 s and more) for a step nobody reaches
     replaced = out[2][2] + out["final_repairs"][2] + out["rejoins"][2] + out["skips"][2]
     assert replaced >= 1, (out[2][2], out["final_repairs"], out["rejoins"], out["skips"])
+    assert not _repaired_in(out, [0, 1], 15, 16), out["repair_steps"]  # nobody took the perturbed state
     assert out["settle_s"][2] < 60, out["settle_s"]
 
 

@@ -163,14 +163,15 @@ def two_level_specs(round_id: bytes, step: int, layout: TwoLevelLayout, nbytes: 
     return specs
 
 
-def group_tag(tag: bytes, votes: int, counted: int, combined: RoundReport) -> tuple[bytes, int]:
-    """The state tag a group's reducer puts in its part's result after the second level: its group's
-    (``tag``, held by ``votes`` of the ``counted`` voters), unless most groups hold another state (each
-    reducer votes its group's tag in the combine round): then that tag, as if every voter of the group
-    had sent it, so every voter of a group that diverged as a whole repairs (the flat round's check,
-    ``RoundReport.tag_majority``, only compares a voter with its own group)."""
-    across, _, _ = combined.tag_majority()
-    if across and across != tag:
+def group_tag(tag: bytes, votes: int, counted: int, combined: RoundReport, groups: int) -> tuple[bytes, int]:
+    """The state tag a group's reducer puts in its part's result after the second level: the state the
+    ``groups`` groups settle on (each reducer votes its group's tag in the combine round,
+    ``RoundReport.tag_majority``), as if every voter of the group had sent it: every voter of a group
+    that diverged as a whole repairs, and so does a member that diverged alone in a group of two (its
+    group's parts say 1 of 2, which decides nothing there). Where the groups settle on none, its group's
+    (``tag``, held by ``votes`` of the ``counted`` voters)."""
+    across, _, _ = combined.tag_majority(groups)
+    if across:
         return across, counted
     return tag, votes
 

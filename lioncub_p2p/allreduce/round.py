@@ -1,6 +1,7 @@
 """What every peer of a round must agree on, the knobs, and the round's report."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ..codecs import Bf16Upload, Fp8Upload, MajorityResult, ResultCodec, SignUpload, UploadCodec, is_values
@@ -298,23 +299,28 @@ class RoundReport:
         others = [p for p in self.parts if p.status != "empty" and p.reducer != self.peer]
         return bool(others) and 2 * sum(p.other_group for p in others) > len(others)
 
-    def tag_majority(self) -> tuple[bytes, int, int]:
-        """(tag, its votes, every vote counted) over the parts this peer received: the state tag most
-        voters sent, summed over the parts, against all the votes those parts counted; the tag is b""
-        unless it holds more than half of them. A part's result names only its most common tag (a tie
-        by byte order) and how many sent it: its other counted voters sent other tags. Measured against
-        the named tags' votes alone, parts that each counted two voters apart made one of them "3 of 3"
-        by byte order, and the honest peers repaired toward a perturbed one."""
-        votes: dict[bytes, int] = {}
-        every = 0
-        for p in self.parts:
-            if p.status in ("ok", "recovered"):
-                every += len(p.counted)
-                if p.tag_votes:
-                    votes[p.tag] = votes.get(p.tag, 0) + p.tag_votes
-        if not votes:
-            return b"", 0, every
-        tag, held = min(votes.items(), key=lambda kv: (-kv[1], kv[0]))
-        return (tag if 2 * held > every else b""), held, every
+    def tag_majority(self, members: int) -> tuple[bytes, int, int]:
+        """(the state tag to hold, the parts naming it, the parts received) of a round of ``members``
+        voters; the tag is b"" when the parts name none. Each part's result names the tag most of its
+        counted voters sent and how many did (a tie by byte order). A part *decides* for its tag when
+        more than half of its counted voters sent it; a tag decided by more than half of the parts this
+        peer received is the one to hold. Only when every part counted the whole group and each says the
+        group is split evenly between the tags (2 of 4, or a pair apart) is the tag they all name held:
+        there is no majority to keep, and the byte order brings both sides together.
+        Before, the votes of the named tags alone were summed: parts that each counted two of three
+        voters apart (a late vote under load) named the smaller tag, a perturbed peer's "3 of 3", and
+        the two honest peers downloaded its state. A part counts once whatever it claims, so a lying
+        reducer cannot outweigh the others by claiming many voters."""
+        received = [p for p in self.parts if p.status in ("ok", "recovered") and p.counted]
+        decided = Counter(p.tag for p in received if p.tag and 2 * p.tag_votes > len(p.counted))
+        if decided:
+            tag, parts = min(decided.items(), key=lambda kv: (-kv[1], kv[0]))
+            if 2 * parts > len(received):
+                return tag, parts, len(received)
+        named = {p.tag for p in received}
+        if received and len(named) == 1 and b"" not in named \
+                and all(2 * p.tag_votes == len(p.counted) == members for p in received):
+            return named.pop(), len(received), len(received)  # the whole group split evenly, in every part
+        return b"", max(decided.values(), default=0), len(received)
 
 

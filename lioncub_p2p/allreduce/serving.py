@@ -129,7 +129,8 @@ class ServingMixin:
         if update.dtype != torch.uint8:  # a slice nobody received: no result for the part
             return None
         wire = update.numpy().tobytes()
-        tag, tag_votes = hierarchy.group_tag(outcome.tag, outcome.tag_votes, len(outcome.counted), report)
+        tag, tag_votes = hierarchy.group_tag(outcome.tag, outcome.tag_votes, len(outcome.counted), report,
+                                             len(combine.group))
         header = build_header(state.spec, red.part, outcome.counted, outcome.roots, tag, tag_votes, wire)
         red.outcome = dataclasses.replace(outcome, wire=wire, header=header, tag=tag, tag_votes=tag_votes)
         return red.outcome

@@ -234,10 +234,10 @@ class VotePipeline:
             return self.skip_ahead(step, group, r)
         if self.settings.delay:  # what the step waited for: the part of the round that compute did not hide
             self.stats.wait_s = time.perf_counter() - blocked
-        consensus, votes, every = report.tag_majority()
+        consensus, parts, received = report.tag_majority(len(r.spec.group))
         if consensus and consensus != tag:
-            logger.warning("step %d: parameters differ from %d of %d votes: repairing from a peer", step, votes,
-                           every)
+            logger.warning("step %d: parameters differ from the state %d of %d parts name: repairing from a peer",
+                           step, parts, received)
             # a two-level group may have diverged as a whole: its own members are the last donors asked
             own = [m.peer_id for m in r.spec.group] if r.spec.combine else []
             try:  # from a peer past the step in progress (overlapped: the next one, whose vote is out)

@@ -98,7 +98,8 @@ async def serve_probe(p2p: P2P, admission: Admission = OPEN, budget: ProbeBudget
             if denied or not budget.spend(req.upload_bytes + req.download_bytes):
                 writer.write(DENIED if denied else BUSY)  # said, so a caller tells a wrong secret from a full member
                 await writer.drain()
-                await close_after_reply(reader, writer)  # a status closed at once can be lost (QUIC)
+                if denied:  # a status closed at once can be lost (QUIC); a lost BUSY reads as busy anyway.
+                    await close_after_reply(reader, writer, timeout=2.0, max_bytes=64)  # nothing uncharged moves
                 return
             writer.write(GO)
             moved = [0]  # charged as the bytes move: a caller that reads GO and leaves spends nothing
@@ -120,9 +121,9 @@ async def measure(p2p: P2P, peer_id: str, *, nbytes: int = 4 << 20, token: bytes
     stream unanswered (its slots were taken), ConnectionError or IncompleteReadError when a probe broke off."""
     _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), PROBE_PROTOCOL)
     try:
-        await write_frame(writer, pb.ProbeRequest(version=PROTOCOL_VERSION, upload_bytes=nbytes, download_bytes=nbytes,
-                                                  token=token))
-        try:
+        try:  # the gate may close the stream before the request is through
+            await write_frame(writer, pb.ProbeRequest(version=PROTOCOL_VERSION, upload_bytes=nbytes,
+                                                      download_bytes=nbytes, token=token))
             status = await reader.readexactly(1)
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             raise ProbeBusy(f"{peer_id[:12]}… closed the probe unanswered ({type(e).__name__}: its probe slots are "
