@@ -640,6 +640,18 @@ def test_diverged_peer_repairs_itself_within_a_round():
 
 
 @pytest.mark.slow
+def test_a_pair_that_diverged_meets_again_within_a_round():
+    """Two peers have no majority: every part counts one vote for each state. Both follow the state the
+    parts name (the smaller tag), so one of them repairs in the round after the split and they end equal
+    (counting only a majority of votes, they stayed apart until the closing check)."""
+    configs = [_config("pair") for _ in range(2)]
+    out = _train_swarm(configs, 24, perturb=(1, 12))
+    assert {out[i][0] for i in range(2)} == {24}
+    assert len({out[i][1] for i in range(2)}) == 1
+    assert _repaired_in(out, [0, 1], 12, 14), out["repair_steps"]  # in the rounds, not at the closing
+
+
+@pytest.mark.slow
 def test_a_peer_that_diverged_after_the_last_round_takes_the_groups_final_parameters():
     """A split in the last round has no later round to show it (a round that failed for some members, a
     group change at the last step): peer 2 shifts its parameters after its last step, and the closing
