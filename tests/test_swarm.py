@@ -679,7 +679,11 @@ def test_an_overlapped_peer_whose_last_round_shows_it_diverged_repairs_inside_th
     # state it downloaded to rejoin or skip ahead; either way well within the closing's wait, where the old
     # repair first waited out the whole download bound (120 s and more) for a step nobody reaches
     replaced = out[2][2] + out["final_repairs"][2] + out["rejoins"][2] + out["skips"][2]
-    assert replaced >= 1, (out[2][2], out["final_repairs"], out["rejoins"], out["skips"])
+    # ...unless the last round split the others too (a part one peer received and another did not): with
+    # three states and no majority the closing follows the leader's, which may be peer 2's; then both
+    # others downloaded it (two holding one state are a majority and never do)
+    split_three_ways = out["final_repairs"][0] and out["final_repairs"][1]
+    assert replaced >= 1 or split_three_ways, (out[2][2], out["final_repairs"], out["rejoins"], out["skips"])
     assert not _repaired_in(out, [0, 1], 15, 16), out["repair_steps"]  # nobody took the perturbed state
     assert out["settle_s"][2] < 60, out["settle_s"]
 
@@ -1402,6 +1406,8 @@ def test_a_lying_reducer_is_dropped_by_the_leader_on_evidence_and_nobody_honest_
     else:  # the liar leads; the next member takes over once it is proven
         leader, liar, quiet = by_id[1], by_id[0], by_id[2]
     honest = [s for s in swarms if s is not liar]
+    # accusations' headers are checked by the verdicts (busy before the evidence travels: test_verdicts.py)
+    assert all(s.accuse_server.on_header == s.verdicts.on_header for s in swarms)
     quiet.node.config = dc_replace(quiet.node.config, audits_per_round=0)  # learns only from others' evidence
     lying = lying_reduction(1.0, seed=0)
     stop, errors, steps, states = threading.Event(), [], {}, {}

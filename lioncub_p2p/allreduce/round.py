@@ -304,9 +304,9 @@ class RoundReport:
         voters; the tag is b"" when the parts name none. Each part's result names the tag most of its
         counted voters sent and how many did (a tie by byte order). A part *decides* for its tag when
         more than half of its counted voters sent it; a tag decided by more than half of the parts this
-        peer received is the one to hold. Only when every part counted the whole group and each says the
-        group is split evenly between the tags (2 of 4, or a pair apart) is the tag they all name held:
-        there is no majority to keep, and the byte order brings both sides together.
+        peer received is the one to hold. Where no tag has that, but every part counted the whole group,
+        every part saw every tag and names the same one (the most common, a tie by byte order): there is
+        no majority to keep, so that one is held and a split group (a pair apart, three ways) meets.
         Before, the votes of the named tags alone were summed: parts that each counted two of three
         voters apart (a late vote under load) named the smaller tag, a perturbed peer's "3 of 3", and
         the two honest peers downloaded its state. A part counts once whatever it claims, so a lying
@@ -318,9 +318,8 @@ class RoundReport:
             if 2 * parts > len(received):
                 return tag, parts, len(received)
         named = {p.tag for p in received}
-        if received and len(named) == 1 and b"" not in named \
-                and all(2 * p.tag_votes == len(p.counted) == members for p in received):
-            return named.pop(), len(received), len(received)  # the whole group split evenly, in every part
+        if received and len(named) == 1 and b"" not in named and all(len(p.counted) == members for p in received):
+            return named.pop(), len(received), len(received)  # no majority, and every part saw every tag
         return b"", max(decided.values(), default=0), len(received)
 
 
