@@ -824,7 +824,7 @@ def test_the_state_to_hold_is_the_one_most_parts_decide_for():
     group (a pair apart, 2 of 4, three ways) are followed to the tag they all name, so the sides meet."""
     from lioncub_p2p.allreduce.round import PartReport, RoundReport
 
-    def held(members: int, *parts) -> bytes:
+    def held(members: int | None, *parts) -> bytes:
         return RoundReport("r", 15, 0, list(parts)).tag_majority(members)[0]
 
     late = [_part(k, [k, 2], b"A-perturbed", 1) for k in range(3)]  # 3 of 3 named, 1 of 2 votes each
@@ -837,6 +837,7 @@ def test_the_state_to_hold_is_the_one_most_parts_decide_for():
     assert held(4, *[_part(k, [0, 1, 2, 3], b"AB"[k % 2:k % 2 + 1], 2) for k in range(4)]) == b""  # no one name
     three_ways = [_part(k, [0, 1, 2], b"A", 1) for k in range(3)]  # every tag seen in every part: meet at A
     assert held(3, *three_ways) == b"A" and held(4, *[_part(k, [0, 1, 2], b"A", 1) for k in range(3)]) == b""
+    assert held(None, *three_ways) == b"" and held(None, *full) == b"honest"  # None: a majority only
     liar = _part(2, [0, 1, 2, 3, 4, 5, 6, 7], b"forged", 8)  # a reducer claiming many voters counts once
     assert held(3, *full[:2], liar) == b"honest"
     missing = PartReport(0, 0, 0, 1, "missing", counted=[0, 1, 2], tag=b"x", tag_votes=3)

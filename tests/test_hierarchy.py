@@ -591,14 +591,21 @@ def test_a_group_that_diverged_as_a_whole_is_told_by_the_second_level():
         return RoundReport("r", 0, 0, parts)
 
     three = combined({b"ok": 2, b"off": 1}, {b"ok": 2, b"off": 1})
-    assert hierarchy.group_tag(b"off", 3, 3, three, 3) == (b"ok", 3)  # outvoted by the other groups: repair
+    assert hierarchy.group_tag(b"off", 3, 3, three) == (b"ok", 3)  # outvoted by the other groups: repair
     # the group holds the settled state by 1 of 2 votes (its other member diverged alone): said with every
     # vote, so that member repairs (1 of 2 decides nothing in its group's own parts)
-    assert hierarchy.group_tag(b"ok", 1, 2, three, 3) == (b"ok", 2)
+    assert hierarchy.group_tag(b"ok", 1, 2, three) == (b"ok", 2)
     two = combined({b"ok": 1}, {b"off": 1})  # each slice counted one group: no tag most slices name
-    assert hierarchy.group_tag(b"off", 2, 2, two, 3) == (b"off", 2)
+    assert hierarchy.group_tag(b"off", 2, 2, two) == (b"off", 2)
     missing = RoundReport("r", 0, 0, [PartReport(0, 0, 0, 1, "missing")])
-    assert hierarchy.group_tag(b"off", 2, 2, missing, 3) == (b"off", 2)
+    assert hierarchy.group_tag(b"off", 2, 2, missing) == (b"off", 2)
+    # no fallback across groups: three groups naming three states (two diverged ones sorting first) settle
+    # on none, where every group counted would otherwise follow the smallest, a diverged one
+    three_ways = RoundReport("r", 0, 0, [PartReport(k, k, 0, 1, "ok", counted=[0, 1, 2], tag=b"Z1", tag_votes=1)
+                                         for k in range(2)])
+    assert hierarchy.group_tag(b"ok", 2, 2, three_ways) == (b"ok", 2)
+    # a group votes up only a state most of its voters hold: a pair apart votes none
+    assert hierarchy.decided_tag(b"Z", 1, 2) == b"" and hierarchy.decided_tag(b"ok", 2, 2) == b"ok"
 
 
 def test_a_second_level_voter_cannot_send_up_a_margin_past_its_groups_size():

@@ -299,9 +299,9 @@ class RoundReport:
         others = [p for p in self.parts if p.status != "empty" and p.reducer != self.peer]
         return bool(others) and 2 * sum(p.other_group for p in others) > len(others)
 
-    def tag_majority(self, members: int) -> tuple[bytes, int, int]:
+    def tag_majority(self, members: int | None) -> tuple[bytes, int, int]:
         """(the state tag to hold, the parts naming it, the parts received) of a round of ``members``
-        voters; the tag is b"" when the parts name none. Each part's result names the tag most of its
+        voters (None: a majority only, no fallback below); the tag is b"" when the parts name none. Each part's result names the tag most of its
         counted voters sent and how many did (a tie by byte order). A part *decides* for its tag when
         more than half of its counted voters sent it; a tag decided by more than half of the parts this
         peer received is the one to hold. Where no tag has that, but every part counted the whole group,
@@ -318,7 +318,8 @@ class RoundReport:
             if 2 * parts > len(received):
                 return tag, parts, len(received)
         named = {p.tag for p in received}
-        if received and len(named) == 1 and b"" not in named and all(len(p.counted) == members for p in received):
+        if members and received and len(named) == 1 and b"" not in named \
+                and all(len(p.counted) == members for p in received):
             return named.pop(), len(received), len(received)  # no majority, and every part saw every tag
         return b"", max(decided.values(), default=0), len(received)
 

@@ -117,7 +117,8 @@ class ServingMixin:
         combine = state.spec.combine[state.me]
         try:
             margins = hierarchy.margin_codes(red.counts, len(outcome.counted), combine.upload.bits)
-            update, report = await self.run_round(combine, margins, outcome.tag)  # the group's state, not its own
+            state_tag = hierarchy.decided_tag(outcome.tag, outcome.tag_votes, len(outcome.counted))  # the group's
+            update, report = await self.run_round(combine, margins, state_tag)
         except Exception as e:  # never let the second level take the first one down
             logger.warning("round %s part %d: second level failed: %s: %s", state.spec.round_id.hex()[:12],
                            red.part, type(e).__name__, e)
@@ -129,8 +130,7 @@ class ServingMixin:
         if update.dtype != torch.uint8:  # a slice nobody received: no result for the part
             return None
         wire = update.numpy().tobytes()
-        tag, tag_votes = hierarchy.group_tag(outcome.tag, outcome.tag_votes, len(outcome.counted), report,
-                                             len(combine.group))
+        tag, tag_votes = hierarchy.group_tag(outcome.tag, outcome.tag_votes, len(outcome.counted), report)
         header = build_header(state.spec, red.part, outcome.counted, outcome.roots, tag, tag_votes, wire)
         red.outcome = dataclasses.replace(outcome, wire=wire, header=header, tag=tag, tag_votes=tag_votes)
         return red.outcome

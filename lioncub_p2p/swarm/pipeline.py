@@ -234,7 +234,8 @@ class VotePipeline:
             return self.skip_ahead(step, group, r)
         if self.settings.delay:  # what the step waited for: the part of the round that compute did not hide
             self.stats.wait_s = time.perf_counter() - blocked
-        consensus, parts, received = report.tag_majority(len(r.spec.group))
+        # a two-level group is not the whole population: a split inside it is the second level's to settle
+        consensus, parts, received = report.tag_majority(None if r.spec.combine else len(r.spec.group))
         if consensus and consensus != tag:
             logger.warning("step %d: parameters differ from the state %d of %d parts name: repairing from a peer",
                            step, parts, received)
