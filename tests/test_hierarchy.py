@@ -608,6 +608,29 @@ def test_a_group_that_diverged_as_a_whole_is_told_by_the_second_level():
     assert hierarchy.decided_tag(b"Z", 1, 2) == b"" and hierarchy.decided_tag(b"ok", 2, 2) == b"ok"
 
 
+def test_pairs_split_one_to_one_never_make_the_swarm_follow_the_state_that_sorts_first():
+    """6 VoteNodes over libp2p in 3 groups of 2; two groups hold one member each that diverged to a state
+    whose tag sorts first. A pair split 1:1 names that tag (a tie by byte order) but decides nothing, so
+    its reducer votes up none (``hierarchy.decided_tag``): no peer is told to hold it, where groups voting
+    up their named tags made it 2 of 3 groups and the four peers holding the common state repaired."""
+    from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
+
+    honest, diverged, nbytes = b"\x7f" * 8, b"\x00" * 8, 1024
+    with LocalSwarm(6, config=FAST_CONFIG) as swarm:
+        ids = [p.peer_id for p in swarm.group]
+        layout = hierarchy.two_level_layout(ids, 0, nbytes, max_size=2)
+        apart = {ids.index(g[-1]) for g in layout.groups[:2]}  # one member of each of two pairs
+        tags = [diverged if i in apart else honest for i in range(6)]
+        results = swarm.two_level(list(_votes(6, nbytes, seed=3)), max_size=2, step=1, seed=2, tags=tags)
+        assert all(r is not None for r in results)
+        held = [report.tag_majority(None)[0] for report in swarm.reports]
+    assert all(report.combine is not None for report in swarm.reports if any(p.reducer == report.peer
+                                                                             for p in report.parts))
+    assert diverged not in held, held  # nobody follows the state two of six hold
+    whole = [i for i in range(6) if ids[i] in layout.groups[2]]
+    assert all(held[i] == honest for i in whole), held  # the pair that agrees keeps its own
+
+
 def test_a_second_level_voter_cannot_send_up_a_margin_past_its_groups_size():
     """Margin codes are sized by the largest group (4 members here: 4 bits, margins up to 7): a group of 3
     whose reducer sends margin 7 at chosen positions would outvote the other group's honest -4 there.

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 import pytest
 
@@ -87,12 +88,8 @@ def test_the_leader_is_the_first_reducing_member_not_proven_to_lie():
     assert verdicts.leader(GROUP) == REDUCER and verdicts.leader(None) is None
 
 
-def test_evidence_recounts_are_bounded_even_when_their_accusations_time_out(monkeypatch):
-    """The accusation stream's timeout cancels the wait for a recount, not the recount in its thread: a
-    member uploading evidence slowly and often stacked recounts in the thread pool. At most
-    ``MAX_PROVING`` run at once, counted until their threads end."""
-    import threading
-
+def _hold_recounts(monkeypatch) -> threading.Event:
+    """Recounts block (in their threads) until the returned event is set, then prove nothing."""
     from lioncub_p2p.swarm import verdicts as verdicts_module
 
     release = threading.Event()
@@ -102,6 +99,16 @@ def test_evidence_recounts_are_bounded_even_when_their_accusations_time_out(monk
         return None
 
     monkeypatch.setattr(verdicts_module, "prove", slow_prove)
+    return release
+
+
+def test_evidence_recounts_are_bounded_even_when_their_accusations_time_out(monkeypatch):
+    """The accusation stream's timeout cancels the wait for a recount, not the recount in its thread: a
+    member uploading evidence slowly and often stacked recounts in the thread pool. At most
+    ``MAX_PROVING`` run at once, counted until their threads end."""
+    from lioncub_p2p.swarm import verdicts as verdicts_module
+
+    release = _hold_recounts(monkeypatch)
     verdicts, _ = _verdicts()
 
     async def scenario():
@@ -158,20 +165,12 @@ def test_a_member_busy_with_recounts_says_so_before_the_evidence_is_uploaded(mon
     """Over a real stream (``AccuseServer`` behind ``Verdicts.on_header``): while ``MAX_PROVING`` recounts
     run, a lie's header is answered "busy" before READY, so the accuser never uploads its evidence (up
     to 64 MiB) only to hear "busy" after it; once a slot is free the evidence is read and recounted."""
-    import threading
-
     from hivemind.p2p import P2P
 
     from lioncub_p2p.swarm import verdicts as verdicts_module
     from lioncub_p2p.swarm.accuse import AccuseServer, send_accusation
 
-    release = threading.Event()
-
-    def slow_prove(evidence):
-        release.wait(10)
-        return None
-
-    monkeypatch.setattr(verdicts_module, "prove", slow_prove)
+    release = _hold_recounts(monkeypatch)
     verdicts, _ = _verdicts()
     lie = Accusation("lie", REDUCER, ROUND, 1, 7, "flipped", b"e" * (1 << 20))
     read: list[int] = []  # evidence bytes the server took in
