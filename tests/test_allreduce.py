@@ -817,31 +817,50 @@ def _part(k: int, counted: list[int], tag: bytes, votes: int):
 
 
 def test_the_state_to_hold_is_the_one_most_parts_decide_for():
-    """A part decides for the tag more than half of its counted voters sent; the state to hold is one that
-    more than half of the parts received decide for. Parts that counted two of three voters apart decide
-    nothing (the old sum of the named tags' votes made the smaller tag, a perturbed peer's, "3 of 3", and
-    the honest peers downloaded its state); without a majority, only parts that all counted the whole
-    group (a pair apart, 2 of 4, three ways) are followed to the tag they all name, so the sides meet."""
+    """A part decides for the tag more than half of the round's voters sent; the state to hold is one that
+    more than half of the round's parts decide for. Parts that counted a lopsided quorum (two of three
+    voters apart; both diverged peers among the 3 of 5 counted) decide nothing, a missing part counts
+    against every tag, and a part that counted this peer cannot give another tag all its votes. A split
+    (no majority, every part counting every voter) is told apart from missing votes."""
     from lioncub_p2p.allreduce.round import PartReport, RoundReport
 
-    def held(members: int | None, *parts) -> bytes:
-        return RoundReport("r", 15, 0, list(parts)).tag_majority(members)[0]
+    def report(*parts, peer: int = 0) -> RoundReport:
+        return RoundReport("r", 15, peer, list(parts))
+
+    def held(voters: int, *parts, own: bytes | None = None, peer: int = 0) -> bytes:
+        return report(*parts, peer=peer).tag_majority(voters, own)[0]
 
     late = [_part(k, [k, 2], b"A-perturbed", 1) for k in range(3)]  # 3 of 3 named, 1 of 2 votes each
     assert held(3, *late) == b""
     full = [_part(k, [0, 1, 2], b"honest", 2) for k in range(3)]
     assert held(3, *full) == b"honest" and held(3, *full[:2], late[0]) == b"honest"
     assert held(3, full[0], late[0], _part(2, [0, 1, 2], b"other", 2)) == b""  # 1 of 3 parts each
-    pair = [_part(k, [0, 1], b"A", 1) for k in range(2)]  # a group of two apart: the named one, for both
-    assert held(2, *pair) == b"A" and held(4, *[_part(k, [0, 1, 2, 3], b"A", 2) for k in range(4)]) == b"A"
-    assert held(4, *[_part(k, [0, 1, 2, 3], b"AB"[k % 2:k % 2 + 1], 2) for k in range(4)]) == b""  # no one name
-    three_ways = [_part(k, [0, 1, 2], b"A", 1) for k in range(3)]  # every tag seen in every part: meet at A
-    assert held(3, *three_ways) == b"A" and held(4, *[_part(k, [0, 1, 2], b"A", 1) for k in range(3)]) == b""
-    assert held(None, *three_ways) == b"" and held(None, *full) == b"honest"  # None: a majority only
-    liar = _part(2, [0, 1, 2, 3, 4, 5, 6, 7], b"forged", 8)  # a reducer claiming many voters counts once
-    assert held(3, *full[:2], liar) == b"honest"
-    missing = PartReport(0, 0, 0, 1, "missing", counted=[0, 1, 2], tag=b"x", tag_votes=3)
-    assert held(3, missing) == b""  # only parts received count
+    # 5 voters, 0-2 honest, 3-4 diverged; three parts counted the quorum {k, 3, 4}: "2 of 3" is 2 of 5
+    lopsided = [_part(k, [k, 3, 4], b"D", 2) for k in range(3)] + [_part(k, [0, 1, 2, 3, 4], b"H", 3) for k in (3, 4)]
+    assert held(5, *lopsided) == b""  # before: D, 3 of 5 parts, and the three honest peers repaired toward it
+    assert held(5, *[_part(k, [0, 1, 2, 3], b"H", 3) for k in range(5)]) == b"H"  # 3 of 5 voters: a majority
+    # a missing part counts against: a pair's mate that withholds its vote from this peer's part is 1 of 2
+    missing = PartReport(0, 0, 0, 1, "missing")
+    assert held(2, missing, _part(1, [0, 1], b"\x00", 2)) == b""
+    assert held(3, missing, *full[1:]) == b"honest"  # 2 of 3 parts
+    assert held(3, PartReport(0, 0, 0, 1, "empty"), *full[1:]) == b"honest"  # a part nobody reduces is no part
+    # a reducer that counted this peer (voter 0, tag "H") cannot claim every vote for another tag: a pair's
+    # mate reducing two of the three parts (a larger weight) claims "2 of 2" for its own state in both
+    liar = [_part(k, [0, 1], b"\x00", 2) for k in (1, 2)]
+    assert held(2, _part(0, [0, 1], b"\x00", 1), *liar) == b"\x00"  # read as said: 2 of 3 parts
+    assert held(2, _part(0, [0, 1], b"\x00", 1), *liar, own=b"H") == b""  # at most 1 of 2 with this peer's "H"
+    assert held(3, *full, own=b"other") == b"honest"  # honest claims hold: 2 of 3 without this peer
+    assert held(3, *full[:2], _part(2, [0, 1, 2, 3, 4, 5, 6, 7], b"forged", 8)) == b"honest"  # counts once
+    # a split: no majority, yet every part came back counting every voter (followers are not voters)
+    pair = [_part(k, [0, 1], b"A", 1) for k in range(2)]
+    assert held(2, *pair) == b"" and report(*pair).split_everywhere([0, 1])
+    three_ways = [_part(k, [0, 1, 2], b"A", 1) for k in range(3)]
+    assert report(*three_ways).split_everywhere([0, 1, 2])
+    assert not report(*three_ways).split_everywhere([0, 1, 2, 3])  # voter 3 was not counted: late, not split
+    probe = [_part(k, [0, 1, 3], b"A", 1) for k in range(3)]  # a follower (3) counted, voter 2 not
+    assert not report(*probe).split_everywhere([0, 1, 2])
+    assert not report(missing, *pair[1:]).split_everywhere([0, 1])  # a withheld vote is no split
+    assert not report(*[_part(k, [0, 1], b"", 0) for k in range(2)]).split_everywhere([0, 1])  # no tags sent
 
 
 def test_a_lying_reducer_is_caught_by_unpredictable_audits():

@@ -591,21 +591,27 @@ def test_a_group_that_diverged_as_a_whole_is_told_by_the_second_level():
         return RoundReport("r", 0, 0, parts)
 
     three = combined({b"ok": 2, b"off": 1}, {b"ok": 2, b"off": 1})
-    assert hierarchy.group_tag(b"off", 3, 3, three) == (b"ok", 3)  # outvoted by the other groups: repair
+    assert hierarchy.group_tag(b"off", 3, 3, three, 3) == (b"ok", 3)  # outvoted by the other groups: repair
     # the group holds the settled state by 1 of 2 votes (its other member diverged alone): said with every
     # vote, so that member repairs (1 of 2 decides nothing in its group's own parts)
-    assert hierarchy.group_tag(b"ok", 1, 2, three) == (b"ok", 2)
+    assert hierarchy.group_tag(b"ok", 1, 2, three, 3) == (b"ok", 2)
     two = combined({b"ok": 1}, {b"off": 1})  # each slice counted one group: no tag most slices name
-    assert hierarchy.group_tag(b"off", 2, 2, two) == (b"off", 2)
+    assert hierarchy.group_tag(b"off", 2, 2, two, 2) == (b"off", 2)
     missing = RoundReport("r", 0, 0, [PartReport(0, 0, 0, 1, "missing")])
-    assert hierarchy.group_tag(b"off", 2, 2, missing) == (b"off", 2)
+    assert hierarchy.group_tag(b"off", 2, 2, missing, 2) == (b"off", 2)
     # no fallback across groups: three groups naming three states (two diverged ones sorting first) settle
     # on none, where every group counted would otherwise follow the smallest, a diverged one
     three_ways = RoundReport("r", 0, 0, [PartReport(k, k, 0, 1, "ok", counted=[0, 1, 2], tag=b"Z1", tag_votes=1)
                                          for k in range(2)])
-    assert hierarchy.group_tag(b"ok", 2, 2, three_ways) == (b"ok", 2)
-    # a group votes up only a state most of its voters hold: a pair apart votes none
+    assert hierarchy.group_tag(b"ok", 2, 2, three_ways, 3) == (b"ok", 2)
+    # a group votes up only a state most of its voters hold: a pair apart votes none, and so does a group
+    # of 5 whose part counted a quorum of 3 with both of its diverged members in it
     assert hierarchy.decided_tag(b"Z", 1, 2) == b"" and hierarchy.decided_tag(b"ok", 2, 2) == b"ok"
+    assert hierarchy.decided_tag(b"Z", 2, 5) == b"" and hierarchy.decided_tag(b"ok", 3, 5) == b"ok"
+    # the limit: pairs apart in two of three groups vote none, the third group's state is 1 of 3 groups,
+    # so their diverged members are told nothing until the closing check
+    abstaining = combined({b"ok": 1, b"": 2})
+    assert hierarchy.group_tag(b"ok", 1, 2, abstaining, 3) == (b"ok", 1)
 
 
 def test_pairs_split_one_to_one_never_make_the_swarm_follow_the_state_that_sorts_first():
@@ -623,7 +629,7 @@ def test_pairs_split_one_to_one_never_make_the_swarm_follow_the_state_that_sorts
         tags = [diverged if i in apart else honest for i in range(6)]
         results = swarm.two_level(list(_votes(6, nbytes, seed=3)), max_size=2, step=1, seed=2, tags=tags)
         assert all(r is not None for r in results)
-        held = [report.tag_majority(None)[0] for report in swarm.reports]
+        held = [report.tag_majority(2)[0] for report in swarm.reports]  # groups of 2 voters
     assert all(report.combine is not None for report in swarm.reports if any(p.reducer == report.peer
                                                                              for p in report.parts))
     assert diverged not in held, held  # nobody follows the state two of six hold

@@ -641,9 +641,9 @@ def test_diverged_peer_repairs_itself_within_a_round():
 
 @pytest.mark.slow
 def test_a_pair_that_diverged_meets_again_within_a_round():
-    """Two peers have no majority: every part counts one vote for each state. Both follow the state the
-    parts name (the smaller tag), so one of them repairs in the round after the split and they end equal
-    (counting only a majority of votes, they stayed apart until the closing check)."""
+    """Two peers have no majority: every part counts one vote for each state. The one that is not the
+    group's author repairs from the author in the round after the split and they end equal (counting
+    only a majority of votes, they stayed apart until the closing check)."""
     configs = [_config("pair") for _ in range(2)]
     out = _train_swarm(configs, 24, perturb=(1, 12))
     assert {out[i][0] for i in range(2)} == {24}

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from lioncub_p2p.allreduce import Caught, PeerSpec
-from lioncub_p2p.swarm.accuse import Accusation, Refused
+from lioncub_p2p.swarm.accuse import RATE_LIMITED, Accusation, Refused
 from lioncub_p2p.swarm.membership import GroupRecord
 from lioncub_p2p.swarm.records import RateLimitedLog
 from lioncub_p2p.swarm.verdicts import Verdicts
@@ -134,11 +134,12 @@ def test_evidence_recounts_are_bounded_even_when_their_accusations_time_out(monk
 
 def test_a_leader_busy_with_other_evidence_is_told_again_later(monkeypatch):
     """Several members report one liar to the leader at once; past its recounts in progress it answers
-    "busy": that report is retried after ``RETRY_REPORT_S``, unlike a refusal that says why."""
+    "busy", past its rate limit "too many accusations": that report is retried after
+    ``RETRY_REPORT_S``, unlike a refusal that says why."""
     from lioncub_p2p.swarm import verdicts as verdicts_module
 
     monkeypatch.setattr(verdicts_module, "RETRY_REPORT_S", 0.05)
-    answers = [(False, verdicts_module.BUSY), (True, "convicted")]
+    answers = [(False, verdicts_module.BUSY), (False, RATE_LIMITED), (True, "convicted")]
     sent: list[str] = []
 
     async def send(to: str, accusation: Accusation) -> tuple[bool, str]:
@@ -155,10 +156,13 @@ def test_a_leader_busy_with_other_evidence_is_told_again_later(monkeypatch):
         assert (REDUCER, LEADER) not in verdicts._reported  # ...and, busy, open to a retry
         await verdicts._report(lie)
         await asyncio.sleep(0.2)
-        assert (REDUCER, LEADER) in verdicts._reported  # heard this time: not told a third time
+        assert (REDUCER, LEADER) not in verdicts._reported  # rate-limited (busy retries count there): again
+        await verdicts._report(lie)
+        await asyncio.sleep(0.2)
+        assert (REDUCER, LEADER) in verdicts._reported  # heard this time: not told a fourth time
 
     asyncio.run(scenario())
-    assert sent == [LEADER, LEADER]
+    assert sent == [LEADER, LEADER, LEADER]
 
 
 def test_a_member_busy_with_recounts_says_so_before_the_evidence_is_uploaded(monkeypatch):

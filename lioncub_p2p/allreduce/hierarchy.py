@@ -163,21 +163,24 @@ def two_level_specs(round_id: bytes, step: int, layout: TwoLevelLayout, nbytes: 
     return specs
 
 
-def decided_tag(tag: bytes, votes: int, counted: int) -> bytes:
+def decided_tag(tag: bytes, votes: int, voters: int) -> bytes:
     """What a group's reducer votes at the second level for its group's state: the tag more than half of
-    the ``counted`` voters sent, else none (b""): a pair split one to one names a tag by byte order, and
+    the group's ``voters`` sent, else none (b""): a pair split one to one names a tag by byte order, and
     groups voting such tags up made the diverged peers' state the swarm's."""
-    return tag if 2 * votes > counted else b""
+    return tag if 2 * votes > voters else b""
 
 
-def group_tag(tag: bytes, votes: int, counted: int, combined: RoundReport) -> tuple[bytes, int]:
+def group_tag(tag: bytes, votes: int, counted: int, combined: RoundReport, groups: int) -> tuple[bytes, int]:
     """The state tag a group's reducer puts in its part's result after the second level: the state most
-    groups decided for (each reducer votes its group's ``decided_tag`` in the combine round; a majority
-    only, ``RoundReport.tag_majority(None)``), as if every voter of the group had sent it: every voter of
-    a group that diverged as a whole repairs, and so does a member that diverged alone in a group of two
-    (1 of 2 decides nothing there). Where most groups decided for none, its group's (``tag``, held by
-    ``votes`` of the ``counted`` voters), which decides for nothing a split group needs."""
-    across, _, _ = combined.tag_majority(None)
+    of the ``groups`` decided for (each reducer votes its group's ``decided_tag`` in the combine round;
+    ``RoundReport.tag_majority``), as if every voter of the group had sent it: every voter of a group
+    that diverged as a whole repairs, and so does a member that diverged alone in a group of two (1 of
+    2 decides nothing there) where most groups decided for the common state (where most abstain, pairs
+    apart in two groups of three, a group's own majority is all there is: the closing check settles the
+    rest).
+    Where no state has that, its group's (``tag``, held by ``votes`` of the ``counted`` voters), which
+    decides for nothing a split group needs."""
+    across, _, _ = combined.tag_majority(groups)
     if across:
         return across, counted
     return tag, votes

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from ..codecs import Bf16Upload, Fp8Upload, MajorityResult, ResultCodec, SignUpload, UploadCodec, is_values
@@ -187,9 +188,14 @@ class RoundSpec:
         return is_values(self.upload) or self.second_level
 
     @property
+    def voters(self) -> list[int]:
+        """Group indices of the members expected to vote (``PeerSpec.voter``)."""
+        return [i for i, p in enumerate(self.group) if p.voter]
+
+    @property
     def quorum(self) -> int:
         """Votes a part's result must count: a majority of the members expected to vote (``PeerSpec.voter``)."""
-        return quorum(sum(p.voter for p in self.group))
+        return quorum(len(self.voters))
 
     def index_of(self, peer_id: str) -> int:
         if peer_id not in self._index:  # type: ignore[attr-defined]
@@ -299,28 +305,42 @@ class RoundReport:
         others = [p for p in self.parts if p.status != "empty" and p.reducer != self.peer]
         return bool(others) and 2 * sum(p.other_group for p in others) > len(others)
 
-    def tag_majority(self, members: int | None) -> tuple[bytes, int, int]:
-        """(the state tag to hold, the parts naming it, the parts received) of a round of ``members``
-        voters (None: a majority only, no fallback below); the tag is b"" when the parts name none. Each part's result names the tag most of its
-        counted voters sent and how many did (a tie by byte order). A part *decides* for its tag when
-        more than half of its counted voters sent it; a tag decided by more than half of the parts this
-        peer received is the one to hold. Where no tag has that, but every part counted the whole group,
-        every part saw every tag and names the same one (the most common, a tie by byte order): there is
-        no majority to keep, so that one is held and a split group (a pair apart, three ways) meets.
-        Before, the votes of the named tags alone were summed: parts that each counted two of three
-        voters apart (a late vote under load) named the smaller tag, a perturbed peer's "3 of 3", and
-        the two honest peers downloaded its state. A part counts once whatever it claims, so a lying
-        reducer cannot outweigh the others by claiming many voters."""
-        received = [p for p in self.parts if p.status in ("ok", "recovered") and p.counted]
-        decided = Counter(p.tag for p in received if p.tag and 2 * p.tag_votes > len(p.counted))
+    def tag_majority(self, voters: int, own: bytes | None = None) -> tuple[bytes, int, int]:
+        """(the state tag to hold, the parts deciding for it, the parts of the round) in a round of
+        ``voters`` expected votes; the tag is b"" when no state has a majority. Each part's result names
+        the tag most of its counted voters sent and how many did (a tie by byte order). A part *decides*
+        for its tag when more than half of the round's voters sent it, and a tag decided by more than
+        half of the round's parts (missing ones included) is the one to hold.
+
+        Against the round's voters, not the ones a part counted: a part that counted a quorum of 3 of
+        5 with both diverged peers in it had them decide, and 3 of 5 such parts made the honest majority
+        download the minority's state. Against every part, not the ones received: a pair's mate that
+        withheld its vote from this peer's part left its own part alone, "1 of 1". ``own``: the tag this
+        peer sent (flat rounds): a part that counted it but names another tag cannot have all its votes,
+        so a lying reducer's "2 of 2" in a pair is read as at most 1. A part counts once, whatever it
+        claims, so a reducer cannot outweigh the others by claiming many voters."""
+        expected = [p for p in self.parts if p.status != "empty"]
+        decided: Counter[bytes] = Counter()
+        for p in expected:
+            if p.status not in ("ok", "recovered") or not p.counted or not p.tag:
+                continue
+            votes = p.tag_votes
+            if own is not None and p.tag != own and self.peer in p.counted:
+                votes = min(votes, len(p.counted) - 1)
+            if 2 * votes > voters:
+                decided[p.tag] += 1
         if decided:
             tag, parts = min(decided.items(), key=lambda kv: (-kv[1], kv[0]))
-            if 2 * parts > len(received):
-                return tag, parts, len(received)
-        named = {p.tag for p in received}
-        if members and received and len(named) == 1 and b"" not in named \
-                and all(len(p.counted) == members for p in received):
-            return named.pop(), len(received), len(received)  # no majority, and every part saw every tag
-        return b"", max(decided.values(), default=0), len(received)
+            if 2 * parts > len(expected):
+                return tag, parts, len(expected)
+        return b"", max(decided.values(), default=0), len(expected)
+
+    def split_everywhere(self, voters: Collection[int]) -> bool:
+        """No state has a majority (``tag_majority``), yet every part of the round came back and counted
+        every one of the group's ``voters`` (indices), naming a state: each voter's state was seen and
+        none is held by most (a pair apart, 2 of 4, three ways). Withheld or late votes never make one."""
+        expected = [p for p in self.parts if p.status != "empty"]
+        return bool(expected) and all(p.status in ("ok", "recovered") and p.tag and set(voters) <= set(p.counted)
+                                      for p in expected)
 
 

@@ -117,7 +117,7 @@ class ServingMixin:
         combine = state.spec.combine[state.me]
         try:
             margins = hierarchy.margin_codes(red.counts, len(outcome.counted), combine.upload.bits)
-            state_tag = hierarchy.decided_tag(outcome.tag, outcome.tag_votes, len(outcome.counted))  # the group's
+            state_tag = hierarchy.decided_tag(outcome.tag, outcome.tag_votes, len(state.spec.voters))  # the group's
             update, report = await self.run_round(combine, margins, state_tag)
         except Exception as e:  # never let the second level take the first one down
             logger.warning("round %s part %d: second level failed: %s: %s", state.spec.round_id.hex()[:12],
@@ -130,7 +130,8 @@ class ServingMixin:
         if update.dtype != torch.uint8:  # a slice nobody received: no result for the part
             return None
         wire = update.numpy().tobytes()
-        tag, tag_votes = hierarchy.group_tag(outcome.tag, outcome.tag_votes, len(outcome.counted), report)
+        tag, tag_votes = hierarchy.group_tag(outcome.tag, outcome.tag_votes, len(outcome.counted), report,
+                                             len(combine.voters))
         header = build_header(state.spec, red.part, outcome.counted, outcome.roots, tag, tag_votes, wire)
         red.outcome = dataclasses.replace(outcome, wire=wire, header=header, tag=tag, tag_votes=tag_votes)
         return red.outcome

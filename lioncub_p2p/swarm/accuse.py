@@ -49,6 +49,7 @@ MAX_REASON = 200
 EXCHANGE_TIMEOUT = 60.0  # the whole exchange, evidence included
 MAX_CONCURRENT = 4
 MAX_PER_PEER_PER_MINUTE = 10
+RATE_LIMITED = "too many accusations: try again later"  # an accuser tells it again later (Verdicts._send)
 LINGER_S = 5.0  # wait for the accuser to close after the verdict (over QUIC a closed stream can lose its last write)
 TAKEN, REFUSED, READY = 0, 1, 2
 
@@ -164,7 +165,7 @@ class AccuseServer:
         accusation = Accusation(KINDS[kind], accused, fields[:n_rid], part, step,
                                 _clean(fields[n_rid + n_accused :].decode("utf-8", "replace")))
         if self._rate_limited(accuser):
-            return REFUSED, "too many accusations: try again later"
+            return REFUSED, RATE_LIMITED
         if (accusation.kind == "lie") != (n_evidence > 0):
             return REFUSED, "a lie needs evidence, a suspicion has none"
         try:

@@ -235,15 +235,21 @@ class VotePipeline:
         if self.settings.delay:  # what the step waited for: the part of the round that compute did not hide
             self.stats.wait_s = time.perf_counter() - blocked
         # a two-level group is not the whole population: a split inside it is the second level's to settle
-        consensus, parts, received = report.tag_majority(None if r.spec.combine else len(r.spec.group))
-        if consensus and consensus != tag:
-            logger.warning("step %d: parameters differ from the state %d of %d parts name: repairing from a peer",
-                           step, parts, received)
+        flat = not r.spec.combine
+        consensus, parts, expected = report.tag_majority(len(r.spec.voters), tag if flat else None)
+        author = self._settles_split(r, report) if flat and not consensus else None
+        if consensus and consensus != tag or author:
+            if author:
+                logger.warning("step %d: no state is held by most of the group (every part counted every vote): "
+                               "repairing from the group's author %s", step, author)
+            else:
+                logger.warning("step %d: parameters differ from the state %d of %d parts decide for: repairing "
+                               "from a peer", step, parts, expected)
             # a two-level group may have diverged as a whole: its own members are the last donors asked
             own = [m.peer_id for m in r.spec.group] if r.spec.combine else []
             try:  # from a peer past the step in progress (overlapped: the next one, whose vote is out)
                 self.state.download(min_step=self._past(r), group=group, params_only=True,
-                                    last=own, slow_link=self.follow.following)
+                                    last=own, slow_link=self.follow.following, only=[author] if author else None)
             except Exception as e:  # apply nothing: still diverged, so the next round tries again
                 logger.warning("step %d: repair failed (%s); retrying next step", step, e)
                 return self._missed(step)
@@ -253,6 +259,19 @@ class VotePipeline:
             return None
         self.prepare(step + 1)
         return update
+
+    def _settles_split(self, r: "RoundInFlight", report: RoundReport) -> str | None:
+        """The member this peer repairs from when its flat group split with no majority
+        (``RoundReport.split_everywhere``): the group's author, who keeps its state, when it is another
+        voter that serves states. Any rule on the tags alone let a pair's lying mate win: it picks the
+        tag that sorts first. The author already decides who is in the group, so following it gives a
+        liar nothing it did not have; before, a malicious member of a pair had its mate download from it
+        every step."""
+        author = r.group.author
+        spec = next((m for m in r.spec.group if m.peer_id == author), None)
+        if author == self.peer_id or spec is None or not spec.voter or spec.client_mode:
+            return None
+        return author if report.split_everywhere(r.spec.voters) else None
 
     def _past(self, r: "RoundInFlight") -> int:
         """The first step a donor's state must be at to replace this peer's after round ``r``: past the step

@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from ..allreduce import Caught
-from .accuse import Accusation, Refused, Suspicions, prove
+from .accuse import RATE_LIMITED, Accusation, Refused, Suspicions, prove
 from .membership import GroupRecord
 from .records import RateLimitedLog
 
@@ -161,7 +161,9 @@ class Verdicts:
                 self.spawn(self._report(self._proofs[liar]))
 
     async def _send(self, to: str, accusation: Accusation) -> bool:
-        """Whether ``to`` heard it (took it or said why not; "busy" is not heard: it is told again)."""
+        """Whether ``to`` heard it (took it or said why not; "busy" and "too many accusations" are not
+        heard: it is told again; reporting two liars, busy retries ran into the rate limit and a report
+        refused there was never told again)."""
         try:
             taken, note = await self.send(to, accusation)
         except Exception as e:
@@ -171,7 +173,7 @@ class Verdicts:
         logger.info("told %s that %s %s: %s", to, accusation.accused,
                     "lied" if accusation.kind == "lie" else f"is suspect ({accusation.kind})",
                     note if taken else f"refused: {note}")
-        return taken or note != BUSY
+        return taken or note not in (BUSY, RATE_LIMITED)
 
     def on_header(self, accuser: str, accusation: Accusation, evidence_bytes: int) -> int:
         """An accusation's header, before its evidence travels (``AccuseServer``): the round's checks, and
