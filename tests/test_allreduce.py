@@ -806,7 +806,7 @@ def test_state_tags_reach_consensus(odd_swarm):
     codes = _codes("sign", 3, 8 * 900, seed=10)
     odd_swarm.allreduce(codes, tags=[b"good", b"bad!", b"good"])
     for report in odd_swarm.reports:
-        tag, parts, received = report.tag_majority(3)
+        tag, parts, received = report.tag_majority(range(3))
         # each part counted two "good" of three (under load a part may miss a vote: still most parts)
         assert tag == b"good" and 2 * parts > received, (tag, parts, received)
 
@@ -828,7 +828,7 @@ def test_the_state_to_hold_is_the_one_most_parts_decide_for():
         return RoundReport("r", 15, peer, list(parts))
 
     def held(voters: int, *parts, own: bytes | None = None, peer: int = 0) -> bytes:
-        return report(*parts, peer=peer).tag_majority(voters, own)[0]
+        return report(*parts, peer=peer).tag_majority(range(voters), own)[0]
 
     late = [_part(k, [k, 2], b"A-perturbed", 1) for k in range(3)]  # 3 of 3 named, 1 of 2 votes each
     assert held(3, *late) == b""
@@ -851,6 +851,10 @@ def test_the_state_to_hold_is_the_one_most_parts_decide_for():
     assert held(2, _part(0, [0, 1], b"\x00", 1), *liar, own=b"H") == b""  # at most 1 of 2 with this peer's "H"
     assert held(3, *full, own=b"other") == b"honest"  # honest claims hold: 2 of 3 without this peer
     assert held(3, *full[:2], _part(2, [0, 1, 2, 3, 4, 5, 6, 7], b"forged", 8)) == b"honest"  # counts once
+    # a follower's vote that came in time counts, and counts against: voter 0 and follower 1 apart decide
+    # nothing (against the voters alone, "1 of 1" had the follower's state decide in every part)
+    assert held(1, *[_part(k, [0, 1], b"\x00", 1) for k in range(2)]) == b""
+    assert held(1, *[_part(k, [0, 1], b"\x00", 2) for k in range(2)]) == b"\x00"  # both hold it
     # a split: no majority, yet every part came back counting every voter (followers are not voters)
     pair = [_part(k, [0, 1], b"A", 1) for k in range(2)]
     assert held(2, *pair) == b"" and report(*pair).split_everywhere([0, 1])

@@ -606,8 +606,9 @@ def test_a_group_that_diverged_as_a_whole_is_told_by_the_second_level():
     assert hierarchy.group_tag(b"ok", 2, 2, three_ways, 3) == (b"ok", 2)
     # a group votes up only a state most of its voters hold: a pair apart votes none, and so does a group
     # of 5 whose part counted a quorum of 3 with both of its diverged members in it
-    assert hierarchy.decided_tag(b"Z", 1, 2) == b"" and hierarchy.decided_tag(b"ok", 2, 2) == b"ok"
-    assert hierarchy.decided_tag(b"Z", 2, 5) == b"" and hierarchy.decided_tag(b"ok", 3, 5) == b"ok"
+    assert hierarchy.decided_tag(b"Z", 1, [0, 1], [0, 1]) == b"" and hierarchy.decided_tag(b"ok", 2, [0, 1], [0, 1]) == b"ok"
+    assert hierarchy.decided_tag(b"Z", 2, range(5), [0, 3, 4]) == b"" and hierarchy.decided_tag(b"ok", 3, range(5), [0, 1, 2]) == b"ok"
+    assert hierarchy.decided_tag(b"Z", 1, [0], [0, 1]) == b""  # a follower counted in time counts against
     # the limit: pairs apart in two of three groups vote none, the third group's state is 1 of 3 groups,
     # so their diverged members are told nothing until the closing check
     abstaining = combined({b"ok": 1, b"": 2})
@@ -629,7 +630,7 @@ def test_pairs_split_one_to_one_never_make_the_swarm_follow_the_state_that_sorts
         tags = [diverged if i in apart else honest for i in range(6)]
         results = swarm.two_level(list(_votes(6, nbytes, seed=3)), max_size=2, step=1, seed=2, tags=tags)
         assert all(r is not None for r in results)
-        held = [report.tag_majority(2)[0] for report in swarm.reports]  # groups of 2 voters
+        held = [report.tag_majority(range(2))[0] for report in swarm.reports]  # groups of 2 voters
     assert all(report.combine is not None for report in swarm.reports if any(p.reducer == report.peer
                                                                              for p in report.parts))
     assert diverged not in held, held  # nobody follows the state two of six hold

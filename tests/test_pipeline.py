@@ -213,19 +213,22 @@ def test_a_reducers_newer_epoch_claim_costs_at_most_one_group_read_per_period():
 
 
 def test_a_split_with_no_majority_is_settled_by_the_groups_author_only():
-    """Every part counted every voter and no state has a majority: the members other than the group's
+    """Every part counted every voter and no state has a majority: the voters other than the group's
     author repair from it (``VotePipeline._settles_split``). The author keeps its state; an author that
-    cannot serve one (not a voter of the round, a client) settles nothing, nor do missing votes."""
+    cannot serve one (not a voter of the round, a client, refused as a liar) settles nothing, nor do
+    missing votes, and a follower is not part of the split."""
     from lioncub_p2p.allreduce import PeerSpec
 
     def part(k: int, counted: list[int], status: str = "ok") -> PartReport:
         return PartReport(k, k, 0, 1, status, counted=counted, tag=b"\x00", tag_votes=1)
 
-    def settles(me: str, author: str, members: tuple, *parts: PartReport) -> str | None:
+    def settles(me: str, author: str, members: tuple, *parts: PartReport, liar: bool = False) -> str | None:
         spec = SimpleNamespace(group=members, voters=[i for i, m in enumerate(members) if m.voter])
         r = SimpleNamespace(group=GroupRecord(3, 10, members, author=author), spec=spec)
         report = RoundReport("r", 10, [m.peer_id for m in members].index(me), list(parts))
-        return VotePipeline._settles_split(SimpleNamespace(peer_id=me), r, report)
+        refused = {"m"} if liar else set()
+        state = SimpleNamespace(donors=lambda group, only: [pid for pid in only if pid not in refused])
+        return VotePipeline._settles_split(SimpleNamespace(peer_id=me, state=state), r, report)
 
     pair = (PeerSpec("a"), PeerSpec("m"))
     split = [part(0, [0, 1]), part(1, [0, 1])]
@@ -234,5 +237,7 @@ def test_a_split_with_no_majority_is_settled_by_the_groups_author_only():
     assert settles("a", "m", pair, part(0, [0, 1], "missing"), split[1]) is None  # a withheld vote: no split
     assert settles("a", "x", pair, *split) is None  # an author outside the round: nobody to follow
     assert settles("a", "m", (PeerSpec("a"), PeerSpec("m", client_mode=True)), *split) is None  # serves nothing
-    with_follower = pair + (PeerSpec("f", 0.0, voter=False),)  # never counted: not a voter, no obstacle
+    with_follower = pair + (PeerSpec("f", 0.0, voter=False),)  # not a voter: no obstacle to the split...
     assert settles("a", "m", with_follower, *split, PartReport(2, 2, 0, 1, "empty")) == "m"
+    assert settles("f", "m", with_follower, *split, PartReport(2, 2, 0, 1, "empty")) is None  # ...nor in it
+    assert settles("a", "m", pair, *split, liar=True) is None  # an author it refuses: no download to fail

@@ -163,11 +163,12 @@ def two_level_specs(round_id: bytes, step: int, layout: TwoLevelLayout, nbytes: 
     return specs
 
 
-def decided_tag(tag: bytes, votes: int, voters: int) -> bytes:
+def decided_tag(tag: bytes, votes: int, voters: Collection[int], counted: Collection[int]) -> bytes:
     """What a group's reducer votes at the second level for its group's state: the tag more than half of
-    the group's ``voters`` sent, else none (b""): a pair split one to one names a tag by byte order, and
-    groups voting such tags up made the diverged peers' state the swarm's."""
-    return tag if 2 * votes > voters else b""
+    the group's ``voters`` and of any others its part ``counted`` (followers in time) sent, else none
+    (b""): a pair split one to one names a tag by byte order, and groups voting such tags up made the
+    diverged peers' state the swarm's."""
+    return tag if 2 * votes > len(set(voters) | set(counted)) else b""
 
 
 def group_tag(tag: bytes, votes: int, counted: int, combined: RoundReport, groups: int) -> tuple[bytes, int]:
@@ -180,7 +181,7 @@ def group_tag(tag: bytes, votes: int, counted: int, combined: RoundReport, group
     rest).
     Where no state has that, its group's (``tag``, held by ``votes`` of the ``counted`` voters), which
     decides for nothing a split group needs."""
-    across, _, _ = combined.tag_majority(groups)
+    across, _, _ = combined.tag_majority(range(groups))
     if across:
         return across, counted
     return tag, votes

@@ -305,11 +305,12 @@ class RoundReport:
         others = [p for p in self.parts if p.status != "empty" and p.reducer != self.peer]
         return bool(others) and 2 * sum(p.other_group for p in others) > len(others)
 
-    def tag_majority(self, voters: int, own: bytes | None = None) -> tuple[bytes, int, int]:
-        """(the state tag to hold, the parts deciding for it, the parts of the round) in a round of
-        ``voters`` expected votes; the tag is b"" when no state has a majority. Each part's result names
-        the tag most of its counted voters sent and how many did (a tie by byte order). A part *decides*
-        for its tag when more than half of the round's voters sent it, and a tag decided by more than
+    def tag_majority(self, voters: Collection[int], own: bytes | None = None) -> tuple[bytes, int, int]:
+        """(the state tag to hold, the parts deciding for it, the parts of the round) in a round whose
+        expected voters are ``voters`` (group indices); the tag is b"" when no state has a majority. Each
+        part's result names the tag most of its counted voters sent and how many did (a tie by byte
+        order). A part *decides* for its tag when more than half of the round's voters, and of any
+        others it counted (a follower's vote that came in time), sent it; a tag decided by more than
         half of the round's parts (missing ones included) is the one to hold.
 
         Against the round's voters, not the ones a part counted: a part that counted a quorum of 3 of
@@ -319,7 +320,7 @@ class RoundReport:
         peer sent (flat rounds): a part that counted it but names another tag cannot have all its votes,
         so a lying reducer's "2 of 2" in a pair is read as at most 1. A part counts once, whatever it
         claims, so a reducer cannot outweigh the others by claiming many voters."""
-        expected = [p for p in self.parts if p.status != "empty"]
+        expected, expected_voters = [p for p in self.parts if p.status != "empty"], set(voters)
         decided: Counter[bytes] = Counter()
         for p in expected:
             if p.status not in ("ok", "recovered") or not p.counted or not p.tag:
@@ -327,7 +328,7 @@ class RoundReport:
             votes = p.tag_votes
             if own is not None and p.tag != own and self.peer in p.counted:
                 votes = min(votes, len(p.counted) - 1)
-            if 2 * votes > voters:
+            if 2 * votes > len(expected_voters | set(p.counted)):  # followers' votes count, and count against
                 decided[p.tag] += 1
         if decided:
             tag, parts = min(decided.items(), key=lambda kv: (-kv[1], kv[0]))

@@ -117,7 +117,7 @@ class ServingMixin:
         combine = state.spec.combine[state.me]
         try:
             margins = hierarchy.margin_codes(red.counts, len(outcome.counted), combine.upload.bits)
-            state_tag = hierarchy.decided_tag(outcome.tag, outcome.tag_votes, len(state.spec.voters))  # the group's
+            state_tag = hierarchy.decided_tag(outcome.tag, outcome.tag_votes, state.spec.voters, outcome.counted)
             update, report = await self.run_round(combine, margins, state_tag)
         except Exception as e:  # never let the second level take the first one down
             logger.warning("round %s part %d: second level failed: %s: %s", state.spec.round_id.hex()[:12],

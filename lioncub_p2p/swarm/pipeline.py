@@ -236,7 +236,7 @@ class VotePipeline:
             self.stats.wait_s = time.perf_counter() - blocked
         # a two-level group is not the whole population: a split inside it is the second level's to settle
         flat = not r.spec.combine
-        consensus, parts, expected = report.tag_majority(len(r.spec.voters), tag if flat else None)
+        consensus, parts, expected = report.tag_majority(r.spec.voters, tag if flat else None)
         author = self._settles_split(r, report) if flat and not consensus else None
         if consensus and consensus != tag or author:
             if author:
@@ -261,17 +261,18 @@ class VotePipeline:
         return update
 
     def _settles_split(self, r: "RoundInFlight", report: RoundReport) -> str | None:
-        """The member this peer repairs from when its flat group split with no majority
+        """The member this voter repairs from when its flat group split with no majority
         (``RoundReport.split_everywhere``): the group's author, who keeps its state, when it is another
-        voter that serves states. Any rule on the tags alone let a pair's lying mate win: it picks the
-        tag that sorts first. The author already decides who is in the group, so following it gives a
-        liar nothing it did not have; before, a malicious member of a pair had its mate download from it
-        every step."""
+        voter this peer may download from. Any rule on the tags alone let any lying member of a pair win:
+        it picks the tag that sorts first. Only the author can now: it could already drop its mate from
+        the group. A follower (not a voter) is not part of the split; an author this peer refuses (a
+        liar) leaves the split to the next rounds rather than failing a download every step."""
         author = r.group.author
         spec = next((m for m in r.spec.group if m.peer_id == author), None)
-        if author == self.peer_id or spec is None or not spec.voter or spec.client_mode:
+        if author == self.peer_id or spec is None or not spec.voter or spec.client_mode \
+                or report.peer not in r.spec.voters or not report.split_everywhere(r.spec.voters):
             return None
-        return author if report.split_everywhere(r.spec.voters) else None
+        return author if self.state.donors(r.group, only=[author]) else None
 
     def _past(self, r: "RoundInFlight") -> int:
         """The first step a donor's state must be at to replace this peer's after round ``r``: past the step
