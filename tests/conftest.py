@@ -17,7 +17,8 @@ if "OMP_NUM_THREADS" not in os.environ:
 # The suite runs on two pytest-xdist workers (pyproject: -n 2 --dist loadgroup). Three were not worth
 # it: 845 s against 906 s with two (2026-12-06), and under their load a test failed that never does with
 # two (a healthy peer followed for 4 steps); before, 663-747 s against 853 s, with two other tests flaky
-# (since fixed). Tests that run
+# (since fixed); 2026-12-07: 737 s against 869 s, all passed (one run; the trainer-process test
+# test_trainers_kill_join_client_mode took 105 s instead of 68, the load it once failed under). Tests that run
 # whole trainer processes (test_sim, test_multihost, test_swarm_processes, the NAT trainer) share the xdist group
 # "processes": one worker runs them one after another, so two of them never load the 2 cores at once
 # (it starts first: xdist hands out the largest group first; pytest 9.2 broke the grouping, hence the
