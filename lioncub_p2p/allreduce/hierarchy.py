@@ -180,7 +180,9 @@ def group_tag(tag: bytes, votes: int, counted: int, combined: RoundReport, group
     apart in two groups of three, a group's own majority is all there is: the closing check settles the
     rest).
     Where no state has that, its group's (``tag``, held by ``votes`` of the ``counted`` voters), which
-    decides for nothing a split group needs."""
+    decides for nothing a split group needs. (A part whose quorum a follower's in-time vote completed,
+    half of the group's voters or fewer counted, tells its members nothing: they hear it next step or
+    at the closing check.)"""
     across, _, _ = combined.tag_majority(range(groups))
     if across:
         return across, counted
