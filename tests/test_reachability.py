@@ -88,6 +88,39 @@ def test_a_dialback_reaches_no_relay_no_low_port_and_a_lying_answer_gives_no_add
     assert "forged" in forged.note and "\n" not in forged.note and "\x1b" not in forged.note, forged
 
 
+def test_a_coordinator_that_drops_the_first_request_is_asked_again():
+    """A stream the coordinator closes unanswered (seen once with three founders starting at once on a
+    loaded host) is asked again after a pause: the volunteer learns whether peers can dial it instead of
+    "nobody answered", which left a peer behind NAT listening and reducing."""
+    from lioncub_p2p.wire import PROTOCOL_VERSION, pb, read_frame, write_frame
+
+    streams = []
+
+    async def drops_the_first(info, reader, writer):
+        streams.append(info.peer_id)
+        if len(streams) == 1:
+            writer.close()
+            return
+        request, _ = await read_frame(reader, pb.DialbackRequest, 256)
+        connected = await reachability._dial_and_send("127.0.0.1", request.port, request.nonce)
+        await write_frame(writer, pb.DialbackAnswer(version=PROTOCOL_VERSION, observed_ip="127.0.0.1",
+                                                    connected=connected))
+        writer.close()
+
+    async def scenario():
+        server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, auto_nat=False)
+        try:
+            await server.add_binary_stream_handler(reachability.DIALBACK_PROTOCOL, drops_the_first)
+            return await reachability.check([str(m) for m in await server.get_visible_maddrs()],
+                                            reachability.free_port(), timeout=5)
+        finally:
+            await server.shutdown()
+
+    answer = asyncio.run(scenario())
+    assert len(streams) == 2, streams
+    assert answer.answered and answer.dialable and answer.observed_ip == "127.0.0.1", answer
+
+
 class FakeCheck:
     """Stands for ``reachability.check``: records what it was asked, answers ``answer``."""
 

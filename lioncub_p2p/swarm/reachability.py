@@ -44,6 +44,10 @@ CONNECT_TIMEOUT = 3.0
 MAX_CONCURRENT = 8  # dial-backs served at once; more are refused
 PER_IP_BURST, PER_IP_RATE = 8.0, 1.0  # dial-backs per caller address: a burst, then this many per second
 MIN_PORT = 1024  # the lowest port a dial-back connects to
+# A check asks every coordinator this many times over, RETRY_PAUSE_S apart, until one answers: three
+# founders starting at once on a loaded host once had the one coordinator close a volunteer's stream
+# unanswered, and that volunteer, behind NAT, listened and reduced instead of joining in client mode.
+CHECK_PASSES, RETRY_PAUSE_S = 2, 1.0
 
 
 @dataclass(frozen=True)
@@ -188,24 +192,27 @@ async def check(initial_peers: list[str], port: int, *, timeout: float = 10.0, h
                                          f"({' '.join(str(e).split())[:200]})", answered=False)
     notes = []
     try:
-        for peer in _peer_ids(initial_peers):
-            try:
-                answer = await asyncio.wait_for(_ask(client, peer, port, nonce), timeout)
-            except Exception as e:  # that peer is down or does not serve dial-backs: ask the next
-                notes.append(f"{peer.to_base58()[:12]}…: {type(e).__name__}")
-                continue
-            if answer.error:  # a peer's words, into this peer's log: no forged lines
-                notes.append(f"{peer.to_base58()[:12]}…: {printable(answer.error)}")
-                continue
-            if answer.connected:
-                try:  # the coordinator wrote the nonce before answering; give it a moment to land
-                    await asyncio.wait_for(received.wait(), CONNECT_TIMEOUT)
-                except asyncio.TimeoutError:
-                    pass
-            ip = parse_ip(answer.observed_ip)  # an IP, or nothing: it may go into an address
-            if received.is_set():
-                return Reachability(True, ip, f"peers can dial you at {ip}:{port}")
-            return Reachability(False, ip, f"peers cannot dial {ip}:{port} (behind NAT or a firewall)")
+        for attempt in range(CHECK_PASSES):
+            if attempt:
+                await asyncio.sleep(RETRY_PAUSE_S)
+            for peer in _peer_ids(initial_peers):
+                try:
+                    answer = await asyncio.wait_for(_ask(client, peer, port, nonce), timeout)
+                except Exception as e:  # that peer is down, does not serve dial-backs or dropped this stream
+                    notes.append(f"{peer.to_base58()[:12]}…: {type(e).__name__}")
+                    continue
+                if answer.error:  # a peer's words, into this peer's log: no forged lines
+                    notes.append(f"{peer.to_base58()[:12]}…: {printable(answer.error)}")
+                    continue
+                if answer.connected:
+                    try:  # the coordinator wrote the nonce before answering; give it a moment to land
+                        await asyncio.wait_for(received.wait(), CONNECT_TIMEOUT)
+                    except asyncio.TimeoutError:
+                        pass
+                ip = parse_ip(answer.observed_ip)  # an IP, or nothing: it may go into an address
+                if received.is_set():
+                    return Reachability(True, ip, f"peers can dial you at {ip}:{port}")
+                return Reachability(False, ip, f"peers cannot dial {ip}:{port} (behind NAT or a firewall)")
         return Reachability(False, None, "no coordinator answered the reachability check (" + "; ".join(notes) + ")",
                             answered=False)
     finally:
