@@ -65,7 +65,7 @@ import torch
 
 from .. import codecs, ops
 from .partition import PeerSpec, part_bounds
-from .round import RoundReport, RoundSpec
+from .round import RoundReport, RoundSpec, decides
 
 
 def assign_groups(peer_ids: Sequence[str], epoch: int, max_size: int = 32,
@@ -168,7 +168,7 @@ def decided_tag(tag: bytes, votes: int, voters: Collection[int], counted: Collec
     the group's ``voters`` and of any others its part ``counted`` (followers in time) sent, else none
     (b""): a pair split one to one names a tag by byte order, and groups voting such tags up made the
     diverged peers' state the swarm's."""
-    return tag if 2 * votes > len(set(voters) | set(counted)) else b""
+    return tag if decides(votes, voters, counted) else b""
 
 
 def group_tag(tag: bytes, votes: int, counted: int, combined: RoundReport, groups: int) -> tuple[bytes, int]:

@@ -267,6 +267,12 @@ class PartReport:
         self.counted, self.tag, self.tag_votes = list(result.counted), result.tag, result.tag_votes
 
 
+def decides(votes: int, voters: Collection[int], counted: Collection[int]) -> bool:
+    """Whether ``votes`` for one state tag are more than half of a group's expected ``voters`` and of any
+    others a part ``counted`` (a follower's vote that came in time counts, and counts against)."""
+    return 2 * votes > len(set(voters) | set(counted))
+
+
 @dataclass
 class RoundReport:
     """What one peer saw of one round."""
@@ -320,7 +326,7 @@ class RoundReport:
         peer sent (flat rounds): a part that counted it but names another tag cannot have all its votes,
         so a lying reducer's "2 of 2" in a pair is read as at most 1. A part counts once, whatever it
         claims, so a reducer cannot outweigh the others by claiming many voters."""
-        expected, expected_voters = [p for p in self.parts if p.status != "empty"], set(voters)
+        expected = [p for p in self.parts if p.status != "empty"]
         decided: Counter[bytes] = Counter()
         for p in expected:
             if p.status not in ("ok", "recovered") or not p.counted or not p.tag:
@@ -328,7 +334,7 @@ class RoundReport:
             votes = p.tag_votes
             if own is not None and p.tag != own and self.peer in p.counted:
                 votes = min(votes, len(p.counted) - 1)
-            if 2 * votes > len(expected_voters | set(p.counted)):  # followers' votes count, and count against
+            if decides(votes, voters, p.counted):
                 decided[p.tag] += 1
         if decided:
             tag, parts = min(decided.items(), key=lambda kv: (-kv[1], kv[0]))
