@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 
 MAGIC = "lioncub-record/1"
 # per kind: largest payload (bytes) and furthest expiration ahead of now (seconds)
-LIMITS = {"peers": (4 << 10, 300.0), "group": (256 << 10, 300.0), "manifest": (16 << 10, 3600.0)}
+LIMITS = {"peers": (4 << 10, 300.0), "group": (256 << 10, 300.0), "manifest": (16 << 10, 3600.0),
+          "revoked": (128 << 10, 3600.0)}  # revoked: an invited run's authority lists withdrawn tickets (tickets.py)
 MAX_SUBKEY_CHARS = 128
 CLOCK_SKEW_S = 3.0  # hivemind's MAX_DHT_TIME_DISCREPANCY_SECONDS
 _ENVELOPE_SLACK = 2048  # msgpack framing, key and signature on top of the payload
