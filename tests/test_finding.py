@@ -61,7 +61,7 @@ def test_a_busy_member_is_asked_again_later_never_taken_for_a_refusal():
         return never()
 
     finder.loop, finder.p2p, finder.peer_id, finder.run_id = Loop(), None, "me", "r"
-    finder.admission = SimpleNamespace(needs_secret=False)
+    finder.admission = SimpleNamespace(needs_secret=False, invited=False)
     finder.upkeep = SimpleNamespace(records={})
     finder.log, finder.proved_to = RateLimitedLog(logging.getLogger("test")), set()
     groups = [GroupRecord(3, 10, (PeerSpec(a),), author=a) for a in ("A", "B")]

@@ -13,8 +13,10 @@ on authenticated libp2p streams:
 
 Nothing derived from the secret is in any DHT record. An eavesdropper on the DHT learns nothing to
 test guesses against; an active attacker who tricks a newcomer into the exchange gets one proof,
-and each guess against it costs one scrypt (see docs/protocol.md, "Admission"). Without a secret or
-a list, everyone is admitted.
+and each guess against it costs one scrypt (see docs/protocol.md, "Admission"). An invited run's
+``invitations`` (``swarm/tickets.py``: tickets its authority signed, bound to peer ids) say who may
+take part; a secret proves knowledge shared by everyone admitted, a ticket proves one identity.
+Without a secret, a list or invitations, everyone is admitted.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import functools
 import hashlib
 import hmac
 from dataclasses import dataclass, field
+from typing import Protocol
 
 TOKEN_BYTES = 16
 PROOF_BYTES = 32
@@ -36,15 +39,53 @@ def run_key(secret: bytes, run_id: str) -> bytes:
                           dklen=32, maxmem=64 << 20)
 
 
+class Invitations(Protocol):
+    """Who holds a valid invitation to the run (``swarm.tickets.TicketBook``)."""
+
+    def refusal(self, peer_id: str) -> str | None:
+        """Why ``peer_id`` is not invited now, or None."""
+
+    def known(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` was ever shown to hold an invitation."""
+
+    def learn(self, peer_id: str, data: bytes | str) -> str | None:
+        """Keep ``peer_id``'s invitation ``data`` if it admits it; else why not."""
+
+    @property
+    def own(self) -> bytes:
+        """This peer's own invitation, as it shows it to others (empty: none)."""
+
+
 @dataclass(frozen=True)
 class Admission:
     run_id: str = ""
     secret: bytes | None = None
     allow: frozenset[str] = field(default_factory=frozenset)  # peer ids; empty: no list
+    invitations: Invitations | None = field(default=None, compare=False)  # an invited run's tickets
 
     @property
     def open(self) -> bool:
-        return self.secret is None and not self.allow
+        return self.secret is None and not self.allow and self.invitations is None
+
+    @property
+    def invited(self) -> bool:
+        return self.invitations is not None
+
+    def vouches(self, peer_id: str) -> str | None:
+        """Why ``peer_id`` itself may not take part (the allow-list, its invitation), or None: what a
+        member can check of another without a stream (the secret is proved on streams)."""
+        if self.allow and peer_id not in self.allow:
+            return "not on the run's allow-list"
+        if self.invitations is not None:
+            return self.invitations.refusal(peer_id)
+        return None
+
+    def may_list(self, peer_id: str) -> bool:
+        """Whether a group may list ``peer_id``: on the allow-list, and shown to hold an invitation (even
+        one expired or revoked since: the leader drops such members, and members that learned of a
+        revocation before it did must not split from the group over it)."""
+        return (not self.allow or peer_id in self.allow) and \
+            (self.invitations is None or self.invitations.known(peer_id))
 
     @property
     def needs_secret(self) -> bool:
@@ -83,8 +124,9 @@ class Admission:
 
     def reason(self, peer_id: str, token: bytes) -> str | None:
         """Why ``peer_id`` (whose stream carried ``token``) is refused, or None if admitted."""
-        if self.allow and peer_id not in self.allow:
-            return "not on the run's allow-list"
+        problem = self.vouches(peer_id)
+        if problem is not None:
+            return problem
         if self.secret is not None and not (isinstance(token, (bytes, bytearray)) and
                                             hmac.compare_digest(self.token(peer_id), bytes(token[:TOKEN_BYTES]))):
             return "wrong or missing run secret"

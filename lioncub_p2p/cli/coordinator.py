@@ -20,6 +20,7 @@ import re
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from hivemind import DHT
@@ -31,12 +32,14 @@ from ..swarm.membership import read_peer_records
 from ..swarm.config import LISTEN_ALL
 from ..swarm.reachability import serve_dialback
 from ..swarm.records import RunRecordValidator
+from ..swarm.tickets import TicketError, publish_revocations, read_serials_file
 from .addresses import check_listen, check_peers, reachability
 from .checks import check_run_id, check_writable_file
 from .common import HelpFormatter, UsageError, read_peers_file, setup_logging
 from .lifecycle import ChildReaper, Interrupted, StopSignals
 
 logger = logging.getLogger("lioncub.coordinator")
+REVOKED_REPUBLISH_S = 60.0  # the revocation file is re-read and the list stored again this often
 
 
 def parse_args(argv: list[str] | None = None, *, monitor_default: bool = False) -> argparse.Namespace:
@@ -53,6 +56,12 @@ def parse_args(argv: list[str] | None = None, *, monitor_default: bool = False) 
     p.add_argument("--manifest", default=None,
                    help="publish this YAML file as the run's manifest (task, task_args, lr, batch_size, upload, ...): "
                         "trainers that dial this coordinator adopt it")
+    p.add_argument("--authority-key", default=None,
+                   help="an invited run: the authority key that signs its tickets (lioncub-invite authority): the "
+                        "published manifest names it, and only ticket holders take part")
+    p.add_argument("--revoked", default=None,
+                   help="with --authority-key: a file of revoked ticket serials (lioncub-invite revoke), published "
+                        "signed and re-read every minute")
     p.add_argument("--write-maddrs", default=None, help="write this peer's multiaddrs to this file")
     p.add_argument("--write-maddrs-host", default=None,
                    help="in that file, address this peer by this DNS name (e.g. its compose service name)")
@@ -117,18 +126,53 @@ def check_settings(args: argparse.Namespace) -> list[str]:
     return initial
 
 
-def read_manifest(path: str | None) -> Manifest | None:
-    if not path:
+def read_manifest(path: str | None, authority: Identity | None = None) -> Manifest | None:
+    """The run manifest to publish: the file's, naming the authority of an invited run."""
+    if not path and authority is None:
         return None
     try:
-        return Manifest.from_yaml(path)
+        manifest = Manifest.from_yaml(path) if path else Manifest()
     except ManifestError as e:
         raise UsageError(f"--manifest {e}") from None
+    if authority is None:
+        return manifest
+    if manifest.authority not in (None, authority.peer_id):
+        raise UsageError(f"--manifest {path} names authority {manifest.authority}, but --authority-key is "
+                         f"{authority.peer_id}'s: leave authority out of the manifest")
+    return replace(manifest, authority=authority.peer_id)
+
+
+def read_authority(args: argparse.Namespace) -> Identity | None:
+    if args.revoked and not args.authority_key:
+        raise UsageError("--revoked needs the --authority-key that signs the list")
+    if not args.authority_key:
+        return None
+    if not Path(args.authority_key).exists():
+        raise UsageError(f"--authority-key {args.authority_key} does not exist: create it with lioncub-invite "
+                         f"authority --key {args.authority_key}")
+    try:
+        return Identity(args.authority_key)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--authority-key {args.authority_key}: not a usable key file ({e})") from None
+
+
+def revoked_serials(path: str | None) -> list[str]:
+    """The serials to publish as revoked (none without a file; an unreadable one is one line)."""
+    if not path or not Path(path).exists():
+        return []
+    try:
+        return read_serials_file(path)
+    except OSError as e:
+        raise UsageError(f"--revoked {path}: cannot read it ({e.strerror})") from None
+    except TicketError as e:
+        raise UsageError(f"--revoked {e}") from None
 
 
 def serve(args: argparse.Namespace, stop: StopSignals) -> None:
     initial = check_settings(args)
-    manifest = read_manifest(args.manifest)
+    authority = read_authority(args)
+    revoked_serials(args.revoked)  # one line now for a bad file, not a warning every minute
+    manifest = read_manifest(args.manifest, authority)
     identity = None
     if manifest is not None:  # signed with the DHT's own key: trainers trust it by the peer id they dial
         try:
@@ -151,7 +195,7 @@ def serve(args: argparse.Namespace, stop: StopSignals) -> None:
             loop = BackgroundLoop("coordinator")
             p2p = loop.run(dht.replicate_p2p(), timeout=30)
             loop.run(serve_dialback(p2p), timeout=30)
-        _serve(args, dht, stop, manifest, identity)
+        _serve(args, dht, stop, manifest, identity, authority)
     finally:
         if loop is not None:
             try:
@@ -175,11 +219,25 @@ def _publish(dht: DHT, run_id: str, manifest: Manifest, identity: Identity) -> b
     return stored
 
 
+def _publish_revoked(dht: DHT, args: argparse.Namespace, authority: Identity) -> float:
+    """Store the authority's list of revoked tickets; seconds until it is stored again."""
+    try:
+        serials = revoked_serials(args.revoked)
+        if publish_revocations(dht, args.run_id, authority, serials):
+            logger.info("published run %s's revocations: %d tickets", args.run_id, len(serials))
+            return REVOKED_REPUBLISH_S
+    except Exception as e:  # a bad edit of the file, a busy DHT: the last list stays in force until it expires
+        logger.warning("could not publish run %s's revocations: %s", args.run_id, e)
+    return 5.0
+
+
 def _serve(args: argparse.Namespace, dht: DHT, stop: StopSignals, manifest: Manifest | None = None,
-           identity: Identity | None = None) -> None:
-    republish = 0.0  # when the manifest is stored next (kept alive at a third of its lifetime)
+           identity: Identity | None = None, authority: Identity | None = None) -> None:
+    republish = revoke_at = 0.0  # when the manifest (the revocations) are stored next
     if manifest is not None:  # before the addresses go out: the first trainer must find it
         republish = time.monotonic() + (MANIFEST_TTL / 3 if _publish(dht, args.run_id, manifest, identity) else 5.0)
+    if authority is not None:
+        revoke_at = time.monotonic() + _publish_revoked(dht, args, authority)
     maddrs = [] if args.client_mode else [str(m) for m in dht.get_visible_maddrs()]
     if maddrs:
         print("coordinator ready; trainers join with:\n  --initial-peers " + " ".join(maddrs), flush=True)
@@ -201,6 +259,8 @@ def _serve(args: argparse.Namespace, dht: DHT, stop: StopSignals, manifest: Mani
     while not stop.requested:
         if manifest is not None and time.monotonic() >= republish:
             republish = time.monotonic() + (MANIFEST_TTL / 3 if _publish(dht, args.run_id, manifest, identity) else 5.0)
+        if authority is not None and time.monotonic() >= revoke_at:
+            revoke_at = time.monotonic() + _publish_revoked(dht, args, authority)
         if pause.wait(args.monitor_period if monitoring else 1.0) or (deadline and time.monotonic() > deadline):
             break
         if monitoring:

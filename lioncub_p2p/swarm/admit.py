@@ -6,7 +6,9 @@ to admit it, on a libp2p stream (both peer ids authenticated by the transport):
     N -> M  HELLO      magic, N's fresh 32-byte nonce
     M -> N  CHALLENGE  magic, flags (secret required, allow-list), M's fresh 32-byte nonce
     N -> M  PROOF      magic, HMAC(run key, "newcomer" | run | N | M | both nonces), zeros without a secret
+    N -> M  TICKET     (invited runs) magic, u16 length, N's ticket (``tickets.py``; empty: none)
     M -> N  VERDICT    magic, code, HMAC(run key, "member" | ...) if admitted in a private run, reason
+    M -> N  TICKET     (invited runs) M's own ticket: a newcomer trusts only a member the authority invited
 
 The newcomer proves first: a peer that dials a member learns nothing it could test guesses against,
 and M proves back only to a newcomer that proved. What an impostor M (someone who published a group
@@ -36,6 +38,8 @@ from typing import Callable
 
 from hivemind.p2p import P2P, PeerID
 
+import struct
+
 from ..allreduce.admission import PROOF_BYTES, Admission
 from ..wire import printable
 from ..wire.gate import StreamGate, guard
@@ -54,8 +58,10 @@ PER_ADDRESS = 2  # exchanges at once from one network address (``wire.gate.addre
 MAX_PER_PEER_PER_MINUTE = 6
 LINGER_S = 5.0  # a member waits this long for the newcomer to close after the verdict
 
-SECRET_REQUIRED, ALLOW_LIST = 1, 2
-ADMITTED, WRONG_SECRET, NOT_ALLOWED, BUSY = 0, 1, 2, 3
+MAX_TICKET_BYTES = 2048  # tickets.MAX_TICKET_BYTES
+
+SECRET_REQUIRED, ALLOW_LIST, INVITED = 1, 2, 4
+ADMITTED, WRONG_SECRET, NOT_ALLOWED, BUSY, NOT_INVITED = 0, 1, 2, 3, 4
 _REASONS = {WRONG_SECRET: "wrong or missing run secret", NOT_ALLOWED: "not on the run's allow-list",
             BUSY: "too many admission attempts; try again later"}
 
@@ -71,6 +77,8 @@ class Verdict:
     secret_required: bool
     reason: str = ""
     busy: bool = False  # the member had too many exchanges: ask again later, nothing refused
+    invited: bool = False  # the member asked for a ticket (an invited run)
+    not_invited: bool = False  # refused for this peer's ticket (none, expired, revoked, another run's)
 
 
 async def _read(reader: asyncio.StreamReader, n: int) -> bytes:
@@ -78,6 +86,17 @@ async def _read(reader: asyncio.StreamReader, n: int) -> bytes:
     if data[:4] != MAGIC:
         raise AdmitError("not an admission message")
     return data[4:]
+
+
+def _ticket_frame(ticket: bytes) -> bytes:
+    return MAGIC + struct.pack("<H", len(ticket)) + ticket
+
+
+async def _read_ticket(reader: asyncio.StreamReader) -> bytes:
+    (length,) = struct.unpack("<H", await _read(reader, 4 + 2))
+    if length > MAX_TICKET_BYTES:
+        raise AdmitError("ticket too long")
+    return await reader.readexactly(length)
 
 
 class AdmitServer:
@@ -118,14 +137,18 @@ class AdmitServer:
 
     async def _exchange(self, newcomer: str, reader, writer, busy: bool) -> None:
         # hello and proof within a few seconds: until then the stream holds one of MAX_CONCURRENT slots
-        newcomer_nonce, member_nonce, proof = await asyncio.wait_for(self._hello_and_proof(reader, writer),
-                                                                     PROOF_TIMEOUT)
+        newcomer_nonce, member_nonce, proof, ticket = await asyncio.wait_for(self._hello_and_proof(reader, writer),
+                                                                             PROOF_TIMEOUT)
+        invitations, uninvited = self.admission.invitations, ""
         if busy:
             code = BUSY
         elif not self.admission.checks_proof(proof, "newcomer", newcomer, self.peer_id, newcomer_nonce, member_nonce):
             code = WRONG_SECRET
         elif self.admission.allow and newcomer not in self.admission.allow:
             code = NOT_ALLOWED
+        elif invitations is not None and (uninvited := (invitations.learn(newcomer, ticket) if ticket else
+                                                        "it showed no ticket of this run") or ""):
+            code = NOT_INVITED
         else:
             code = ADMITTED
         answer = self.admission.proof("member", newcomer, self.peer_id, newcomer_nonce, member_nonce) \
@@ -133,20 +156,25 @@ class AdmitServer:
         if code == ADMITTED and self.admission.needs_secret:  # before the verdict: the newcomer may announce
             self.on_admitted(newcomer)                          # itself the moment it reads it
         elif code != ADMITTED:  # throwaway ids make every line new: rate-limited per reason
-            self.log.warning(f"refused:{code}", "refused admission to %s: %s", newcomer, _REASONS[code])
-        reason = _REASONS.get(code, "").encode()[:MAX_REASON_BYTES]
-        writer.write(MAGIC + bytes([code]) + answer.ljust(PROOF_BYTES, b"\0") + bytes([len(reason)]) + reason)
+            self.log.warning(f"refused:{code}", "refused admission to %s: %s", newcomer, uninvited or _REASONS[code])
+        reason = (uninvited or _REASONS.get(code, "")).encode()[:MAX_REASON_BYTES]
+        writer.write(MAGIC + bytes([code]) + answer.ljust(PROOF_BYTES, b"\0") + bytes([len(reason)]) + reason
+                     + (_ticket_frame(invitations.own) if invitations is not None else b""))
         await writer.drain()
         # let the newcomer close first: closing now can drop the verdict still in flight (seen over QUIC)
         await asyncio.wait_for(reader.read(1), LINGER_S)
 
-    async def _hello_and_proof(self, reader, writer) -> tuple[bytes, bytes, bytes]:
+    async def _hello_and_proof(self, reader, writer) -> tuple[bytes, bytes, bytes, bytes]:
+        """The newcomer's nonce, this member's, the newcomer's proof and (an invited run) its ticket."""
         newcomer_nonce = await _read(reader, 4 + NONCE_BYTES)
         member_nonce = os.urandom(NONCE_BYTES)
-        flags = (SECRET_REQUIRED if self.admission.needs_secret else 0) | (ALLOW_LIST if self.admission.allow else 0)
+        flags = (SECRET_REQUIRED if self.admission.needs_secret else 0) | (ALLOW_LIST if self.admission.allow else 0) \
+            | (INVITED if self.admission.invited else 0)
         writer.write(MAGIC + bytes([flags]) + member_nonce)
         await writer.drain()
-        return newcomer_nonce, member_nonce, await _read(reader, 4 + PROOF_BYTES)
+        proof = await _read(reader, 4 + PROOF_BYTES)
+        ticket = await _read_ticket(reader) if self.admission.invited else b""
+        return newcomer_nonce, member_nonce, proof, ticket
 
 
 async def ask_admission(p2p: P2P, member: str, admission: Admission, *, timeout: float = EXCHANGE_TIMEOUT) -> Verdict:
@@ -173,19 +201,24 @@ async def _ask(me: str, member: str, admission: Admission, reader, writer) -> Ve
         # (admission slots, or this address's)
         return Verdict(False, False, False, _REASONS[BUSY], busy=True)
     flags, member_nonce = challenge[0], challenge[1:]
-    required = bool(flags & SECRET_REQUIRED)
+    required, invited = bool(flags & SECRET_REQUIRED), bool(flags & INVITED)
     # prove only to a member that asks for the secret: an open "member" has no use for our proof
     proof = admission.proof("newcomer", me, member, newcomer_nonce, member_nonce) if required else b""
-    writer.write(MAGIC + proof.ljust(PROOF_BYTES, b"\0"))
+    own = admission.invitations.own if admission.invitations is not None else b""
+    writer.write(MAGIC + proof.ljust(PROOF_BYTES, b"\0") + (_ticket_frame(own) if invited else b""))
     await writer.drain()
     verdict = await _read(reader, 4 + 1 + PROOF_BYTES + 1)
     code, answer, length = verdict[0], verdict[1 : 1 + PROOF_BYTES], verdict[1 + PROOF_BYTES]
     if length > MAX_REASON_BYTES:
         raise AdmitError("reason too long")
     reason = (await reader.readexactly(length)).decode("utf-8", "replace") if length else ""
+    member_ticket = await _read_ticket(reader) if invited else b""
     proved = required and admission.needs_secret and admission.checks_proof(
         answer, "member", me, member, newcomer_nonce, member_nonce)
+    if admission.invitations is not None:  # an invited run: the member must show the authority's ticket too
+        proved = invited and (not admission.needs_secret or proved) \
+            and admission.invitations.learn(member, member_ticket) is None
     if code != ADMITTED:
         return Verdict(False, False, required, printable(reason, MAX_REASON_BYTES) or f"code {code}",
-                       busy=code == BUSY)
-    return Verdict(True, proved, required)
+                       busy=code == BUSY, invited=invited, not_invited=code == NOT_INVITED)
+    return Verdict(True, proved, required, invited=invited)

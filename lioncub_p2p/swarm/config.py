@@ -7,7 +7,11 @@ from ..allreduce import AllReduceConfig
 from ..momentum import MomentumSchedule
 from ..wire import PROTOCOL_VERSION
 from . import manifest as manifests
+from ..identity import Verifier
 from .manifest import Manifest, ManifestError
+from .tickets import Ticket, TicketError, decode
+
+_VERIFIER = Verifier()
 
 MAX_RECORD_TTL = 300.0
 # TCP and QUIC on every interface, ports chosen by the OS. Over QUIC a stream closed right after its
@@ -61,6 +65,9 @@ class SwarmConfig:
     join_timeout: float = 120.0
     run_secret: str | None = None  # admission: only peers knowing it vote, reduce, serve state, average
     allow_peers: list[str] = field(default_factory=list)  # admission: only these peer ids (if given)
+    # an invited run: this peer's ticket (its text, ``tickets.Ticket.text``), signed by the run's authority for
+    # this peer's id (``identity_path``); only peers holding one take part (``tickets.py``)
+    ticket: str | None = None
 
     def __post_init__(self) -> None:
         if not self.run_id or "." in self.run_id:
@@ -71,6 +78,11 @@ class SwarmConfig:
             raise ValueError(f"weight must be in [0, {MAX_WEIGHT:g}], got {self.weight}")
         if self.client_mode not in (True, False, "auto"):
             raise ValueError(f"client_mode must be True, False or 'auto', got {self.client_mode!r}")
+        if self.ticket is not None:
+            ticket = self.invitation()
+            if ticket.run_id != self.run_id:
+                raise ValueError(f"the ticket is for run {ticket.run_id}, not {self.run_id}: pass --run-id "
+                                 f"{ticket.run_id}, or ask the organizer of {self.run_id} for a ticket")
         self.opinions()  # checks every setting given (ManifestError, a ValueError, names the field)
 
     def opinions(self) -> Manifest:
@@ -80,4 +92,12 @@ class SwarmConfig:
         clash = base.conflicts(own)
         if clash:
             raise ManifestError(f"{clash[0][0]} is set differently in SwarmConfig and in SwarmConfig.manifest")
-        return replace(base.merged(own), protocol=PROTOCOL_VERSION, secret_required=self.run_secret is not None)
+        return replace(base.merged(own), protocol=PROTOCOL_VERSION, secret_required=self.run_secret is not None,
+                       authority=self.invitation().authority if self.ticket is not None else base.authority)
+
+    def invitation(self) -> Ticket:
+        """This peer's ticket, decoded and signature-checked (ValueError, one line, if it is not one)."""
+        try:
+            return decode(self.ticket, _VERIFIER)
+        except TicketError as e:
+            raise ValueError(f"ticket: {e}") from None

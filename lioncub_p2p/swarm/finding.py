@@ -30,9 +30,21 @@ MAX_CANDIDATES = 8  # group records a newcomer asks for admission, most populate
 ALLOW_LIST_REASON = "not on the run's allow-list"  # admit.py's reason for a peer the allow-list leaves out
 
 
-def refusal(verdict: Verdict, run_id: str, author: str, peer_id: str, needs_secret: bool) -> str | None:
+def refusal(verdict: Verdict, run_id: str, author: str, peer_id: str, needs_secret: bool,
+            invited: bool = False) -> str | None:
     """What stops this peer, in one line, when ``author`` answered with ``verdict``; None: no refusal
-    (admitted, or an author in a private run that did not prove the key, whose group is ignored)."""
+    (admitted, or an author in a private run that did not prove the key, whose group is ignored).
+    ``invited``: this peer holds a ticket (``--ticket``)."""
+    if verdict.not_invited and not invited:
+        return (f"run {run_id} is invited-only: ask its organizer for a ticket for peer id {peer_id} (they run "
+                f"lioncub-invite issue --peer {peer_id} ...), then pass it with --ticket FILE and the same "
+                f"--identity-path")
+    if verdict.not_invited:
+        return (f"run {run_id} refused this peer's ticket: {verdict.reason} (asked {author}): ask the run's "
+                f"organizer for a new ticket for peer id {peer_id}")
+    if invited and not verdict.invited:
+        return (f"run {run_id} asks for no ticket (not an invited run; asked {author}): check --run-id and "
+                f"--initial-peers, or drop --ticket")
     if not verdict.admitted and verdict.secret_required and not needs_secret:
         return f"run {run_id} is private: pass its --run-secret (its leader {author} refused this peer)"
     if not verdict.admitted and verdict.reason == ALLOW_LIST_REASON:
@@ -98,12 +110,13 @@ class RunFinder:
                 failures += 1
                 self.log.warning(f"busy:{group.author}", "%s is busy admitting others: asking again", group.author)
                 continue
-            line = refusal(verdict, self.run_id, group.author, self.peer_id, self.admission.needs_secret)
+            line = refusal(verdict, self.run_id, group.author, self.peer_id, self.admission.needs_secret,
+                           self.admission.invited)
             if line is not None:
                 refusals.append(line)
-            elif self.admission.needs_secret and not verdict.member_proved:
-                self.log.warning(f"impostor:{group.author}", "%s did not prove the run secret: ignoring its group",
-                                 group.author)
+            elif (self.admission.needs_secret or self.admission.invited) and not verdict.member_proved:
+                self.log.warning(f"impostor:{group.author}", "%s did not prove the run %s: ignoring its group",
+                                 group.author, "secret" if self.admission.needs_secret else "authority's ticket")
             else:
                 self.proved_to.add(group.author)
                 return group

@@ -13,7 +13,8 @@ line naming the field when an opinion it holds differs (``resolve``). Fields:
   ``delay`` (1: overlapped rounds, each vote applied one step later), ``max_group`` (a two-level vote:
   groups of at most this many peers, their counts combined; unset or 0: one flat group);
 * what the trainer should use: ``lr``, ``weight_decay``, ``betas``, ``lr_schedule`` (a description),
-  ``batch_size``; and ``secret_required`` (whether the run is private).
+  ``batch_size``; ``secret_required`` (whether the run is private) and ``authority`` (an invited run:
+  whose tickets admit, ``tickets.py``).
 
 Which manifest a joiner trusts (``choose``): the one published by the run group's leader (or another
 member; the group is found through the admission exchange, which in a private run proves its author
@@ -158,6 +159,7 @@ class Manifest:
     lr_schedule: str | None = None
     batch_size: int | None = None
     secret_required: bool | None = None
+    authority: str | None = None  # an invited run: the id of the authority whose tickets admit (tickets.py)
 
     def __post_init__(self) -> None:
         checked = {f.name: _check(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None}
@@ -299,6 +301,11 @@ def _check(name: str, value: Any) -> Any:
         return _short(value, name)
     if name == "batch_size":
         return _integer(value, name, 1, 1 << 31)
+    if name == "authority":
+        if not isinstance(value, str) or not 0 < len(value) <= 128 or not value.isalnum():
+            raise ManifestError(f"authority must be the id of the run's authority (lioncub-invite authority prints "
+                                f"it), got {value!r}")
+        return value
     if name == "secret_required":
         if not isinstance(value, bool):
             raise ManifestError(f"secret_required must be true or false, got {value!r}")

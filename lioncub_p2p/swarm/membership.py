@@ -23,8 +23,9 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
@@ -33,6 +34,10 @@ from ..allreduce.partition import PeerSpec
 from ..identity import Identity, Verifier
 from ..wire import PROTOCOL_VERSION
 from .records import RateLimitedLog, RecordError, dht_key, open_record, read_records, store_record
+from .tickets import TicketError, revoked_serials
+
+if TYPE_CHECKING:
+    from .tickets import TicketBook
 
 logger = logging.getLogger(__name__)
 MAX_MEMBERS = 1024
@@ -45,6 +50,7 @@ MAX_REPORTED = 16  # group-mates a peer reports missing votes of in its record (
 MAX_RECORDS = 4 * MAX_MEMBERS  # records of one key looked at per read; the rest are ignored (flooding)
 MAX_EPOCH_GAP = 16  # a member accepts a group at most this many epochs past its own
 DHT_TIMEOUT = 10.0  # every DHT read and write
+MAX_TICKET_CHARS = 2800  # a ticket's text form (tickets.MAX_TICKET_BYTES in base64, and its prefix)
 
 
 def _number(value: Any, low: float, high: float, *, integer: bool = False) -> float | int:
@@ -98,6 +104,7 @@ class PeerRecord:
     steady: tuple[str, ...] = ()  # group-mates without a vote in the group whose votes count here, rounds in a row
     final: str = ""  # past its last step: its parameters' digest (hex) at ``step`` (closing.py)
     steps_per_s: float = 0.0  # its recent pace (a joiner bounds how far past the run a donor's state may be)
+    ticket: str = ""  # an invited run: its ticket, in text form (tickets.py); members learn it from here
     expires: float = 0.0
 
     def payload(self) -> dict[str, Any]:
@@ -108,7 +115,7 @@ class PeerRecord:
                 "bytes_up_per_s": float(self.bytes_up_per_s), "bytes_down_per_s": float(self.bytes_down_per_s),
                 "loss": loss, "manifest": self.manifest, "leaving": self.leaving,
                 "following": self.following, "missing": list(self.missing), "steady": list(self.steady),
-                "final": self.final}
+                "final": self.final, **({"ticket": self.ticket} if self.ticket else {})}
 
     @classmethod
     def from_payload(cls, peer_id: str, value: dict, expires: float) -> "PeerRecord":
@@ -125,7 +132,7 @@ class PeerRecord:
                    manifest=_text(value.get("manifest", ""), 64), leaving=_flag(value.get("leaving", False)),
                    following=_flag(value.get("following", False)), missing=_peer_ids(value.get("missing", [])),
                    steady=_peer_ids(value.get("steady", [])), final=_hex_digest(value.get("final", "")),
-                   expires=float(expires))
+                   ticket=_text(value.get("ticket", ""), MAX_TICKET_CHARS), expires=float(expires))
 
     @classmethod
     def parse(cls, peer_id: Any, value: Any, expires: Any, *, run_id: str | None = None,
@@ -206,8 +213,10 @@ class Directory:
     """The run's membership records in the DHT. Methods are coroutines for the swarm's event loop;
     each DHT call is bounded by ``timeout`` and a failed read returns nothing rather than raising."""
 
-    def __init__(self, dht: DHT, run_id: str, identity: Identity, *, timeout: float = DHT_TIMEOUT):
+    def __init__(self, dht: DHT, run_id: str, identity: Identity, *, timeout: float = DHT_TIMEOUT,
+                 tickets: "TicketBook | None" = None):
         self.dht, self.run_id, self.identity, self.timeout = dht, run_id, identity, timeout
+        self.tickets = tickets  # an invited run: the tickets records carry are learned, weights capped by them
         self.peers_key, self.group_key = dht_key(run_id, "peers"), dht_key(run_id, "group")
         self.verifier = Verifier()
         self.bad = RateLimitedLog(logger)
@@ -227,10 +236,37 @@ class Directory:
         records = {}
         for author, payload, expires in await self.read("peers"):
             try:
-                records[author] = PeerRecord.from_payload(author, payload, expires)
+                records[author] = self._invited(PeerRecord.from_payload(author, payload, expires))
             except (RecordError, KeyError) as e:
                 self.bad.warning(f"peer:{str(e)[:40]}", "ignoring the peer record of %.60s: %s", author, e)
         return records
+
+    def _invited(self, record: PeerRecord) -> PeerRecord:
+        """In an invited run: learn the ticket ``record`` carries, and cap the weight it claims at its
+        ticket's bound (a record without a valid ticket is kept as read: the leader does not add it)."""
+        if self.tickets is None:
+            return record
+        if record.ticket:
+            problem = self.tickets.learn(record.peer_id, record.ticket)
+            if problem is not None:
+                self.bad.warning(f"ticket:{record.peer_id}", "the record of %.60s carries no valid ticket: %s",
+                                 record.peer_id, problem)
+        cap = self.tickets.max_weight(record.peer_id)
+        return replace(record, weight=cap) if cap is not None and record.weight > cap else record
+
+    async def revoked(self) -> frozenset[str] | None:
+        """An invited run's revoked ticket serials, as its authority signed them (None: no list read)."""
+        if self.tickets is None:
+            return None
+        found = await read_records(self.dht, self.run_id, "revoked", self.verifier, self.bad, timeout=self.timeout,
+                                   limit=1, authors={self.tickets.authority})
+        if not found:
+            return None
+        try:
+            return revoked_serials(found[0][1])
+        except TicketError as e:
+            self.bad.warning("revoked", "ignoring the run's revocation list: %s", e)
+            return None
 
     async def groups(self) -> list[GroupRecord]:
         """Every valid group record, each signed by its author (who must be one of its members)."""
@@ -267,7 +303,7 @@ def synced_members(group: GroupRecord, records: dict[str, PeerRecord]) -> list[P
 
 def next_group(candidates: list[GroupRecord], history: "GroupHistory", *, step: int, window: int,
                run_step: int | None = None, refused: frozenset[str] | set[str] = frozenset(),
-               log: RateLimitedLog | None = None) -> GroupRecord | None:
+               log: RateLimitedLog | None = None, listable: Callable[[str], bool] | None = None) -> GroupRecord | None:
     """The group record a member with ``history`` accepts next, if any.
 
     Only from a member of its latest groups (an outsider's record, however well signed, is never
@@ -278,7 +314,9 @@ def next_group(candidates: list[GroupRecord], history: "GroupHistory", *, step: 
     long-running run; a forged far-future step still cannot freeze group changes), and never for a
     first step before the current group's (a group slipped in under steps already voted would split
     the peers still running them; ``GroupHistory.for_step`` would not pick it past the current
-    group's start anyway). Among several, the newest; for one epoch, the author listed first."""
+    group's start anyway), and only if it lists no peer this one may not admit (``listable``: the
+    allow-list; in an invited run, a peer it saw no ticket of). Among several, the newest; for one
+    epoch, the author listed first."""
     latest = history.latest
     if latest is None:
         return None
@@ -300,6 +338,8 @@ def next_group(candidates: list[GroupRecord], history: "GroupHistory", *, step: 
             problem = f"it starts at step {group.from_step}, more than {window} steps ahead"
         elif group.from_step < latest.from_step:  # a leader plans from where its group is, never before it
             problem = f"it starts at step {group.from_step}, before this peer's group ({latest.from_step})"
+        elif listable is not None and (outsider := next((m for m in group.member_ids() if not listable(m)), None)):
+            problem = f"it lists {outsider}, who is not admitted to the run (no ticket or allow-list entry seen)"
         if problem:
             if log is not None:
                 log.warning(f"next:{group.author}", "not following the group record of %.60s: %s", group.author,

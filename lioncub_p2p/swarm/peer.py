@@ -75,6 +75,7 @@ from .membership import Directory, GroupHistory, GroupRecord, PeerRecord
 from .momentum_sync import MomentumRounds, MomentumSync
 from .probe import serve_probe
 from .records import RateLimitedLog, RunRecordValidator
+from .tickets import TicketBook
 from .pipeline import PipelineSettings, RoundInFlight, VotePipeline
 from .state_sync import StateSync
 from .state_transfer import StateTransferError
@@ -138,6 +139,11 @@ class Swarm:
             self.loop.stop()
             raise SwarmError(f"cannot use the identity file {config.identity_path} ({e}): give a writable path "
                              f"or another file") from None
+        if config.ticket is not None and config.invitation().peer_id != self.identity.peer_id:
+            self.loop.stop()
+            raise SwarmError(f"the ticket is for peer id {config.invitation().peer_id}, but this peer's identity is "
+                             f"{self.identity.peer_id}: pass --identity-path with the key file whose id the organizer "
+                             f"signed (lioncub-invite id --identity-path FILE prints it)")
         asked = config
         for attempt in range(PORT_TRIES):
             config = self._plan_listening(asked)
@@ -190,9 +196,11 @@ class Swarm:
                                  self._in_background, self.log)
         if self.peer_id != self.identity.peer_id:
             raise SwarmError("the DHT runs with another key than the identity file")
+        ticket = config.invitation() if config.ticket is not None else None
+        self.tickets = TicketBook(config.run_id, ticket.authority, own=ticket) if ticket is not None else None
         self.admission = Admission(config.run_id, config.run_secret.encode() if config.run_secret else None,
-                                   frozenset(config.allow_peers))
-        self.directory = Directory(self.dht, config.run_id, self.identity)
+                                   frozenset(config.allow_peers), invitations=self.tickets)
+        self.directory = Directory(self.dht, config.run_id, self.identity, tickets=self.tickets)
         self.upkeep = Upkeep(peer_id=self.peer_id, spec=self._my_spec(), run_id=config.run_id,
                              directory=self.directory, store_manifest=self._store_manifest, admission=self.admission,
                              verdicts=self.verdicts, local=self._local, record_ttl=config.record_ttl,

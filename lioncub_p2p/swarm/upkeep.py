@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
 
+from ..allreduce.admission import OPEN
 from ..wire import PROTOCOL_VERSION
 from . import manifest as manifests
 from .lead import (DROP_AFTER_S, NOTICE_S, REST_S, STEADY_ROUNDS, Health, Stalls, asleep_since_drop, leader_of,
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 STEP_WINDOW = 100  # steps a member's announced step may lead the leader's and still count (forged far-future steps)
 GROUP_TTL = 60.0  # seconds a published group record lives; the leader republishes it every third of that
 GROUP_REPUBLISH_S = 20.0
+REVOKED_READ_S = 30.0  # an invited run's revocation list is read this often (a revocation takes effect within it)
 DHT_MEMORY_S = 120.0  # how long a slow DHT store or read counts in a new group's notice (dht_s)
 # A record must outlive the time until the next one lands: an upkeep cycle (three DHT calls) after a
 # third of its lifetime, plus the store. Over a 1 Mbit/s link carrying votes and results a call takes
@@ -75,7 +77,8 @@ class Upkeep:
                  lead_steps: int, log: RateLimitedLog, history: GroupHistory | None = None):
         self.peer_id, self.spec, self.run_id = peer_id, spec, run_id
         self.directory, self.store_manifest = directory, store_manifest  # store_manifest(manifest): a coroutine
-        self.admission, self.verdicts, self.local = admission, verdicts, local
+        self.admission = admission if admission is not None else OPEN
+        self.verdicts, self.local = verdicts, local
         self.record_ttl, self.refresh_period, self.lead_steps = record_ttl, refresh_period, lead_steps
         self.log = log
         self.history = history if history is not None else GroupHistory()  # written here only (others read it)
@@ -116,9 +119,12 @@ class Upkeep:
         self.trust(group)
 
     async def run_forever(self) -> None:
-        last_announce = 0.0
+        last_announce = last_revoked = 0.0
         while True:
             try:
+                if self.admission.invited and time.monotonic() - last_revoked > REVOKED_READ_S:
+                    last_revoked = time.monotonic()
+                    await self.read_revocations()
                 await self.refresh_group()
                 await self.verdicts.remind_leader()
                 step = self.local().step  # before the read: ``Stalls.update``
@@ -139,6 +145,14 @@ class Upkeep:
                 self.log.warning(f"upkeep:{type(e).__name__}", "membership refresh failed: %s: %s", type(e).__name__, e)
             await asyncio.sleep(self.refresh_period)
 
+    async def read_revocations(self) -> None:
+        """An invited run: take the authority's list of revoked tickets (their holders' streams are refused
+        from then on, and a leader drops them)."""
+        revoked = await self._timed(self.directory.revoked())
+        if revoked is not None and revoked != self.admission.invitations.revoked:
+            logger.info("the run's authority revokes %d tickets", len(revoked))
+            self.admission.invitations.revoke(revoked)
+
     async def refresh_group(self) -> None:
         """Accept the next group from the run's records (``membership.next_group``), or the record that
         wins this peer's newest epoch from a rival leader (``membership.preferred_rival``)."""
@@ -154,7 +168,8 @@ class Upkeep:
         window = 2 * STEP_WINDOW + self.lead_steps
         step, liars = self.local().step, set(self.verdicts.liars)
         chosen = next_group(candidates, self.history, step=step, window=window,
-                            run_step=announced_step(self.history.latest, self.records), refused=liars, log=self.log)
+                            run_step=announced_step(self.history.latest, self.records), refused=liars, log=self.log,
+                            listable=self.admission.may_list)
         if chosen is not None:
             before = self.history.latest
             self.trust(chosen)
@@ -216,6 +231,7 @@ class Upkeep:
                             bytes_up_per_s=me.bytes_up_per_s, bytes_down_per_s=me.bytes_down_per_s, loss=me.loss,
                             manifest=me.run_manifest.digest() if me.run_manifest else "", leaving=leaving,
                             following=me.following and not leaving, final=me.final,
+                            ticket=self.admission.invitations.own_text if self.admission.invited else "",
                             **(self._reports() if me.synced and not me.following and not leaving else {}))
         self._progress = (now, me.step)
         # a newer record must expire later than the last (the DHT keeps the latest-expiring one), even
@@ -256,8 +272,8 @@ class Upkeep:
             problem = f"it speaks protocol version {record.version}, this peer {PROTOCOL_VERSION}"
         elif run_manifest is None or record.manifest != run_manifest.digest():
             problem = "it follows another manifest (other settings or model)"
-        elif self.admission.allow and record.peer_id not in self.admission.allow:
-            problem = "not on the run's allow-list"
+        elif (uninvited := self.admission.vouches(record.peer_id)) is not None:
+            problem = uninvited
         elif self.admission.needs_secret and record.peer_id not in self.admitted:
             problem = "it has not proved the run secret to this peer"
         if problem:
@@ -327,7 +343,9 @@ class Upkeep:
             if await self._publish(latest):
                 self.published = time.monotonic()
             return
-        suspects = self.verdicts.suspects()
+        # members whose invitation expired or was revoked are dropped like suspects (never added again)
+        suspects = self.verdicts.suspects() | {pid for pid in latest.member_ids()
+                                               if pid != self.peer_id and self.admission.vouches(pid) is not None}
         self._prune_round_counters()
         mates = self.groups_of(latest)
         now = time.monotonic()

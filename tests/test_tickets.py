@@ -1,0 +1,254 @@
+"""Invited runs: tickets signed by the run's authority, bound to one peer id each (swarm/tickets.py),
+checked in the admission exchange, on every stream, in peer records and in group records."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from hivemind.p2p import P2P
+
+from lioncub_p2p.allreduce.admission import Admission
+from lioncub_p2p.identity import Identity, Verifier
+from lioncub_p2p.swarm import admit
+from lioncub_p2p.swarm.finding import refusal
+from lioncub_p2p.swarm.membership import GroupHistory, GroupRecord, PeerRecord, PeerSpec, next_group
+from lioncub_p2p.swarm.tickets import (TicketBook, TicketError, check, decode, issue, revocation_payload,
+                                       revoked_serials)
+
+RUN = "inv"
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("keys")
+    return {name: Identity.load_or_create(folder / f"{name}.key") for name in ("authority", "other", "a", "b", "c")}
+
+
+def test_a_ticket_round_trips_and_admits_only_its_peer_in_its_run_until_it_expires_or_is_revoked(keys):
+    authority, peer = keys["authority"], keys["a"].peer_id
+    ticket = issue(authority, RUN, peer, days=2, max_weight=10)
+    again = decode(ticket.text(), Verifier())
+    assert again == ticket and decode(ticket.encode(), Verifier()) == ticket
+    ok = dict(run_id=RUN, authority=authority.peer_id, peer_id=peer)
+    assert check(again, **ok) is None
+    assert "not by the run's authority" in check(again, **{**ok, "authority": keys["other"].peer_id})
+    assert "for run inv" in check(again, **{**ok, "run_id": "another"})
+    assert f"for peer {peer}" in check(again, **{**ok, "peer_id": keys["b"].peer_id})
+    assert "expired" in check(again, **ok, now=time.time() + 3 * 86400)
+    assert "revoked" in check(again, **ok, revoked={ticket.serial})
+    # the authority is whoever's key signed it: a ticket signed by another key names that key's id
+    forged = issue(keys["other"], RUN, peer, days=2, max_weight=10)
+    assert decode(forged.text(), Verifier()).authority == keys["other"].peer_id
+
+
+@pytest.mark.parametrize("damage", ["payload", "signature", "text", "prefix", "size"])
+def test_a_damaged_or_altered_ticket_is_refused_with_one_line(keys, damage):
+    ticket = issue(keys["authority"], RUN, keys["a"].peer_id, days=2, max_weight=10)
+    raw = ticket.encode()
+    if damage == "payload":  # a holder raising its own weight bound breaks the signature
+        data = raw.replace(b'"max_weight":10.0', b'"max_weight":99.0')
+        assert data != raw
+    elif damage == "signature":
+        data = raw[:-3] + bytes(b ^ 1 for b in raw[-3:])
+    elif damage == "text":
+        data = ticket.text()[:-20] + "!!!!"
+    elif damage == "prefix":
+        data = ticket.text().removeprefix("lioncub-ticket:")
+    else:
+        data = b"\x81" * 5000
+    with pytest.raises(TicketError) as e:
+        decode(data, Verifier())
+    assert "\n" not in str(e.value)
+
+
+def test_the_book_learns_only_valid_tickets_caps_weights_and_follows_revocations(keys):
+    authority = keys["authority"]
+    mine = issue(authority, RUN, keys["a"].peer_id, days=1, max_weight=5)
+    book = TicketBook(RUN, authority.peer_id, own=mine)
+    assert book.refusal(keys["a"].peer_id) is None and book.own == mine.encode()
+    b_ticket = issue(authority, RUN, keys["b"].peer_id, days=1, max_weight=3)
+    assert "no ticket" in book.refusal(keys["b"].peer_id) and not book.known(keys["b"].peer_id)
+    assert "for peer" in book.learn(keys["c"].peer_id, b_ticket.text())  # someone else's ticket
+    assert book.learn(keys["b"].peer_id, b_ticket.text()) is None
+    assert book.known(keys["b"].peer_id) and book.max_weight(keys["b"].peer_id) == 3.0
+    assert "not by the run's authority" in book.learn(keys["c"].peer_id, issue(keys["other"], RUN, keys["c"].peer_id,
+                                                                                days=1, max_weight=1).text())
+    assert book.refusal(keys["c"].peer_id) is not None
+    book.revoke(revoked_serials(revocation_payload([b_ticket.serial])))
+    assert "revoked" in book.refusal(keys["b"].peer_id) and book.known(keys["b"].peer_id)
+    admission = Admission(RUN, invitations=book)
+    assert admission.reason(keys["a"].peer_id, b"") is None
+    assert "revoked" in admission.reason(keys["b"].peer_id, b"") and admission.may_list(keys["b"].peer_id)
+    assert not admission.may_list(keys["c"].peer_id) and not admission.open
+
+
+async def _exchange(member_book: TicketBook | None, newcomer_book: TicketBook | None, *, member_key: Identity,
+                    newcomer_key: Identity) -> admit.Verdict:
+    member = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=member_key.path,
+                              nat_port_map=False, auto_nat=False)
+    newcomer = await P2P.create(initial_peers=[str(m) for m in await member.get_visible_maddrs()],
+                                host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=newcomer_key.path,
+                                nat_port_map=False, auto_nat=False)
+    try:
+        server = admit.AdmitServer(member, Admission(RUN, invitations=member_book), lambda pid: None)
+        await server.start()
+        return await admit.ask_admission(newcomer, member_key.peer_id, Admission(RUN, invitations=newcomer_book))
+    finally:
+        await asyncio.gather(member.shutdown(), newcomer.shutdown())
+
+
+def test_k_tickets_admit_k_identities_over_real_streams_and_the_member_proves_its_own(keys):
+    """An attacker holding k=2 tickets owns k+1 identities: the third is refused whatever ticket it shows
+    (a ticket is bound to its peer id, which libp2p authenticates), and so is every identity in the
+    member's stream checks (``Admission.reason``). A member without the authority's ticket does not
+    prove itself to a newcomer, whose group from it is then ignored."""
+    authority = keys["authority"]
+    member_ticket = issue(authority, RUN, keys["c"].peer_id, days=1, max_weight=1)
+    tickets = {name: issue(authority, RUN, keys[name].peer_id, days=1, max_weight=1) for name in ("a", "b")}
+    member_book = TicketBook(RUN, authority.peer_id, own=member_ticket)
+
+    def newcomer(name: str, ticket=None) -> TicketBook:
+        return TicketBook(RUN, authority.peer_id, own=ticket if ticket is not None else tickets.get(name))
+
+    async def scenario():
+        verdicts = {}
+        for name in ("a", "b"):
+            verdicts[name] = await _exchange(member_book, newcomer(name), member_key=keys["c"], newcomer_key=keys[name])
+        # the third identity ("other") shows each of the two tickets in turn, then none
+        for shown in ("a", "b", None):
+            verdicts[f"other+{shown}"] = await _exchange(member_book, newcomer("other", tickets.get(shown) if shown
+                                                                               else None) if shown else
+                                                         TicketBook(RUN, authority.peer_id),
+                                                         member_key=keys["c"], newcomer_key=keys["other"])
+        impostor = TicketBook(RUN, authority.peer_id)  # a "member" with no ticket of its own
+        verdicts["impostor"] = await _exchange(impostor, newcomer("a"), member_key=keys["b"], newcomer_key=keys["a"])
+        return verdicts
+
+    verdicts = asyncio.run(scenario())
+    for name in ("a", "b"):
+        assert verdicts[name].admitted and verdicts[name].member_proved and verdicts[name].invited, verdicts[name]
+    for shown in ("a", "b"):
+        v = verdicts[f"other+{shown}"]
+        assert not v.admitted and v.not_invited and f"for peer {keys[shown].peer_id}" in v.reason, v
+    v = verdicts["other+None"]
+    assert not v.admitted and v.not_invited and "no ticket" in v.reason
+    line = refusal(v, RUN, keys["c"].peer_id, keys["other"].peer_id, False, invited=False)
+    assert "invited-only" in line and f"--peer {keys['other'].peer_id}" in line
+    assert not verdicts["impostor"].member_proved  # no ticket shown: its group is ignored (finding.py)
+    admission = Admission(RUN, invitations=member_book)
+    assert {k for k in ("a", "b", "other") if admission.reason(keys[k].peer_id, b"") is None} == {"a", "b"}
+
+
+def test_records_carry_tickets_weights_are_capped_and_groups_listing_strangers_are_not_followed(keys):
+    """A member learns tickets from peer records (and caps each claimed weight at its ticket's bound),
+    and does not follow a group record that lists a peer it saw no ticket of: a leader cannot add
+    identities the authority never invited. Break-check: without ``listable``, the group is followed."""
+    from lioncub_p2p.swarm.membership import Directory
+
+    authority = keys["authority"]
+    book = TicketBook(RUN, authority.peer_id, own=issue(authority, RUN, keys["a"].peer_id, days=1, max_weight=1))
+    directory = Directory.__new__(Directory)
+    directory.tickets, directory.bad = book, __import__("lioncub_p2p.swarm.records", fromlist=["x"]).RateLimitedLog(
+        __import__("logging").getLogger("test"))
+    b_ticket = issue(authority, RUN, keys["b"].peer_id, days=1, max_weight=4)
+    record = directory._invited(PeerRecord(keys["b"].peer_id, weight=1e6, ticket=b_ticket.text()))
+    assert record.weight == 4.0 and book.known(keys["b"].peer_id)
+    stranger = directory._invited(PeerRecord(keys["other"].peer_id, weight=2.0))
+    assert stranger.weight == 2.0 and not book.known(keys["other"].peer_id)
+
+    a, b, other = (keys[k].peer_id for k in ("a", "b", "other"))
+    first = GroupRecord(0, 0, tuple(sorted([PeerSpec(a), PeerSpec(b)], key=lambda m: m.peer_id)), author=a)
+    history = GroupHistory()
+    history.add(first)
+    members = sorted([PeerSpec(a), PeerSpec(b), PeerSpec(other)], key=lambda m: m.peer_id)
+    padded = GroupRecord(1, 5, tuple(members), previous=first, author=b)
+    admission = Admission(RUN, invitations=book)
+    assert next_group([padded], history, step=0, window=100, listable=admission.may_list) is None
+    assert next_group([padded], history, step=0, window=100) == padded  # the check is what refuses it
+    honest = GroupRecord(1, 5, first.members, previous=first, author=b)
+    assert next_group([honest], history, step=0, window=100, listable=admission.may_list) == honest
+
+
+def test_lioncub_invite_issues_shows_and_revokes(tmp_path, capsys):
+    from lioncub_p2p.cli import invite as cli
+
+    def invite(*args: str) -> subprocess.CompletedProcess:
+        """The command in this process (an import of the package costs seconds per subprocess)."""
+        code = 0
+        try:
+            cli.main(list(args))
+        except SystemExit as e:
+            code = 1 if e.code else 0
+            print(e.code, file=sys.stderr)
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+    authority = invite("authority", "--key", str(tmp_path / "authority.key"))
+    peer = invite("id", "--identity-path", str(tmp_path / "me.key"))
+    assert authority.returncode == 0 and peer.returncode == 0
+    assert Identity(tmp_path / "authority.key").peer_id == authority.stdout.strip()
+    issued = invite("issue", "--key", str(tmp_path / "authority.key"), "--run-id", "demo", "--peer",
+                    peer.stdout.strip(), "--days", "7", "--max-weight", "20", "--out", str(tmp_path / "t.txt"))
+    assert issued.returncode == 0, issued.stderr
+    ticket = decode((tmp_path / "t.txt").read_text(), Verifier())
+    assert (ticket.run_id, ticket.peer_id, ticket.max_weight, ticket.authority) == \
+        ("demo", peer.stdout.strip(), 20.0, authority.stdout.strip())
+    shown = invite("show", str(tmp_path / "t.txt"))
+    assert ticket.serial in shown.stdout and "in 7.0 days" in shown.stdout
+    revoked = invite("revoke", "--serial", ticket.serial, "--list", str(tmp_path / "revoked.txt"))
+    assert revoked.returncode == 0 and (tmp_path / "revoked.txt").read_text().split() == [ticket.serial]
+    for bad in (invite("issue", "--key", str(tmp_path / "missing.key"), "--run-id", "demo", "--peer", "Qm1"),
+                invite("show", str(tmp_path / "revoked.txt")), invite("revoke", "--serial", "xyz", "--list", "l")):
+        assert bad.returncode == 1 and bad.stderr.count("error:") == 1 and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_lioncub_invite_as_a_command_ends_a_mistake_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "lioncub_p2p.cli.invite", "issue", "--key", str(tmp_path / "no.key"),
+                           "--run-id", "demo", "--peer", "Qm1"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        f"error: --key {tmp_path / 'no.key'} does not exist: create it with lioncub-invite authority --key "
+        f"{tmp_path / 'no.key'}"]
+
+
+@pytest.mark.slow
+def test_an_invited_run_trains_with_its_ticket_holders_and_refuses_everyone_else_in_one_line(keys, tmp_path):
+    """Two ticket holders train and end equal; a peer without a ticket is refused by the leader within one
+    exchange (one line naming its peer id and the fix), one showing another peer's ticket stops before
+    starting anything, and an expired ticket is refused by the group."""
+    from lioncub_p2p import LionCub
+    from lioncub_p2p.swarm import Swarm, SwarmError
+    from lioncub_p2p.swarm.errors import AdmissionRefused
+    from lioncub_p2p.tasks.digits import digits_task
+    from tests.test_swarm import _config, _train_swarm
+
+    authority = keys["authority"]
+    holders = {name: issue(authority, "invited", keys[name].peer_id, days=1, max_weight=2).text() for name in "ab"}
+    configs = [_config("invited", identity_path=keys[n].path, ticket=holders[n], join_timeout=8.0) for n in "ab"]
+    out = _train_swarm(configs, 10)
+    assert out[0][1] == out[1][1] and out[0][0] == out[1][0] == 10
+
+    task = digits_task(0, hidden=64)
+    first = Swarm(_config("invited2", identity_path=keys["a"].path, ticket=issue(
+        authority, "invited2", keys["a"].peer_id, days=1, max_weight=2).text()))
+    try:
+        first.join(LionCub(task.make_model(0).named_parameters(), aggregator=first))
+        maddrs = first.visible_maddrs()
+        started = time.monotonic()
+        with pytest.raises(AdmissionRefused, match="invited-only") as refused:
+            Swarm(_config("invited2", initial_peers=maddrs, identity_path=keys["c"].path))
+        assert time.monotonic() - started < 15.0 and "\n" not in str(refused.value)
+        assert f"--peer {keys['c'].peer_id}" in str(refused.value) or keys["c"].peer_id in str(refused.value)
+        with pytest.raises(SwarmError, match="the ticket is for peer id"):  # another's ticket: stops at once
+            Swarm(_config("invited2", initial_peers=maddrs, identity_path=keys["c"].path, ticket=issue(
+                authority, "invited2", keys["b"].peer_id, days=1, max_weight=2).text()))
+        expired = issue(authority, "invited2", keys["c"].peer_id, days=1, max_weight=2, now=time.time() - 2 * 86400)
+        with pytest.raises(AdmissionRefused, match="expired"):
+            Swarm(_config("invited2", initial_peers=maddrs, identity_path=keys["c"].path, ticket=expired.text()))
+        assert first.history.latest.member_ids() == [first.peer_id]
+    finally:
+        first.shutdown()
