@@ -16,7 +16,7 @@ from torch import nn
 
 from lioncub_p2p import LionCub
 from lioncub_p2p.swarm import snapshot
-from lioncub_p2p.tasks import TaskError, TrainingTask, load_task
+from lioncub_p2p.tasks import TaskError, TrainingTask, builtin_args, check_args, load_task, param_count
 
 USER_TASK = '''
 import torch
@@ -226,3 +226,72 @@ def test_the_readme_task_example_trains(tmp_path, monkeypatch):
     with torch.no_grad():
         final = float(task.loss(task.model, (x, y)))
     assert final < 0.2 * baseline, (final, baseline)
+
+
+def _count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_builtin_param_counts_are_predicted_as_built():
+    """param_count (digits: a build on the meta device; byte-gpt: a formula) equals the model load_task builds,
+    and the MLP's formula."""
+    from lioncub_p2p.tasks.byte_gpt import ByteGPT
+
+    torch.set_num_threads(1)
+    for hidden in (None, 16):
+        assert param_count("digits", **({"hidden": hidden} if hidden else {})) == \
+            _count(load_task("digits", seed=0, hidden=hidden).model)
+        assert param_count("byte-gpt", **({"hidden": hidden} if hidden else {})) == \
+            _count(load_task("byte-gpt", seed=0, hidden=hidden).model)
+    for hidden in (1, 300, 4096):
+        assert param_count("digits", hidden=hidden) == 64 * hidden + hidden + hidden * hidden + hidden + 10 * hidden + 10
+    for hidden in (8, 512, 1000):
+        assert param_count("byte-gpt", hidden=hidden) == _count(ByteGPT(64, hidden))
+
+
+def test_the_largest_builtin_models_are_counted_without_allocating_them(monkeypatch):
+    devices = []
+    register = nn.Module.register_parameter
+
+    def recording(self, name, param):
+        if param is not None:
+            devices.append(param.device.type)
+        return register(self, name, param)
+
+    monkeypatch.setattr(nn.Module, "register_parameter", recording)
+    counts = [param_count("digits", hidden=4096), param_count("byte-gpt", hidden=1024)]
+    assert counts == [17_088_522, 25_784_576]  # 68 MB and 103 MB of fp32 weights, had they been built
+    # digits' six parameters on the meta device; byte-gpt's from its formula: nothing built, no memory behind it
+    assert devices == ["meta"] * 6
+
+
+@pytest.mark.parametrize("task, values, words", [
+    ("digits", {"hidden": 4097}, ["--hidden 4097: task digits takes hidden as an integer from 1 to 4096"]),
+    ("digits", {"hidden": 0}, ["from 1 to 4096"]),
+    ("digits", {"hidden": 64.0}, ["--hidden 64.0", "an integer"]),
+    ("digits", {"hidden": True}, ["an integer"]),
+    ("digits", {"width": 64}, ["task digits takes no argument 'width' (it takes hidden)"]),
+    ("byte-gpt", {"hidden": 4}, ["a multiple of its 4 attention heads from 8 to 1024"]),
+    ("byte-gpt", {"hidden": 1028}, ["from 8 to 1024"]),
+    ("byte-gpt", {"hidden": 130}, ["a multiple of its 4 attention heads"]),
+])
+def test_builtin_arguments_out_of_their_range(task, values, words):
+    with pytest.raises(TaskError) as e:
+        check_args(task, values)
+    assert all(word in str(e.value) for word in words), str(e.value)
+
+
+def test_builtin_arguments_in_range_pass_and_name_where_they_came_from():
+    assert check_args("digits", {"hidden": 4096}) == {"hidden": 4096}
+    assert check_args("byte-gpt", {"hidden": 8}) == {"hidden": 8} and check_args("byte-gpt", {}) == {}
+    assert set(builtin_args("digits")) == set(builtin_args("byte-gpt")) == {"hidden"}
+    with pytest.raises(TaskError, match=r"^run r's task_args.hidden=9000: task digits"):
+        check_args("digits", {"hidden": 9000}, lambda key, value: f"run r's task_args.{key}={value!r}")
+
+
+def test_load_task_refuses_a_builtin_width_out_of_range_before_building(monkeypatch):
+    from lioncub_p2p.tasks import digits
+
+    monkeypatch.setattr(digits, "digits", lambda **_: pytest.fail("the digits task was built"))
+    with pytest.raises(TaskError, match="--hidden 12000: task digits takes hidden as an integer from 1 to 4096"):
+        load_task("digits", seed=0, hidden=12000)

@@ -6,7 +6,9 @@
 
 Listens on every interface (TCP) and prints which of its addresses others can dial.
 What the run trains and how (task, lr, batch, encodings) comes from the run's manifest unless a flag
-says otherwise: a flag that disagrees with the run stops the peer with one line. Before joining it
+says otherwise: a flag that disagrees with the run stops the peer with one line. The manifest is any
+peer's signed word: it can make this peer train a built-in task, within its declared arguments and
+--max-params, never run code the peer's user did not name (--task, --trust-task). Before joining it
 asks the coordinators to dial it back: behind NAT (nobody can dial it) it joins in client mode by
 itself (it votes and receives every result, reduces nothing, serves no state); --client-mode on/off
 forces either. Ctrl+C or SIGTERM leaves the run cleanly after the current step (a second one at once).
@@ -30,7 +32,7 @@ from .. import LionCub, MomentumSchedule, failpoints
 from ..swarm import Manifest, ManifestError, Swarm, SwarmConfig, SwarmError, snapshot
 from ..swarm.manifest import DEFAULTS as SWARM_DEFAULTS
 from ..swarm.config import LISTEN_ALL, MAX_WEIGHT
-from ..tasks import BUILTIN, TaskError, TrainingTask, load_task
+from ..tasks import BUILTIN, TaskError, TrainingTask, check_args, load_task, param_count
 from ..trainer_rounds import allreduce_config
 from .addresses import check_listen, check_peers, reachability
 from .checks import (VOTE_RESULTS, VOTE_UPLOADS, check_checkpoint_fits, check_codecs, check_run_id,
@@ -42,6 +44,10 @@ logger = logging.getLogger("lioncub.train")
 HIDDEN = argparse.SUPPRESS  # options for tests and the simulator, left out of --help
 # the trainer's settings where neither a flag nor the run's manifest gives one
 DEFAULTS = {"task": "digits", "batch": 32, "lr": 3e-4, "weight_decay": 0.1}
+# the largest model this peer builds unless --max-params says otherwise: fp32 weights, gradients and Lion's
+# momentum of 100M parameters take 1.2 GB, what a volunteer's machine can spare; the built-ins stay far below
+DEFAULT_MAX_PARAMS = 100_000_000
+CODE_TASK_ARGS = ("hidden",)  # what lioncub-train passes a module:function task from the run's task_args
 CLIENT_MODES = {"auto": "auto", "on": True, "off": False}  # --client-mode -> SwarmConfig.client_mode
 METHODS = {"lioncub": "butterfly", "dlion": "allgather", "hivemind-fp32": None, "hivemind-fp16": None}  # -> transport
 
@@ -58,11 +64,66 @@ class Settings:
 
     @classmethod
     def of(cls, args: argparse.Namespace, run: Manifest | None = None) -> "Settings":
+        """Raises UsageError/TaskError (one line) for a run this peer must not train as its manifest says:
+        code its user did not name, task arguments out of range, a model over --max-params."""
         run = run or Manifest()
-        hidden = args.hidden if args.hidden is not None else (run.task_args or {}).get("hidden")
+        task = args.task if args.task is not None else run_task(args, run)
+        task_args = run_task_args(args, run, task)
+        check_run_size(args, run)
+        hidden = args.hidden if args.hidden is not None else task_args.get("hidden")
         pick = lambda flag, field, key: flag if flag is not None else field if field is not None else DEFAULTS[key]  # noqa: E731
-        return cls(task=pick(args.task, run.task, "task"), hidden=hidden, batch=pick(args.batch, run.batch_size, "batch"),
+        return cls(task=task, hidden=hidden, batch=pick(args.batch, run.batch_size, "batch"),
                    lr=pick(args.lr, run.lr, "lr"), weight_decay=pick(args.weight_decay, run.weight_decay, "weight_decay"))
+
+
+def is_code_task(spec: str) -> bool:
+    """``module:function`` with Python names (a suggestion to pass it on a command line is then safe to print)."""
+    module, colon, function = spec.partition(":")
+    return bool(colon) and function.isidentifier() and all(part.isidentifier() for part in module.split("."))
+
+
+def run_task(args: argparse.Namespace, run: Manifest) -> str:
+    """The task the run's manifest names (else the default) if this peer may train it: a built-in, or code
+    its user trusts (--trust-task). A manifest is signed by its author, who is just another peer: the code
+    it names is no more this user's choice than a file a stranger sent, so nothing of it is imported."""
+    if run.task is None or run.task in BUILTIN or run.task in args.trust_task:
+        return run.task or DEFAULTS["task"]
+    if is_code_task(run.task):
+        raise UsageError(f"run {args.run_id} trains task {run.task!r} (code the run's manifest names, not you): pass "
+                         f"--task {run.task} (or --trust-task {run.task}) if you trust it and have its module")
+    raise UsageError(f"run {args.run_id} trains task {run.task!r}, neither a built-in task ({', '.join(BUILTIN)}) "
+                     f"nor module:function: ask the run's organizer which --task it trains")
+
+
+def run_task_args(args: argparse.Namespace, run: Manifest, task: str) -> dict:
+    """The run's task_args, checked for ``task``: a built-in's against the arguments it declares and their
+    ranges; a module:function task's (the user's own code, which bounds itself) against what lioncub-train
+    passes it."""
+    values = dict(run.task_args or {})
+    where = lambda key, value: f"run {args.run_id}'s task_args.{key}={value!r}"  # noqa: E731
+    if task in BUILTIN:
+        return check_args(task, values, where)
+    for key, value in values.items():
+        if key not in CODE_TASK_ARGS:
+            raise UsageError(f"{where(key, value)}: lioncub-train passes a task function only "
+                             f"{', '.join(CODE_TASK_ARGS)} of the run's task_args, so this peer cannot build its model")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{where(key, value)}: {key} must be a positive integer")
+    return values
+
+
+def check_run_size(args: argparse.Namespace, run: Manifest) -> None:
+    """A run whose manifest says its model is larger than --max-params: one line before anything is built."""
+    if run.param_count is not None and run.param_count > args.max_params:
+        raise UsageError(f"run {args.run_id}'s model has {run.param_count:,} parameters (its manifest says), more "
+                         f"than --max-params {args.max_params:,}: join another run, or raise --max-params if this "
+                         f"machine can hold it")
+
+
+def check_model_size(args: argparse.Namespace, count: int, what: str, fix: str) -> None:
+    if count > args.max_params:
+        raise UsageError(f"{what} {count:,} parameters, more than --max-params {args.max_params:,}: {fix}raise "
+                         f"--max-params if this machine can hold it")
 
 
 def opinions(args: argparse.Namespace) -> Manifest:
@@ -109,8 +170,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help=f"a built-in task ({', '.join(BUILTIN)}) or module:function returning "
                            f"(model, data, loss[, evaluate]); see the README's 'Bring your own model' "
                            f"[{DEFAULTS['task']}]")
+    what.add_argument("--trust-task", action="extend", nargs="+", default=[], metavar="MODULE:FUNCTION",
+                      help="if the run's manifest names this task, run it (your own code's task, installed here); "
+                           "without it a manifest can make this peer train a built-in task only")
     what.add_argument("--hidden", type=int, default=None,
-                      help="width of a built-in model: digits' hidden units [256], byte-gpt's embedding [128]")
+                      help="width of a built-in model: digits' hidden units [256, at most 4096], byte-gpt's "
+                           "embedding [128, a multiple of 4 up to 1024]")
+    what.add_argument("--max-params", type=int, default=DEFAULT_MAX_PARAMS,
+                      help="refuse a run, or a task, whose model has more parameters than this (fp32 weights, "
+                           "gradients and momentum: 12 bytes each)")
     what.add_argument("--batch", type=int, default=None, help=f"samples per step on each peer [{DEFAULTS['batch']}]")
     what.add_argument("--lr", type=float, default=None, help=f"Lion's learning rate [{DEFAULTS['lr']}]")
     what.add_argument("--weight-decay", type=float, default=None,
@@ -265,8 +333,15 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
 
 
 def prepare_task(args: argparse.Namespace, settings: Settings) -> tuple[TrainingTask, Callable[[torch.Generator], Iterator]]:
-    """Build the task and check it on one batch; one line (UsageError/TaskError) if it is broken."""
+    """Build the task and check it on one batch; one line (UsageError/TaskError) if it is broken or its model
+    has more than --max-params parameters (a built-in's counted before anything is allocated)."""
+    if settings.task in BUILTIN:
+        options = {"hidden": settings.hidden} if settings.hidden is not None else {}
+        check_model_size(args, param_count(settings.task, **options), f"task {settings.task}"
+                         + "".join(f" with {k} {v}" for k, v in options.items()) + " has", "lower --hidden, or ")
     task = load_task(settings.task, seed=args.seed, batch=settings.batch, hidden=settings.hidden)
+    check_model_size(args, sum(p.numel() for p in task.model.parameters()), f"--task {settings.task} built a model of",
+                     "")
     try:
         return task, task.checked_batches(settings.batch)
     except TaskError as e:
@@ -301,10 +376,14 @@ def check_settings(args: argparse.Namespace) -> list[str]:
         if value is not None and not value >= 0:  # (nan is not)
             raise UsageError(f"{flag} must be 0 or more, got {value}")
     momentum_schedule(args)  # one line for conflicting momentum flags, before any daemon starts
-    for flag in ("--batch", "--hidden"):
-        value = getattr(args, flag[2:])
+    for flag in ("--batch", "--hidden", "--max-params"):
+        value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
+    for spec in args.trust_task:
+        if not is_code_task(spec):
+            raise UsageError(f"--trust-task {spec}: name a task as module:function (e.g. --trust-task mytask:make_task)"
+                             + ("; a built-in task needs no trust" if spec in BUILTIN else ""))
     for flag, value, low in (("--lr", args.lr, 0.0), ("--weight", args.weight, 0.0)):
         if value is not None and not value > low:
             raise UsageError(f"{flag} must be positive, got {value:g}")

@@ -28,6 +28,9 @@ class RunSettings:
         """Take the run's manifest as read from the DHT (None: none published yet)."""
         if run is None:
             return
+        if run.authority is not None and self.opinions.authority is None:
+            raise AdmissionRefused(f"run {self.run_id} is invited-only (authority {run.authority}): ask its organizer "
+                                   f"for a ticket for this peer's id and pass it with --ticket")
         try:
             self.current = manifests.resolve(self.opinions, run, self.run_id).merged(DEFAULTS)
         except ManifestMismatch as e:
@@ -44,10 +47,9 @@ class RunSettings:
             settled = manifests.resolve(own, run, self.run_id).merged(DEFAULTS)
         except ManifestMismatch as e:
             if run is not None and run.layout_hash not in (None, own.layout_hash):
-                raise SettingsMismatch(
-                    f"this peer's model differs from run {self.run_id}'s ({own.param_count} parameters, layout "
-                    f"{own.layout_hash[:8]}; the run: {run.param_count} parameters, layout {run.layout_hash[:8]}): "
-                    f"build the run's model (task {run.task or '?'}, {run.task_args or {}})") from None
+                raise SettingsMismatch(f"this peer's model differs from run {self.run_id}'s ({own.param_count} "
+                                       f"parameters, layout {own.layout_hash[:8]}; the run: {_size(run)}): "
+                                       f"{_model_hint(run)}") from None
             raise self._mismatch(e, run) from None
         changed = [name for name in manifests.SWARM_FIELDS if getattr(applied, name) != getattr(settled, name)]
         if changed:
@@ -76,8 +78,29 @@ class RunSettings:
         return from_optimizer
 
     def _mismatch(self, error: ManifestMismatch, run: Manifest) -> SwarmError:
+        if run.authority is not None and self.opinions.authority not in (None, run.authority):
+            return AdmissionRefused(f"this peer's ticket is signed by {self.opinions.authority}, but run {self.run_id} "
+                                    f"admits tickets of {run.authority}: ask its organizer for one")
+        if run.authority is None and self.opinions.authority is not None:
+            return AdmissionRefused(f"run {self.run_id} asks for no ticket (not an invited run): check --run-id, or "
+                                    f"drop --ticket")
         if run.secret_required is not None and run.secret_required != self.opinions.secret_required:
             if run.secret_required:
                 return AdmissionRefused(f"run {self.run_id} is private: pass its --run-secret")
             return AdmissionRefused(f"run {self.run_id} is open (no run secret): drop --run-secret")
         return SettingsMismatch(str(error))
+
+
+def _size(run: Manifest) -> str:
+    counted = f"{run.param_count} parameters, " if run.param_count is not None else ""
+    return f"{counted}layout {run.layout_hash[:8]}"
+
+
+def _model_hint(run: Manifest) -> str:
+    """How to build the run's model, from what its manifest says."""
+    if run.task is not None:
+        args = "".join(f", {key} {value}" for key, value in sorted((run.task_args or {}).items()))
+        return f"build the run's model (task {run.task}{args})"
+    of = f" of {run.param_count} parameters" if run.param_count is not None else ""
+    return (f"build the run's model{of} (its manifest names no task: ask the run's organizer which --task and "
+            f"--hidden make it)")

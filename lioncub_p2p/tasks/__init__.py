@@ -22,18 +22,58 @@ The function is called with the keyword arguments among ``seed`` (``--seed``, fo
 initialization), ``batch`` (``--batch``) and ``hidden`` (``--hidden``, None unless given) that its
 signature names (all of them if it takes ``**kwargs``). The task is checked on one batch before
 the peer joins a run: a broken task stops with one line, not in the middle of a run.
+
+A run's manifest can make a joiner train a built-in task only: a ``module:function`` task runs when
+the peer's own user names it (``--task``, ``--trust-task``). Each built-in module declares the
+arguments a manifest may set and their ranges (``ARGS``) and predicts its model's parameter count
+without allocating it (``param_count``), so a stranger's manifest cannot make a peer build a huge model.
 """
 from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import Any
 
-from .contract import TaskError, TrainingTask, one_line
+from .contract import IntArg, TaskError, TrainingTask, one_line
 
 BUILTIN = {"digits": "lioncub_p2p.tasks.digits:digits", "byte-gpt": "lioncub_p2p.tasks.byte_gpt:byte_gpt"}
 
-__all__ = ["BUILTIN", "TaskError", "TrainingTask", "load_task"]
+__all__ = ["BUILTIN", "IntArg", "TaskError", "TrainingTask", "builtin_args", "check_args", "load_task", "param_count"]
+
+
+def _builtin(name: str) -> ModuleType:
+    return importlib.import_module(BUILTIN[name].partition(":")[0])
+
+
+def builtin_args(name: str) -> dict[str, IntArg]:
+    """The arguments built-in task ``name`` takes (``hidden``), with the values each accepts."""
+    return dict(_builtin(name).ARGS)
+
+
+def _flag(key: str, value: Any) -> str:
+    return f"--{key} {value}"
+
+
+def check_args(name: str, values: Mapping[str, Any], where: Callable[[str, Any], str] = _flag) -> dict[str, Any]:
+    """``values`` for built-in task ``name``, checked against what it declares; TaskError (one line,
+    starting with ``where(key, value)``) for an argument it does not take or a value out of its range."""
+    declared = builtin_args(name)
+    for key, value in values.items():
+        shown = where(key, value)
+        if key not in declared:
+            raise TaskError(f"{shown}: task {name} takes no argument {key!r} (it takes {', '.join(declared)})")
+        if not declared[key].accepts(value):
+            raise TaskError(f"{shown}: task {name} takes {key} as {declared[key].describe()}")
+    return dict(values)
+
+
+def param_count(name: str, **args: Any) -> int:
+    """The parameter count of built-in task ``name``'s model built with ``args`` (checked first),
+    computed without allocating it."""
+    check_args(name, args)
+    return _builtin(name).param_count(**args)
 
 
 def load_task(spec: str, **options: Any) -> TrainingTask:
@@ -41,6 +81,8 @@ def load_task(spec: str, **options: Any) -> TrainingTask:
 
     Raises TaskError with a one-line message for every way a spec can be wrong."""
     target = BUILTIN.get(spec, spec)
+    if spec in BUILTIN and options.get("hidden") is not None:
+        check_args(spec, {"hidden": options["hidden"]})
     module_name, colon, function_name = target.partition(":")
     if not colon or not module_name or not function_name:
         raise TaskError(f"--task {spec!r}: not a built-in task ({', '.join(BUILTIN)}) nor module:function "

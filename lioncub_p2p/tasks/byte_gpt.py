@@ -10,15 +10,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .contract import TaskError, TrainingTask
+from .contract import IntArg, TrainingTask
 
 DEFAULT_WIDTH = 128
+CONTEXT, HEADS = 64, 4
+# what a run's manifest (task_args) may set: 1024 wide is 25M parameters (~300 MB with Lion's momentum and the
+# gradients), what a volunteer's laptop holds beside its other work; the width is split among the heads
+ARGS = {"hidden": IntArg(8, 1024, multiple=HEADS, multiple_of=f"its {HEADS} attention heads")}
 
 
 class ByteGPT(nn.Module):
     """A small decoder-only transformer over bytes (vocabulary 256)."""
 
-    def __init__(self, context: int = 64, width: int = DEFAULT_WIDTH, layers: int = 2, heads: int = 4):
+    def __init__(self, context: int = CONTEXT, width: int = DEFAULT_WIDTH, layers: int = 2, heads: int = HEADS):
         super().__init__()
         self.embed = nn.Embedding(256, width)
         self.position = nn.Parameter(torch.zeros(context, width))
@@ -90,9 +94,7 @@ def byte_gpt(seed: int = 0, hidden: int | None = None) -> TrainingTask:
 
     Every peer reads the same bytes (sorted paths), so peers of one Python version share a corpus;
     ``--batch`` counts windows of 64 bytes. Evaluation: test loss (nats/byte) and bits per byte."""
-    width = hidden or DEFAULT_WIDTH
-    if width % 4:
-        raise TaskError(f"--hidden {width}: byte-gpt's width must be a multiple of its 4 attention heads (e.g. 128)")
+    width = hidden or DEFAULT_WIDTH  # checked against ARGS by load_task
     data = stdlib_bytes_task(width=width)
 
     def evaluate(model: nn.Module) -> dict[str, float]:
@@ -101,3 +103,11 @@ def byte_gpt(seed: int = 0, hidden: int | None = None) -> TrainingTask:
 
     return TrainingTask(model=data.make_model(seed), data=lambda batch, gen: data.sample(0, 1, batch, gen),
                         loss=lambda model, batch: data.loss(model, *batch), evaluate=evaluate, name="byte-gpt")
+
+
+def param_count(hidden: int | None = None, layers: int = 2) -> int:
+    """The built-in model's parameter count, written out (tests check it against a build): nothing is
+    allocated, and no transformer is built on the meta device, which imports torch._dynamo (~1.5 s)."""
+    w = hidden or DEFAULT_WIDTH
+    per_layer = 12 * w * w + 13 * w  # attention in/out projections, the 4w feed-forward, two layer norms
+    return layers * per_layer + 256 * w + CONTEXT * w + 2 * w + 256 * w + 256  # embeddings, norm, head

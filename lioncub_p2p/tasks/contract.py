@@ -129,5 +129,25 @@ class TrainingTask:
         return loss
 
 
+@dataclass(frozen=True)
+class IntArg:
+    """An integer argument a built-in task takes, and the values it accepts. A run's manifest sets it
+    for every joiner (``task_args``), so its range is what a stranger's manifest may make a peer build."""
+
+    low: int
+    high: int
+    multiple: int = 1
+    multiple_of: str = ""  # what the multiple is, e.g. "its 4 attention heads"
+
+    def describe(self) -> str:
+        if self.multiple == 1:
+            return f"an integer from {self.low} to {self.high}"
+        return f"a multiple of {self.multiple_of or self.multiple} from {self.low} to {self.high}"
+
+    def accepts(self, value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and self.low <= value <= self.high \
+            and value % self.multiple == 0
+
+
 def one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:300]

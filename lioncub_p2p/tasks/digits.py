@@ -13,9 +13,25 @@ import numpy as np
 import torch
 from torch import nn
 
-from .contract import TaskError, TrainingTask
+from .contract import IntArg, TaskError, TrainingTask
 
 DEFAULT_HIDDEN = 256
+D_IN, CLASSES = 64, 10  # 8x8 pixels, ten digits
+# what a run's manifest (task_args) may set: 4096 wide is 17M parameters (~200 MB with Lion's momentum and the
+# gradients), already far more than 1,797 images use, and room for the simulator's 2300-wide stress model
+ARGS = {"hidden": IntArg(1, 4096)}
+
+
+def mlp(d_in: int, hidden: int, classes: int) -> nn.Sequential:
+    """The digits MLP: two hidden layers of ``hidden`` units."""
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, classes))
+
+
+def param_count(hidden: int | None = None) -> int:
+    """The built-in model's parameter count, from a build on the meta device: nothing is allocated."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in mlp(D_IN, hidden or DEFAULT_HIDDEN, CLASSES).parameters())
 
 
 @dataclass
@@ -31,9 +47,7 @@ class Task:
 
     def make_model(self, seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)
-        d_in, classes = self.x_train.shape[1], int(self.y_train.max()) + 1
-        return nn.Sequential(nn.Linear(d_in, self.hidden), nn.ReLU(), nn.Linear(self.hidden, self.hidden), nn.ReLU(),
-                             nn.Linear(self.hidden, classes))
+        return mlp(self.x_train.shape[1], self.hidden, int(self.y_train.max()) + 1)
 
     def shard(self, index: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.x_train[index::count], self.y_train[index::count]
