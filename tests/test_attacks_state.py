@@ -220,7 +220,7 @@ def test_a_donor_far_past_where_the_group_says_the_run_is_is_left_for_the_next(m
     liar, honest = t.donors
     me = t.peers[2].peer_id.to_base58()
     group = GroupRecord(5, 3, tuple(PeerSpec(pid) for pid in sorted([liar, honest, me])), author=honest)
-    records = {liar: PeerRecord(liar, weight=9.0, step=3, synced=True, steps_per_s=0.5),  # asked first
+    records = {liar: PeerRecord(liar, weight=9.0, step=3, synced=True, steps_per_s=0.5),
                honest: PeerRecord(honest, step=3, synced=True, steps_per_s=0.5),
                me: PeerRecord(me, step=0)}
     assert furthest_step(group, records, 3) == 3 + STEP_WINDOW + FAR_STEPS  # 2 x 0.5 x 290 s is fewer
@@ -234,9 +234,10 @@ def test_a_donor_far_past_where_the_group_says_the_run_is_is_left_for_the_next(m
                      upkeep=SimpleNamespace(records=records), liars=dict, max_uploads=1, join_timeout=60,
                      round_bound=5.0)
     sync.optimizer = opt
+    sync.ledger.measured(liar, 10**9, 1.0)  # the fastest this peer ever measured: asked first
     try:
         assert sync.donors(group) == [liar, honest]
-        sync.download(min_step=3, group=group)
+        sync.catch_up("join", 3, group)
         assert opt.step_count == 3 and snapshot.params_digest(opt) == t.digest
         assert t.recording.offsets  # the honest donor served it
     finally:
@@ -320,3 +321,74 @@ def test_a_snapshot_with_the_groups_parameters_but_nan_momenta_is_refused():
     assert snapshot.params_digest(joiner) == before  # nothing loaded
     lean = snapshot.without_momenta(poisoned)  # a repair's download carries no momenta: nothing to refuse
     snapshot.check(joiner, lean, expect_digest=digest)
+
+
+def _poisoned(blob: bytes) -> tuple[bytes, bytes]:
+    """``blob`` with its parameters negated and scaled, and the digest recomputed to match: a snapshot
+    whose own checks all pass."""
+    header, offset = snapshot.read_header(blob)
+    size = snapshot.Layout([tuple(e) for e in header["tensors"]]).nbytes("param")
+    params = torch.frombuffer(bytearray(blob[offset:offset + size]), dtype=torch.float32) * -3.0
+    bad = blob[:offset] + params.numpy().tobytes() + blob[offset + size:]
+    return bad, snapshot.step_and_params_digest(bad)[1]
+
+
+@pytest.mark.slow
+def test_an_inflated_weight_and_a_poisoned_snapshot_cost_a_newcomer_one_step_and_the_liar_its_donorship():
+    """Issue #44's attack, over real streams: a member announces the largest weight allowed and serves
+    snapshots with its parameters negated (digest recomputed). Before: it reduced the whole buffer and,
+    ordered first by weight, served every join and repair; the newcomer stayed on garbage (18 repairs in
+    24 steps, each from it again). Now its part is bounded (at most half of a group of four), donors are
+    ordered by what this peer measured (the liar is made the fastest measured, so asked first), the
+    newcomer's first round refutes the state, the liar is refused as a donor from then on, and the
+    newcomer ends bitwise equal to the honest peers having downloaded from the liar once."""
+    from test_swarm import _config, _train_swarm
+
+    from lioncub_p2p.allreduce.partition import part_bounds
+
+    liar_i, late_i = 1, 3
+    served = {"poisoned": 0}
+    seen: dict = {}
+    loaded: list[tuple[str, frozenset]] = []  # the newcomer's downloads: why, from whom
+
+    def instrument(i, swarm):
+        seen[i] = swarm
+        if i == liar_i:
+            honest_offer = swarm.state.server.offer
+
+            async def offer(step, blob, digest):
+                served["poisoned"] += 1
+                await honest_offer(step, *_poisoned(blob))
+
+            swarm.state.server.offer = offer
+
+    def join_late(i, swarm):
+        instrument(i, swarm)
+        if i == late_i:  # the liar is the fastest donor this newcomer ever measured
+            swarm.state.ledger.measured(seen[liar_i].peer_id, 10**12, 1.0)
+            swarm.state.ledger.measured(seen[0].peer_id, 1, 1.0)  # (unmeasured ones rank at the median)
+            catch_up = swarm.state.catch_up
+
+            def recorded(why, *args, **kwargs):
+                catch_up(why, *args, **kwargs)
+                loaded.append((why, swarm.state.provisional.donors if swarm.state.provisional else frozenset()))
+
+            swarm.state.catch_up = recorded
+
+    configs = [_config("poison", weight=1e6 if i == liar_i else 1.0) for i in range(4)]
+    out = _train_swarm(configs, 30, late=(late_i, 8), instrument=join_late)
+    liar, newcomer = seen[liar_i], seen[late_i]
+    from_liar = [why for why, donors in loaded if liar.peer_id in donors]
+    assert from_liar == ["join"] and len(loaded) >= 2, loaded  # the poisoned join, then honest repairs only
+    assert liar.peer_id in newcomer.state.ledger.refused, (newcomer.state.ledger.refused, loaded, liar.peer_id)
+    assert "was not the run's" in newcomer.state.ledger.refused[liar.peer_id]
+    assert served["poisoned"] >= 1
+    assert len({out[i][1] for i in range(4)}) == 1, [out[i][:2] for i in range(4)]  # all equal at the end
+    shares = []  # the liar's part in every group that gave it one (weight 1e6 against 1.0)
+    for group in newcomer.history.by_epoch.values():
+        ids = group.member_ids()
+        if liar.peer_id in ids and group.members[ids.index(liar.peer_id)].weight > 1 \
+                and sum(m.reduces for m in group.members) >= 3:  # two reducers: at most 4/5 (partition.py)
+            a, b = part_bounds(1 << 20, group.members)[ids.index(liar.peer_id)]
+            shares.append((b - a) / (1 << 20))
+    assert shares and max(shares) <= 0.5 + 1e-3, shares

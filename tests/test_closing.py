@@ -122,13 +122,13 @@ def test_the_final_download_refuses_a_donor_whose_parameters_are_not_the_ones_se
         try:
             before = snapshot.params_digest(mine)
             with pytest.raises(StateTransferError, match="not the"):
-                sync.download(0, group, params_only=True, only=["donor"], expect=expect, within=5.0)
+                sync.catch_up("settle", 0, group, params_only=True, only=["donor"], expect=expect, within=5.0)
             assert snapshot.params_digest(mine) == before and sync.loads == 0
         finally:
             loop.stop()
     sync, mine, loop = _sync_with(monkeypatch, (0, blob, digest))
     try:
-        sync.download(0, group, params_only=True, only=["donor"], expect=digest, within=5.0)
+        sync.catch_up("settle", 0, group, params_only=True, only=["donor"], expect=digest, within=5.0)
         assert snapshot.params_digest(mine) == snapshot.params_digest(donor) == digest  # what records announce
         assert sync.loads == 1
     finally:

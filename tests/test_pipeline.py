@@ -60,7 +60,8 @@ def test_a_step_run_in_an_older_group_is_received_again_from_the_group_that_hold
         history.add(GroupRecord(5, 7, swarm.group, previous=older_group))
         upkeep = SimpleNamespace(history=history, part_failed_at={}, count_round=lambda votes: None)
         pipeline = VotePipeline(peer_id=swarm.nodes[3].peer_id, settings=PipelineSettings("run", False, 1 << 30, 0, 60.0),
-                                loop=swarm._loop, node=swarm.nodes[3], gather=None, upkeep=upkeep, state=None,
+                                loop=swarm._loop, node=swarm.nodes[3], gather=None, upkeep=upkeep,
+                                state=SimpleNamespace(judge=lambda *args, **kwargs: None),
                                 verdicts=None, spec=lambda group, step: ran["newer" if group.epoch == 5 else "older"],
                                 rejoin=None, in_background=None, log=None)
         pipeline.optimizer = SimpleNamespace(param_count=numel, buffer_bytes=numel // 8, step_count=7)
@@ -135,8 +136,8 @@ def test_back_from_a_stall_far_behind_the_group_a_peer_downloads_the_state_once_
     history.add(group)
     downloads, prepared = [], []
 
-    def download(**kwargs):
-        downloads.append(kwargs)
+    def catch_up(why, min_step, group, **kwargs):
+        downloads.append(dict(min_step=min_step, group=group, **kwargs))
         if fail:
             raise TimeoutError("no donor answered")
 
@@ -144,7 +145,7 @@ def test_back_from_a_stall_far_behind_the_group_a_peer_downloads_the_state_once_
         records = {pid: SimpleNamespace(step=s, leaving=pid in leaving) for pid, s in steps.items()}
         return SimpleNamespace(node=SimpleNamespace(held_up_at=held), _far_skip_for=tried, peer_id="m",
                                upkeep=SimpleNamespace(history=history, records=records), skips=0, stats=StepStats(),
-                               state=SimpleNamespace(download=download), optimizer=SimpleNamespace(step_count=20),
+                               state=SimpleNamespace(catch_up=catch_up), optimizer=SimpleNamespace(step_count=20),
                                follow=SimpleNamespace(following=False), prepare=prepared.append)
 
     def skipped(p: SimpleNamespace) -> bool:

@@ -432,8 +432,8 @@ def test_a_followers_state_download_is_preceded_by_a_record_that_outlives_it(mon
                           liars=dict, max_uploads=1, join_timeout=60.0, round_bound=10.0)
         state.optimizer = _opt(0, hidden=64)[1]
         group = GroupRecord(1, 3, (PeerSpec("me"), PeerSpec("donor")))
-        state.download(3, group, params_only=True)  # a voter: its record may tell another group it is gone
-        state.download(3, group, params_only=True, slow_link=True)  # a follower
+        state.catch_up("repair", 3, group, params_only=True)  # a voter: its record may tell another group it is gone
+        state.catch_up("repair", 3, group, params_only=True, slow_link=True)  # a follower
     finally:
         loop.stop()
     bound = state_transfer.download_bound(snapshot.max_size(state.optimizer), 60.0)

@@ -100,7 +100,7 @@ class Joining:
         if self.peer_id not in latest.member_ids():
             self.sync_from_swarm(deadline)
         elif not founded:  # the leader may list a peer as soon as it announces: being listed is not holding the state
-            self.state.download(min_step=latest.from_step, group=latest)
+            self.state.catch_up("join", latest.from_step, latest)
 
     def sync_from_swarm(self, deadline: float, *, params_only: bool = False) -> None:
         """Wait until the leader adds this peer to a group, then download the state of that step
@@ -120,7 +120,7 @@ class Joining:
                 self.finder.ask_again(latest)
             self.loop.run(self.upkeep.announce(), timeout=30)
             time.sleep(self.refresh_period)
-        self.state.download(min_step=latest.from_step, group=latest, params_only=params_only)
+        self.state.catch_up("rejoin" if params_only else "join", latest.from_step, latest, params_only=params_only)
 
     def wait_for_peers(self, count: int, deadline: float, *, came_in_at: int, step: Callable[[], int]) -> None:
         """Block until the group has ``count`` members holding the swarm's state (all start together).

@@ -212,6 +212,7 @@ class VotePipeline:
         except Exception as e:  # never into the training loop: apply nothing; the digest repairs us next step
             r.future.cancel()
             logger.warning("step %d: the vote round failed (%s: %s); applying no update", step, type(e).__name__, e)
+            self.state.judge(r.started, step, None, tag, whole=False, full=False)
             return self._missed(step)
         # a group change we have not seen: fetch it now (always when most reducers ran the step in another
         # group: the record came late, and ``_again`` needs it)
@@ -237,6 +238,13 @@ class VotePipeline:
         # a two-level group is not the whole population: a split inside it is the second level's to settle
         flat = not r.spec.combine
         consensus, parts, expected = report.tag_majority(r.spec.voters, tag if flat else None)
+        # what the round decided says whether a state caught up lately was the run's (``StateSync.judge``); a
+        # flat split with no majority is settled by the group's author's state (``_settles_split``)
+        authors_split = flat and not consensus and r.group.author == self.peer_id \
+            and report.split_everywhere(r.spec.voters)
+        self.state.judge(r.started, step, tag if authors_split else consensus, tag,
+                         whole=not any(p.status == "missing" for p in report.parts),
+                         full=step % self.settings.full_digest_every == 0)
         author = self._settles_split(r, report) if flat and not consensus else None
         if consensus and consensus != tag or author:
             if author:
@@ -248,8 +256,8 @@ class VotePipeline:
             # a two-level group may have diverged as a whole: its own members are the last donors asked
             own = [m.peer_id for m in r.spec.group] if r.spec.combine else []
             try:  # from a peer past the step in progress (overlapped: the next one, whose vote is out)
-                self.state.download(min_step=self._past(r), group=group, params_only=True,
-                                    last=own, slow_link=self.follow.following, only=[author] if author else None)
+                self.state.catch_up("repair", self._past(r), group, params_only=True, last=own,
+                                    slow_link=self.follow.following, only=[author] if author else None)
             except Exception as e:  # apply nothing: still diverged, so the next round tries again
                 logger.warning("step %d: repair failed (%s); retrying next step", step, e)
                 return self._missed(step)
@@ -320,7 +328,7 @@ class VotePipeline:
         go on applying zeros: a follower nobody serves any more must not finish as if it had trained."""
         logger.warning("step %d: this peer fell so far behind that nobody keeps its round: downloading the state", step)
         try:
-            self.state.download(min_step=self.optimizer.step_count + 1 if r is None else self._past(r), group=group,
+            self.state.catch_up("skip ahead", self.optimizer.step_count + 1 if r is None else self._past(r), group,
                                 params_only=True, slow_link=self.follow.following)
         except Exception as e:
             self._skip_failures += 1
@@ -353,8 +361,9 @@ class VotePipeline:
         logger.warning("step %d: this peer's training was held up while the group went %d steps past it: "
                        "downloading the state instead of replaying the rounds", step, ahead)
         try:  # a donor barely past this step would leave it far behind, its flag cleared by the download
-            self.state.download(min_step=max(self.optimizer.step_count + 1, step + ahead - FAR_BEHIND_STEPS),
-                                group=latest, params_only=True, slow_link=self.follow.following)
+            self.state.catch_up("skip ahead after a stall", max(self.optimizer.step_count + 1,
+                                                                 step + ahead - FAR_BEHIND_STEPS),
+                                latest, params_only=True, slow_link=self.follow.following)
         except Exception as e:
             logger.warning("step %d: downloading the state failed (%s); replaying the rounds", step, e)
             return False

@@ -1,17 +1,30 @@
-"""State sync: this peer's training state between steps, served to others and downloaded from them.
+"""State sync: this peer's training state between steps, served to others and caught up from them.
 
 A peer holds the swarm's state (``synced``) once it founded the run or downloaded a member's state;
-only then does it serve snapshots, vote and say so in its record. A snapshot is taken only between
-steps: the training thread holds ``step_lock`` from the start of a step to the end of its
-``after_step``, so the state server's worker thread takes the lock (briefly) before encoding. With an
-overlapped round in flight, its update is part of the state, so the worker first waits for it.
+only then does it vote and say so in its record. A snapshot is taken only between steps: the
+training thread holds ``step_lock`` from the start of a step to the end of its ``after_step``, so the
+state server's worker thread takes the lock (briefly) before encoding. With an overlapped round in
+flight, its update is part of the state, so the worker first waits for it.
 
-Repairs (a divergence the consensus tag shows), a follower's skip ahead and joining all download
-through ``download``: the fastest synced donors first, proven liars never (``state_transfer.py``
-moves the bytes, ``snapshot.py`` checks and loads them).
+Every download of state goes through ``catch_up``: joining, coming back after a drop, a repair (a
+divergence the state tags show), a follower's skip ahead and the run's closing settle. One rule
+holds for all of them: a state is the run's only when a round of the run decided for it. So
 
-Threads: ``synced`` and the lock's holder are written by the training thread; the worker thread
-only reads, under the lock.
+* donors are tried by what this peer measured of them (``DonorLedger``: download rates, states a
+  round refuted), never by what they announce (a member announcing the largest weight was the first
+  donor of every join and repair), and proven liars and refused donors never;
+* a state caught up is *provisional* until a round whose state tag hashes every parameter byte
+  (``full_digest_every``) decides for it; this peer serves it only once a first round decided for
+  the bytes its tag samples. A round that decides against it, with every round since the download
+  applied here whole, proves the donors served a state that was not the run's: they are refused
+  from then on (a poisoned snapshot with a recomputed digest kept a newcomer on garbage for its whole
+  run, downloading it again at every repair);
+* a peer serves its state only while its last decided round decided for it (``in_consensus``), so an
+  honest donor that diverged serves nothing until repaired;
+* the closing settle names the exact digest the group ended with (``expect``): checked before loading.
+
+Threads: ``synced``, ``provisional``, ``in_consensus`` and the lock's holder are written by the
+training thread; the state server's worker thread only reads, under the lock.
 """
 from __future__ import annotations
 
@@ -19,8 +32,11 @@ import contextlib
 import logging
 import math
 import random
+import statistics
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
 
 from ..aio import BackgroundLoop
 from ..allreduce.admission import Admission
@@ -49,6 +65,44 @@ def furthest_step(group: GroupRecord, records: dict[str, PeerRecord], min_step: 
     return max(min_step, run_step) + STEP_WINDOW + max(FAR_STEPS, math.ceil(2 * pace * MAX_TTL_S))
 
 
+@dataclass
+class Provisional:
+    """A state caught up and loaded that no full-digest round has decided for yet."""
+
+    donors: frozenset[str]  # who served it (a resumed download: each sent the same snapshot)
+    step: int
+    loaded_at: float  # ``time.perf_counter()``: rounds started before it voted with the old state
+    why: str
+    clean: bool = True  # every round since applied the group's whole update here: a refutation is theirs
+    agreed: bool = False  # a round (sampled tag) decided for it: served meanwhile, refutable until a full one
+
+
+class DonorLedger:
+    """What this peer measured of each donor: its download rates, and the donors it refuses."""
+
+    def __init__(self, keep: int = 4096):
+        self.rates: dict[str, float] = {}  # bytes/s of the last whole download from it
+        self.refused: dict[str, str] = {}  # donor -> why (a state a round refuted)
+        self.keep = keep
+
+    def order(self, candidates: list[str]) -> list[str]:
+        """Unrefused donors, fastest measured first; one never measured counts as the median measured
+        rate (a newcomer knows none: random order, so joiners spread over donors)."""
+        known = [self.rates[d] for d in candidates if d in self.rates]
+        neutral = statistics.median(known) if known else 0.0
+        allowed = [d for d in candidates if d not in self.refused]
+        return sorted(allowed, key=lambda d: (-self.rates.get(d, neutral), random.random()))
+
+    def measured(self, donor: str, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.rates[donor] = nbytes / seconds
+            while len(self.rates) > self.keep:
+                self.rates.pop(next(iter(self.rates)))
+
+    def refuse(self, donor: str, why: str) -> None:
+        self.refused[donor] = why
+
+
 class StateSync:
     def __init__(self, *, p2p, loop: BackgroundLoop, run_id: str, peer_id: str, admission: Admission,
                  upkeep: Upkeep, liars: Callable[[], dict[str, str]], max_uploads: int, join_timeout: float,
@@ -63,19 +117,65 @@ class StateSync:
         # under ``exclusive`` again, on the same thread (a plain Lock hung that thread for good)
         self.step_lock = threading.RLock()
         self._in_step = False
+        self.ledger = DonorLedger()
+        self._provisional: Provisional | None = None
+        self._in_consensus = True  # its last decided round decided for its state, and reached it whole
         self.synced = False
         self.loads = 0  # states loaded from others (a download replaces this peer's momenta too)
         self.on_load: Callable[[], None] = lambda: None  # after each load (the swarm: ``VoteNode.resumed``)
 
     @property
     def synced(self) -> bool:
-        """This peer holds the swarm's state: it may vote, serve snapshots and say so in its record."""
+        """This peer holds the swarm's state: it may vote and say so in its record."""
         return self._synced
 
     @synced.setter
     def synced(self, value: bool) -> None:
         self._synced = value
-        self.server.serving = value
+        self._serve_if_sure()
+
+    @property
+    def provisional(self) -> Provisional | None:
+        return self._provisional
+
+    @property
+    def in_consensus(self) -> bool:
+        return self._in_consensus
+
+    def _serve_if_sure(self) -> None:
+        """Serve snapshots only of a state this peer knows is the run's (the module's rules)."""
+        p = self._provisional
+        self.server.serving = self._synced and (p is None or p.agreed) and self._in_consensus
+
+    def judge(self, started: float, step: int, decided: bytes | None, tag: bytes, *, whole: bool,
+              full: bool) -> None:
+        """After each round of this peer's (``started`` then, at ``step``, with state tag ``tag``): what the
+        round ``decided`` (the tag most parts decide for; None: no majority) says of the state it holds.
+        ``whole``: the round's update reached this peer complete (no part missing); ``full``: the tag
+        hashes every parameter byte. Confirms a provisional state, or refutes it (its donors refused when
+        every round since it was loaded reached this peer whole)."""
+        decided = decided or None  # b"": no state has a majority
+        p = self._provisional
+        if p is not None and started >= p.loaded_at and decided is not None:
+            if decided != tag:
+                if p.clean:
+                    for donor in sorted(p.donors):
+                        self.ledger.refuse(donor, f"its state of step {p.step} was not the run's (round {step} "
+                                                  f"decided for another)")
+                    logger.warning("step %d: the state downloaded (%s) at step %d from %s is not the one the round "
+                                   "decided for: refusing %s as a donor from now on", step, p.why, p.step,
+                                   ", ".join(sorted(p.donors)), "it" if len(p.donors) == 1 else "them")
+                self._provisional = None
+            elif full:
+                self._provisional = None  # every parameter byte is the run's
+            else:
+                p.agreed = True  # the bytes the tag samples are the run's: serve it, judge it again at a full tag
+        p = self._provisional
+        if p is not None and started >= p.loaded_at and not whole:
+            p.clean = False  # this peer applied less than the group's update: a later refutation may be its own
+        if decided is not None:
+            self._in_consensus = decided == tag
+        self._serve_if_sure()
 
     def _step(self) -> int:
         return self.optimizer.step_count if self.optimizer is not None else 0
@@ -120,15 +220,14 @@ class StateSync:
             self.step_lock.release()
 
     def donors(self, group: GroupRecord, only: Collection[str] | None = None) -> list[str]:
-        """Members to download from: not this peer, not clients, not liars (and among ``only``, if given);
-        synced ones, fastest first (ties in random order so newcomers spread)."""
+        """Members to download from: not this peer, not clients, not liars, not donors refused here (and
+        among ``only``, if given); synced ones first, in the ledger's order (measured rates, never an
+        announced weight)."""
         records = self.upkeep.records
         liars = self.liars()
-        members = [m for m in group.members if m.peer_id != self.peer_id and not m.client_mode
+        members = [m.peer_id for m in group.members if m.peer_id != self.peer_id and not m.client_mode
                    and m.peer_id not in liars and (only is None or m.peer_id in only)]
-        members.sort(key=lambda m: (-(records[m.peer_id].weight if m.peer_id in records else m.weight),
-                                    random.random()))
-        donors = [m.peer_id for m in members]
+        donors = self.ledger.order(members)
         synced = [pid for pid in donors if pid in records and records[pid].synced]
         return synced or donors  # peers that are joining themselves hold nothing to give
 
@@ -145,15 +244,17 @@ class StateSync:
         except Exception as e:  # the download matters more; its record may still be refreshed in time
             logger.info("announcing before the state download failed: %s: %s", type(e).__name__, e)
 
-    def download(self, min_step: int, group: GroupRecord, *, params_only: bool = False,
+    def catch_up(self, why: str, min_step: int, group: GroupRecord, *, params_only: bool = False,
                  last: Collection[str] = (), slow_link: bool = False, only: Collection[str] | None = None,
                  expect: bytes | None = None, within: float | None = None) -> None:
-        """Load a member's state of step ``min_step`` or later (nothing if this peer already holds it);
-        ``params_only``: keep this peer's own momenta (half the bytes: a repair, a skip ahead); ``last``:
-        donors asked only after the others (a two-level group that diverged as a whole); ``slow_link``
-        (a follower): first announce a record that outlives the download (``_hold_record``). The run's
-        end (``closing.py``): ``only`` these donors, a state of exactly ``min_step`` whose parameter
-        digest is ``expect`` (else refused before anything is loaded), in at most ``within`` seconds."""
+        """Load a member's state of step ``min_step`` or later (nothing if this peer already holds it), for
+        the reason ``why`` (join, rejoin, repair, skip, settle: the log says it); provisional until a
+        round decides for it (``judge``). ``params_only``: keep this peer's own momenta (half the bytes:
+        a repair, a skip ahead); ``last``: donors asked only after the others (a two-level group that
+        diverged as a whole); ``slow_link`` (a follower): first announce a record that outlives the
+        download (``_hold_record``). The run's end (``closing.py``): ``only`` these donors, a state of
+        exactly ``min_step`` whose parameter digest is ``expect`` (else refused before anything is
+        loaded: not provisional), in at most ``within`` seconds."""
         have = (self.optimizer.step_count, snapshot.params_digest(self.optimizer))
         max_bytes = snapshot.max_size(self.optimizer)
         bound = download_bound(max_bytes, self.join_timeout)
@@ -161,6 +262,9 @@ class StateSync:
         if slow_link:
             self._hold_record(bound)
         donors = sorted(self.donors(group, only), key=lambda pid: pid in last)
+        if not donors and self.ledger.refused:
+            raise StateTransferError(f"every member that could serve the state is refused here ({len(self.ledger.refused)} "
+                                     f"served a state that was not the run's)")
 
         def check_final(step: int, digest: bytes) -> None:
             if expect is not None and (digest != expect or step != min_step):
@@ -175,17 +279,25 @@ class StateSync:
                                          f"can be ({furthest})")
             snapshot.check(self.optimizer, blob, expect_digest=digest, expect_step=step)
 
+        served: set[str] = set()
+        started = time.monotonic()
         step, blob, digest = self.loop.run(download_state(
             self.p2p, donors, self.run_id, min_step=min_step, max_bytes=max_bytes, timeout=bound,
-            have=have, token=self.admission.token(self.peer_id), params_only=params_only, check=check),
-            timeout=bound + 5)
+            have=have, token=self.admission.token(self.peer_id), params_only=params_only, check=check,
+            served=served, wanted=expect or b""), timeout=bound + 5)
         check_final(step, digest)  # again for the empty answer (step 0), which ``check`` never sees
         if not blob:
             logger.info("this peer already holds the swarm's state (step 0, same initialization)")
             return
+        if len(served) == 1:
+            self.ledger.measured(next(iter(served)), len(blob), time.monotonic() - started)
         with self.exclusive():  # not while the state server takes a snapshot
             snapshot.load(self.optimizer, blob, expect_digest=digest, expect_step=step)
+            self._provisional = None if expect is not None else \
+                Provisional(frozenset(served), step, time.perf_counter(), why)
+            self._serve_if_sure()
         self.server.forget()  # a snapshot it cached of this step holds the state replaced
         self.loads += 1
         self.on_load()
-        logger.info("loaded the swarm's state at step %d (%.1f MB)", step, len(blob) / 1e6)
+        logger.info("loaded the swarm's state at step %d (%.1f MB, %s, from %s)", step, len(blob) / 1e6, why,
+                    ", ".join(sorted(served)) or "?")

@@ -161,8 +161,8 @@ class StateServer:
             refused = self.admission.reason(info.peer_id.to_base58(), req.token)
             if refused:
                 raise WireError(f"not admitted: {refused}")
-            if not self.serving:
-                raise WireError("this peer is joining and holds no state yet")
+            if not self.serving and not req.params_digest:  # one that names its digest checks what it gets
+                raise WireError("this peer holds no state a round confirmed yet (joining, or just repaired)")
             if req.run_id != self.run_id:
                 raise WireError("state request for another run")
             if self._uploads >= self.max_uploads:
@@ -175,6 +175,8 @@ class StateServer:
             # make that one's resume start over (two slow followers at one donor)
             step, blob, digest = await self._wait_snapshot(req.min_step,
                                                            fresh=not req.params_digest and self._uploads == 1)
+            if not self.serving and digest != req.params_digest:
+                raise WireError("this peer holds no state a round confirmed, nor the one asked for")
             if req.params_only:
                 blob = await self._without_momenta(step, blob, digest)
             if step == 0 and req.have_step == 0 and req.have_digest == digest and req.offset == 0:
@@ -252,7 +254,8 @@ class _Download:
 async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: int, max_bytes: int,
                          timeout: float = 120.0, attempts: int = 6, have: tuple[int, bytes] | None = None,
                          token: bytes = b"", params_only: bool = False,
-                         check: Callable[[int, bytes, bytes], None] | None = None) -> tuple[int, bytes, bytes]:
+                         check: Callable[[int, bytes, bytes], None] | None = None,
+                         served: set[str] | None = None, wanted: bytes = b"") -> tuple[int, bytes, bytes]:
     """(step, snapshot bytes, parameter digest) from donors, resuming across them; ``params_only``:
     without the momenta (``snapshot.without_momenta``; a donor of an older version sends them anyway).
 
@@ -261,7 +264,10 @@ async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: 
     ``have`` = (step, parameter digest) of the requester's own state; a donor at step 0 with the
     same parameters answers with an empty snapshot (b""): keep your state. ``check(step, blob,
     digest)`` runs on each completed snapshot (not on the empty answer) and raises if it is bad: its
-    donors (those that served part of it) are not asked again, and the download starts over."""
+    donors (those that served part of it) are not asked again, and the download starts over.
+    ``served`` receives the donors of the snapshot returned (a resumed one has several); ``wanted``: the
+    parameter digest the requester will accept (the run's end), named in the request so that a donor
+    whose state no round confirmed yet still serves it when it holds exactly that."""
     if not donors:
         raise StateTransferError("no donor to download state from")
     progress, errors, left = _Download(), [], set()
@@ -277,7 +283,7 @@ async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: 
                 before = len(progress.blob)
                 try:
                     await asyncio.wait_for(_fetch_from(p2p, donor, run_id, min_step, max_bytes, progress, have,
-                                                       token, params_only), remaining)
+                                                       token, params_only, wanted), remaining)
                 except Exception as e:
                     errors.append(f"{donor[:16]}: {type(e).__name__}: {e}")
                     logger.info("state download from %s stopped at %d bytes: %s", donor, len(progress.blob), e)
@@ -302,6 +308,8 @@ async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: 
                     left |= progress.donors
                     progress = _Download()
                     continue
+                if served is not None:
+                    served.update(progress.donors)
                 return progress.step, blob, progress.digest
         # every donor was busy, joining or gone: back off (with jitter, so newcomers spread) and retry
         await asyncio.sleep(min(0.5 * 2 ** attempt, 5.0) * (0.5 + random.random()))
@@ -309,12 +317,12 @@ async def download_state(p2p: P2P, donors: list[str], run_id: str, *, min_step: 
 
 
 async def _fetch_from(p2p: P2P, donor: str, run_id: str, min_step: int, max_bytes: int, progress: _Download,
-                      have: tuple[int, bytes] | None, token: bytes, params_only: bool) -> None:
+                      have: tuple[int, bytes] | None, token: bytes, params_only: bool, wanted: bytes = b"") -> None:
     _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(donor), STATE_PROTOCOL)
     try:
         have_step, have_digest = have if have is not None and not progress.blob else (0, b"")
         await write_frame(writer, pb.StateRequest(version=PROTOCOL_VERSION, run_id=run_id.encode(), min_step=min_step,
-                                                  offset=len(progress.blob), params_digest=progress.digest,
+                                                  offset=len(progress.blob), params_digest=progress.digest or wanted,
                                                   have_step=have_step, have_digest=have_digest, token=token,
                                                   params_only=params_only))
         wait, first_at, received = FIRST_CHUNK_S, None, 0
