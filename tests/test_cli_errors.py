@@ -413,3 +413,33 @@ def test_errors_reach_the_shell_as_one_line(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("error: "), (module, argv, done.stderr)
         assert done.stdout == ""
     assert sorted(p.name for p in Path(tmp_path).iterdir()) == []  # nothing written
+
+
+def test_ticket_mistakes_end_in_one_line_before_anything_starts(tmp_path, capsys, monkeypatch):
+    """A ticket for another run, one without the identity it admits, an unreadable, damaged or expired
+    one, a key file passed as a ticket; and the coordinator's authority key missing or --revoked alone."""
+    from lioncub_p2p.identity import Identity
+    from lioncub_p2p.swarm.tickets import issue
+
+    authority = Identity.load_or_create(tmp_path / "authority.key")
+    me = Identity.load_or_create(tmp_path / "me.key")
+    good = tmp_path / "t.txt"
+    good.write_text(issue(authority, "demo", me.peer_id, days=1, max_weight=5).text())
+    expired = tmp_path / "old.txt"
+    expired.write_text(issue(authority, "demo", me.peer_id, days=1, max_weight=5, now=0.0).text())
+    damaged = tmp_path / "bad.txt"
+    damaged.write_text(good.read_text()[:-30] + "x")
+    ident = ["--identity-path", str(tmp_path / "me.key")]
+    cases = [(["--ticket", str(good)], ["admits one peer id", "--identity-path"]),
+             (["--ticket", str(good), "--run-id", "other", *ident], ["for run demo", "--run-id demo"]),
+             (["--ticket", str(tmp_path / "none.txt"), *ident], ["cannot read it"]),
+             (["--ticket", str(tmp_path / "me.key"), *ident], ["not a ticket"]),
+             (["--ticket", str(damaged), *ident], ["damaged"]),
+             (["--ticket", str(expired), *ident], ["expired", "new one"])]
+    for argv, words in cases:
+        one_line_error(train.main, ["--run-id", "demo", *argv, *LOOPBACK], capsys, *words)
+    monkeypatch.setenv("LIONCUB_TICKET", "lioncub-ticket:####")
+    one_line_error(train.main, ["--run-id", "demo", *ident, *LOOPBACK], capsys, "$LIONCUB_TICKET", "damaged")
+    one_line_error(coordinator.main, ["--authority-key", str(tmp_path / "missing.key")], capsys,
+                   "does not exist", "lioncub-invite authority")
+    one_line_error(coordinator.main, ["--revoked", str(tmp_path / "r.txt")], capsys, "--authority-key")

@@ -31,7 +31,9 @@ import torch
 from .. import LionCub, MomentumSchedule, failpoints
 from ..swarm import Manifest, ManifestError, Swarm, SwarmConfig, SwarmError, snapshot
 from ..swarm.manifest import DEFAULTS as SWARM_DEFAULTS
+from ..identity import Verifier
 from ..swarm.config import LISTEN_ALL, MAX_WEIGHT
+from ..swarm.tickets import TicketError, decode
 from ..tasks import BUILTIN, TaskError, TrainingTask, check_args, load_task, param_count
 from ..trainer_rounds import allreduce_config
 from .addresses import check_listen, check_peers, reachability
@@ -136,6 +138,7 @@ def opinions(args: argparse.Namespace) -> Manifest:
 
 
 SECRET_ENV = "LIONCUB_RUN_SECRET"
+TICKET_ENV = "LIONCUB_TICKET"
 MIN_SECRET_CHARS = 16
 
 
@@ -151,6 +154,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help=f"the run's shared secret, if it has one (admission); else ${SECRET_ENV} if set, which "
                           "other users of this machine cannot read in its process list")
     run.add_argument("--allow-peers", nargs="*", default=[], help="admit only these peer ids")
+    run.add_argument("--ticket", default=None,
+                     help=f"an invited run: the ticket file its organizer gave you for your peer id (lioncub-invite); "
+                          f"pass the same --identity-path whose id you sent them; else ${TICKET_ENV} (the ticket's text) "
+                          f"if set")
     run.add_argument("--preflight", action="store_true",
                      help="check coordinators, reachability, bandwidth and round time, then exit")
 
@@ -278,7 +285,7 @@ def run(args: argparse.Namespace, stop: StopSignals) -> int:
     config = SwarmConfig(args.run_id, initial_peers=initial_peers,
                          host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs,
                          identity_path=args.identity_path, client_mode=CLIENT_MODES[args.client_mode], weight=args.weight,
-                         run_secret=args.run_secret, allow_peers=args.allow_peers,
+                         run_secret=args.run_secret, allow_peers=args.allow_peers, ticket=args.ticket_text,
                          upload=args.upload, result=args.result, transport=METHODS.get(args.method),
                          momentum=momentum_schedule(args),
                          delay=args.delay, max_group=args.max_group, manifest=wanted, allreduce=allreduce_config(args.upload_timeout, args.result_timeout, args.result_deltas),
@@ -395,11 +402,12 @@ def check_settings(args: argparse.Namespace) -> list[str]:
     if args.method and args.method.startswith("hivemind"):  # the baseline trains without these: say so
         ignored = [flag for flag, value in ((secret_flag, args.run_secret), ("--allow-peers", args.allow_peers),
                                             ("--checkpoint-dir", args.checkpoint_dir),
-                                            ("--identity-path", args.identity_path),
+                                            ("--identity-path", args.identity_path), ("--ticket", args.ticket),
                                             ("--tensorboard", args.tensorboard)) if value]
         if ignored:
             raise UsageError(f"--method {args.method} (hivemind's averager, a baseline) has no {', '.join(ignored)}: "
                              f"leave {'it' if len(ignored) == 1 else 'them'} out, or use --method lioncub")
+    args.ticket_text = check_ticket(args)
     if args.run_secret is not None and not args.run_secret:
         raise UsageError(f"--run-secret (or ${SECRET_ENV}) is empty (is the variable you passed set?): pass the "
                          "run's secret, or leave it out for an open run")
@@ -424,6 +432,38 @@ def check_settings(args: argparse.Namespace) -> list[str]:
     if args.tensorboard:
         check_writable_dir("--tensorboard", args.tensorboard)
     return initial
+
+
+def check_ticket(args: argparse.Namespace) -> str | None:
+    """The ticket's text (--ticket FILE, else $LIONCUB_TICKET), checked against this run and identity file
+    before anything starts; None without one."""
+    if args.ticket is not None:
+        try:
+            text = Path(args.ticket).read_text().strip()
+        except OSError as e:
+            raise UsageError(f"--ticket {args.ticket}: cannot read it ({e.strerror or e}): pass the file lioncub-invite "
+                             f"issue wrote") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"--ticket {args.ticket} is not a ticket (a ticket is one line of text): pass the file "
+                             f"lioncub-invite issue wrote") from None
+        flag = f"--ticket {args.ticket}"
+    elif os.environ.get(TICKET_ENV):
+        text, flag = os.environ[TICKET_ENV].strip(), f"${TICKET_ENV}"
+    else:
+        return None
+    try:
+        ticket = decode(text, Verifier())
+    except TicketError as e:
+        raise UsageError(f"{flag}: {e}") from None
+    if ticket.run_id != args.run_id:
+        raise UsageError(f"{flag} is for run {ticket.run_id}, not --run-id {args.run_id}: pass --run-id {ticket.run_id}, "
+                         f"or ask the organizer of {args.run_id} for a ticket")
+    if not args.identity_path:
+        raise UsageError(f"{flag} admits one peer id ({ticket.peer_id}): pass --identity-path with the key file whose "
+                         f"id you sent the organizer (lioncub-invite id --identity-path FILE prints it)")
+    if ticket.expires <= time.time():
+        raise UsageError(f"{flag}: {ticket.describe()}: ask the run's organizer for a new one")
+    return text
 
 
 def _tensorboard(logdir: str | None):

@@ -19,8 +19,8 @@ from .manifest import DEFAULTS, Manifest, ManifestError, ManifestMismatch
 
 
 class RunSettings:
-    def __init__(self, run_id: str, opinions: Manifest):
-        self.run_id, self.opinions = run_id, opinions
+    def __init__(self, run_id: str, opinions: Manifest, peer_id: str = ""):
+        self.run_id, self.opinions, self.peer_id = run_id, opinions, peer_id
         self.run: Manifest | None = None  # the run's, as published by its leader (or a coordinator)
         self.current = opinions.merged(DEFAULTS)  # this peer's settings (the run's, adopted)
 
@@ -29,8 +29,9 @@ class RunSettings:
         if run is None:
             return
         if run.authority is not None and self.opinions.authority is None:
-            raise AdmissionRefused(f"run {self.run_id} is invited-only (authority {run.authority}): ask its organizer "
-                                   f"for a ticket for this peer's id and pass it with --ticket")
+            raise AdmissionRefused(f"run {self.run_id} is invited-only: ask its organizer for a ticket for peer id "
+                                   f"{self.peer_id or '(lioncub-invite id prints it)'} (they run lioncub-invite issue "
+                                   f"--peer ...), then pass it with --ticket FILE and the same --identity-path")
         try:
             self.current = manifests.resolve(self.opinions, run, self.run_id).merged(DEFAULTS)
         except ManifestMismatch as e:

@@ -106,7 +106,7 @@ def decode(data: bytes | str, verifier: Verifier) -> Ticket:
         if not text.startswith(TEXT_PREFIX):
             raise TicketError(f"not a lioncub ticket (it starts with {TEXT_PREFIX!r})")
         try:
-            data = base64.urlsafe_b64decode(text[len(TEXT_PREFIX):].encode())
+            data = base64.b64decode(text[len(TEXT_PREFIX):].encode(), altchars=b"-_", validate=True)
         except (binascii.Error, ValueError):
             raise TicketError("the ticket's text is damaged (not base64): copy it again, whole") from None
     if not isinstance(data, (bytes, bytearray)) or not 0 < len(data) <= MAX_TICKET_BYTES:
