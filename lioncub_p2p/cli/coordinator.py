@@ -31,7 +31,7 @@ from ..swarm.manifest import MANIFEST_TTL, Manifest, ManifestError, publish_mani
 from ..swarm.membership import read_peer_records
 from ..swarm.config import LISTEN_ALL
 from ..swarm.reachability import serve_dialback
-from ..swarm.records import RunRecordValidator
+from ..swarm.dht_budget import dht_validators
 from ..swarm.tickets import TicketError, publish_revocations, read_serials_file
 from .addresses import check_listen, check_peers, reachability
 from .checks import check_run_id, check_writable_file
@@ -183,7 +183,7 @@ def serve(args: argparse.Namespace, stop: StopSignals) -> None:
         dht = DHT(start=True, initial_peers=initial, host_maddrs=args.host_maddrs,
                   announce_maddrs=args.announce_maddrs or None,
                   identity_path=identity.path if identity is not None else args.identity_path,
-                  record_validators=[RunRecordValidator([args.run_id])],  # refuse forged records of lioncub runs
+                  record_validators=dht_validators(args.run_id),  # refuse forged records, bound what others store
                   client_mode=args.client_mode, no_listen=args.client_mode, nat_port_map=args.nat_probing,
                   auto_nat=args.nat_probing)
     except Exception as e:

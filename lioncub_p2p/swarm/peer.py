@@ -74,7 +74,8 @@ from .group_notice import GroupNoticeServer, notice_of, send_notices
 from .membership import Directory, GroupHistory, GroupRecord, PeerRecord
 from .momentum_sync import MomentumRounds, MomentumSync
 from .probe import serve_probe
-from .records import RateLimitedLog, RunRecordValidator
+from .dht_budget import dht_validators
+from .records import RateLimitedLog
 from .tickets import TicketBook
 from .pipeline import PipelineSettings, RoundInFlight, VotePipeline
 from .state_sync import StateSync
@@ -152,7 +153,7 @@ class Swarm:
                 self.dht = start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
                                      announce_maddrs=config.announce_maddrs or None, identity_path=self.identity.path,
                                      check_if_identity_free=not fresh,
-                                     record_validators=[RunRecordValidator([config.run_id])],
+                                     record_validators=dht_validators(config.run_id),  # record check + storage budget
                                      client_mode=config.client_mode, no_listen=config.client_mode,
                                      nat_port_map=config.nat_probing, auto_nat=config.nat_probing)
                 break
@@ -210,7 +211,7 @@ class Swarm:
                                 upkeep=self.upkeep, admission=self.admission, identity=self.identity,
                                 run_id=config.run_id, peer_id=self.peer_id, anchors=_anchor_ids(config.initial_peers),
                                 log=self.log)
-        self.settings = RunSettings(config.run_id, self.opinions)
+        self.settings = RunSettings(config.run_id, self.opinions, self.peer_id)
         self.node = VoteNode(self.p2p, config.allreduce, self.admission, identity=self.identity)
         self.state = StateSync(p2p=self.p2p, loop=self.loop, run_id=config.run_id, peer_id=self.peer_id,
                                admission=self.admission, upkeep=self.upkeep, liars=lambda: self.liars,

@@ -46,6 +46,7 @@ LIMITS = {"peers": (4 << 10, 300.0), "group": (256 << 10, 300.0), "manifest": (1
 MAX_SUBKEY_CHARS = 128
 CLOCK_SKEW_S = 3.0  # hivemind's MAX_DHT_TIME_DISCREPANCY_SECONDS
 _ENVELOPE_SLACK = 2048  # msgpack framing, key and signature on top of the payload
+_MAX_PAYLOAD = max(size for size, _ in LIMITS.values())  # the largest kind's payload
 REGULAR_VALUE_TAG = msgpack.packb(None)  # hivemind's subkey tag of a value stored without subkey
 
 
@@ -124,8 +125,10 @@ class RunRecordValidator(RecordValidatorBase):
 
     def validate(self, record: DHTRecord) -> bool:
         known = self._known.get(record.key)
-        if known is None and len(record.value) > LIMITS["group"][0] + _ENVELOPE_SLACK:
-            return True  # too large to be one of ours: not our business
+        if known is None and len(record.value) > _MAX_PAYLOAD + _ENVELOPE_SLACK:
+            return True  # too large to be one of ours: not our business (the storage budget's: dht_budget.py)
+        if known is not None and len(record.value) > LIMITS[known[1]][0] + _ENVELOPE_SLACK:
+            return False  # larger than its kind allows (its own limit, not the largest kind's): not even hashed
         digest = hashlib.blake2b(b"".join((record.key, b"\0", record.subkey, b"\0", record.value,
                                            struct.pack("<d", record.expiration_time))), digest_size=16).digest()
         if digest in self._cache:
@@ -141,7 +144,8 @@ class RunRecordValidator(RecordValidatorBase):
     def _check(self, record: DHTRecord, known: tuple[str, str] | None) -> bool | None:
         """True/False for records under a lioncub key; None for keys that are not a run's."""
         try:
-            value = msgpack.unpackb(record.value, raw=False, strict_map_key=True, max_bin_len=LIMITS["group"][0],
+            largest = max(LIMITS[known[1]][0] if known is not None else _MAX_PAYLOAD, MAX_PUBLIC_KEY_BYTES)
+            value = msgpack.unpackb(record.value, raw=False, strict_map_key=True, max_bin_len=largest,
                                     max_str_len=4096, max_array_len=16, max_map_len=16)
         except Exception:  # any undecodable value: never hand it to hivemind's decoder
             return False if known is not None else None
