@@ -184,7 +184,7 @@ def test_a_step_whose_stall_download_succeeded_starts_no_round_and_applies_nothi
     def no_round(group, step):
         raise AssertionError("a round was specified after the download")
 
-    fake = SimpleNamespace(upkeep=SimpleNamespace(history=history), peer_id="m",
+    fake = SimpleNamespace(upkeep=SimpleNamespace(history=history), peer_id="m", stranded=None,
                            settings=SimpleNamespace(client_mode=False), _skipped_after_stall=lambda step: True,
                            spec=no_round)
     result = VotePipeline._start(fake, torch.zeros(1), 21)

@@ -523,7 +523,7 @@ def _train_swarm(configs, steps, *, perturb=None, hidden=64, instrument=None, la
             x, y = task.shard(i, len(swarms))
             gen = torch.Generator().manual_seed(i)
             repairs_before, rejoins_before, skips_before, repair_steps = 0, 0, 0, out["repair_steps"].setdefault(i, [])
-            while opt.step_count < steps:
+            while opt.step_count < steps and swarm.stranded is None:  # a trainer stops there
                 if stall and stall[1] == opt.step_count \
                         and (stall[0](i, swarm) if callable(stall[0]) else stall[0] == i):
                     out["stalled"] = i

@@ -252,3 +252,38 @@ def test_an_invited_run_trains_with_its_ticket_holders_and_refuses_everyone_else
         assert first.history.latest.member_ids() == [first.peer_id]
     finally:
         first.shutdown()
+
+
+@pytest.mark.slow
+def test_a_revoked_ticket_takes_its_holder_out_of_the_run(keys, monkeypatch):
+    """The authority revokes one of three holders' tickets mid-run (its signed list, as a coordinator
+    publishes it): members refuse its streams, the leader drops it, and its trainer stops with one line
+    naming the revocation; the two others train on and end equal. Break-check: without the list being
+    read (``Upkeep.read_revocations``), the revoked peer trains on to the end."""
+    import threading
+
+    from lioncub_p2p.swarm import upkeep as upkeep_module
+    from lioncub_p2p.swarm.tickets import publish_revocations
+    from tests.test_swarm import _config, _train_swarm
+
+    monkeypatch.setattr(upkeep_module, "REVOKED_READ_S", 1.0)
+    authority = keys["authority"]
+    tickets = {n: issue(authority, "revoking", keys[n].peer_id, days=1, max_weight=2) for n in "abc"}
+    configs = [_config("revoking", identity_path=keys[n].path, ticket=tickets[n].text(), join_timeout=8.0)
+               for n in "abc"]
+    stranded = {}
+
+    def instrument(i, swarm):
+        if i == 0:
+            def revoke():
+                time.sleep(4.0)  # mid-run: the three are stepping together by now
+                publish_revocations(swarm.dht, "revoking", authority, [tickets["c"].serial])
+
+            threading.Thread(target=revoke, daemon=True).start()
+        if i == 2:
+            stranded["swarm"] = swarm
+
+    out = _train_swarm(configs, 120, instrument=instrument)
+    assert out[0][1] == out[1][1] and out[0][0] == out[1][0] == 120, (out[0], out[1])
+    why = stranded["swarm"].stranded or ""
+    assert "revoked" in why and "\n" not in why and out[2][0] < 120, (why, out[2])

@@ -148,13 +148,19 @@ class RunFinder:
     def ask_again(self, latest: GroupRecord | None) -> None:
         """Still not in the group: prove the key to its current author, and look for a newer group this
         peer cannot follow through its own history (two peers founded at once, or its lineage died)."""
-        if latest is not None and latest.author not in self.proved_to and latest.author != self.peer_id:
+        # an invited run asks again even an author that admitted this peer once: a ticket can be revoked
+        if latest is not None and latest.author != self.peer_id \
+                and (latest.author not in self.proved_to or self.admission.invited):
             try:
                 verdict = self.loop.run(ask_admission(self.p2p, latest.author, self.admission), timeout=15)
                 if verdict.admitted:
                     self.proved_to.add(latest.author)
             except Exception as e:
                 logger.debug("asking %s for admission failed: %s", latest.author, e)
+                verdict = None
+            if verdict is not None and verdict.not_invited:  # revoked or expired since: no waiting on a group
+                raise AdmissionRefused(refusal(verdict, self.run_id, latest.author, self.peer_id,
+                                               self.admission.needs_secret, self.admission.invited))
         self.upkeep.records = self.loop.run(self.directory.peers(), timeout=30)
         candidates = [g for g in self.loop.run(self.directory.groups(), timeout=30)
                       if latest is None or g.epoch > latest.epoch]

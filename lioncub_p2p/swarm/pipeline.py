@@ -32,6 +32,7 @@ from ..allreduce.allgather import GatherNode
 from ..optim import Resolved, TrainingView
 from . import snapshot
 from .follow import FAR_BEHIND_STEPS, FollowRule, far_behind
+from .errors import AdmissionRefused
 from .lead import failed_reducers
 from .membership import MAX_EPOCH_GAP, GroupRecord
 from .records import RateLimitedLog
@@ -158,12 +159,16 @@ class VotePipeline:
         return torch.zeros(self.optimizer.buffer_bytes * 8)
 
     def _start(self, upload: torch.Tensor, step: int) -> "RoundInFlight | Resolved":
+        if self.stranded is not None:  # the trainer stops at its next step; nothing to vote or rejoin meanwhile
+            return Resolved(None)
         group = self.upkeep.history.for_step(step)
         if group is None or self.peer_id not in group.member_ids():
             logger.warning("step %d: this peer is not in the group (dropped after a stall?): rejoining", step)
             try:
                 self.rejoin()
                 self.rejoins += 1
+            except AdmissionRefused as e:  # revoked, expired: training on alone would only look like training
+                self.stranded = str(e)
             except Exception as e:  # keep the training loop alive; the next step tries again
                 logger.warning("rejoining failed: %s", e)
                 self.check_stranded(step)
