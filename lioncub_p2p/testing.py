@@ -301,10 +301,11 @@ class LyingReduction(PartReduction):
         self.tally.encode = lambda *args, **kwargs: ~honest(*args, **kwargs)
 
 
-def lying_reduction(probability: float = 1.0, seed: int = 0, first_bytes: int | None = None):
+def lying_reduction(probability: float = 1.0, seed: int = 0, first_bytes: int | None = None,
+                    last_bytes: int | None = None):
     """A reduction class whose reducer lies in a round with ``probability`` (its own seeded coin),
-    flipping every result byte, or only the first ``first_bytes`` (a liar hiding in one leaf).
-    ``cls.lies`` lists the round ids it lied in."""
+    flipping every result byte, or only the first ``first_bytes`` or the last ``last_bytes`` (a liar
+    hiding in one leaf). ``cls.lies`` lists the round ids it lied in."""
     rng = random.Random(seed)
 
     class Lying(PartReduction):
@@ -320,7 +321,8 @@ def lying_reduction(probability: float = 1.0, seed: int = 0, first_bytes: int | 
             def encode(*args, **kwargs):
                 wire = honest(*args, **kwargs).clone()
                 end = wire.numel() if first_bytes is None else min(first_bytes, wire.numel())
-                wire[:end] = ~wire[:end]
+                start = 0 if last_bytes is None else max(wire.numel() - last_bytes, 0)
+                wire[start:end] = ~wire[start:end]
                 return wire
 
             self.tally.encode = encode

@@ -871,3 +871,27 @@ def test_too_many_open_files_cannot_be_provoked_at_ulimit_1024(tmp_path):
     assert outcome["returncode"] == 0 and outcome["exact"] == [True] * 5, (outcome["why"], outcome["log_tail"])
     assert outcome["dialed"] >= 2100
     assert not outcome["too_many_open_files"], outcome["log_tail"]
+
+
+def test_a_reducer_lying_in_its_last_leaf_only_is_caught_by_audits_of_random_leaves():
+    """Audits open leaves drawn with the auditor's private randomness, not fixed ones: a reducer that
+    flips only its last leaf (8 of its part's 32 bytes: 4 leaves, 2 opened per audit) is caught within
+    16 rounds (fixed seeds), with evidence; an audit that always opened the same leaves (the first
+    ones) would never see it. Small enough for the fast set."""
+    numel, liar = 3 * 32 * 8, 1
+    codes = _codes("sign", 3, numel, seed=7)
+    lying = lying_reduction(1.0, seed=0, last_bytes=8)
+    with LocalSwarm(3) as swarm:
+        _seed_audits(swarm, 5)
+        swarm.nodes[liar].reduction_factory = lying
+        liar_id = swarm.nodes[liar].peer_id
+        catchers = []
+        for step in range(16):
+            swarm.allreduce(codes, step=step)
+            swarm.settle_audits()
+            catchers = [i for i in (0, 2) if liar_id in swarm.nodes[i].caught]
+            if catchers:
+                break
+        assert catchers, f"a liar in the last leaf was not caught in 16 rounds ({len(lying.lies)} lies)"
+        caught = swarm.nodes[catchers[0]].caught[liar_id]
+        assert caught.kind == "lie" and check_evidence(caught.evidence, Verifier())[0] == liar_id

@@ -242,3 +242,46 @@ def test_a_split_with_no_majority_is_settled_by_the_groups_author_only():
     assert settles("a", "m", with_follower, *split, PartReport(2, 2, 0, 1, "empty")) == "m"
     assert settles("f", "m", with_follower, *split, PartReport(2, 2, 0, 1, "empty")) is None  # ...nor in it
     assert settles("a", "m", pair, *split, liar=True) is None  # an author it refuses: no download to fail
+
+
+def _finished(tags: dict[int, bytes], own: bytes, *, author: str = "a", me: str = "a"):
+    """``VotePipeline.finish`` on a round of group a, b, c whose three parts each counted every voter and
+    name ``tags[part]`` with all three votes (a round this peer, ``me``, voted with tag ``own``); what it
+    applies, and the state downloads it asked for."""
+    from lioncub_p2p.allreduce import PeerSpec
+    from lioncub_p2p.allreduce.round import RoundSpec
+    from lioncub_p2p.codecs import result_codec
+    from lioncub_p2p.swarm.records import RateLimitedLog
+
+    members = tuple(PeerSpec(pid) for pid in "abc")
+    group = GroupRecord(1, 0, members, author=author)
+    history = GroupHistory()
+    history.add(group)
+    catch_ups, judged = [], []
+    state = SimpleNamespace(catch_up=lambda why, step, group, **kw: catch_ups.append((why, step, kw.get("only"))),
+                            judge=lambda *args, **kwargs: judged.append(args), donors=lambda group, only: list(only))
+    upkeep = SimpleNamespace(history=history, part_failed_at={}, count_round=lambda votes: None)
+    pipeline = VotePipeline(peer_id=me, settings=PipelineSettings("run", False, 10, 0, 60.0),
+                            loop=SimpleNamespace(call_soon=lambda f: None), node=None, gather=None, upkeep=upkeep,
+                            state=state, verdicts=None, spec=lambda group, step: None, rejoin=None, in_background=None,
+                            log=RateLimitedLog(__import__("logging").getLogger("test")))
+    pipeline.optimizer = SimpleNamespace(param_count=64, buffer_bytes=8, step_count=5, in_flight=None)
+    spec = RoundSpec(round_id=b"r", step=5, group=members, nbytes=24, upload=upload_codec("sign"),
+                     result=result_codec("majority"))
+    parts = [PartReport(k, k, 8 * k, 8 * k + 8, "ok", counted=[0, 1, 2], tag=tags[k], tag_votes=3) for k in range(3)]
+    update = torch.ones(8, dtype=torch.uint8)
+    done = concurrent.futures.Future()
+    done.set_result((update, RoundReport("r", 5, "abc".index(me), parts)))
+    applied = pipeline.finish(RoundInFlight(pipeline, spec, group, own, time.perf_counter(), done))
+    return applied, catch_ups, judged
+
+
+def test_a_peer_whose_state_differs_from_the_one_the_round_decided_for_repairs_instead_of_applying():
+    """The digest check on the fast path: every part decides for "H" while this peer voted with "X": it
+    applies nothing and catches up from a peer past the step (a repair); with its own tag it applies the
+    round's update and downloads nothing. The round's decision is told to the state sync (``judge``)."""
+    applied, catch_ups, judged = _finished({0: b"H", 1: b"H", 2: b"H"}, b"X")
+    assert applied is None and catch_ups == [("repair", 6, None)]  # a state past this step
+    assert judged and judged[0][2:4] == (b"H", b"X")
+    applied, catch_ups, _ = _finished({0: b"H", 1: b"H", 2: b"H"}, b"H")
+    assert applied is not None and torch.equal(applied, torch.ones(8, dtype=torch.uint8)) and catch_ups == []
