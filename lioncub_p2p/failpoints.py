@@ -15,6 +15,10 @@ others) the first time it reaches the point, on or after that step:
 - ``serve``     serving state to a newcomer, after the second chunk went out;
 - ``download``  downloading state as a newcomer, after the first chunk arrived.
 
+A fault test whose donor is armed with ``serve`` needs the newcomer to ask that donor: donors are
+tried in the order the newcomer measured them, random at first, so ``LIONCUB_DONOR=<peer id>`` makes
+it ask that one first (``StateSync.donors``).
+
 A stall of the training thread alone (a hung data loader: the event loop goes on announcing the
 peer) comes from ``LIONCUB_HANG=<step>:<seconds>``: the trainer sleeps that long once, before that step.
 
@@ -29,6 +33,8 @@ import time
 POINTS = ("upload", "reduce", "result", "combine", "momentum", "serve", "download")
 ENV = "LIONCUB_FAILPOINT"
 HANG_ENV = "LIONCUB_HANG"
+DONOR_ENV = "LIONCUB_DONOR"
+DONOR = os.environ.get(DONOR_ENV) or None  # a fault test's armed donor, asked first (unset: nothing changes)
 
 
 def parse(value: str | None) -> tuple[str, int] | None:

@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -218,6 +219,11 @@ class Simulation:
                 "--final-eval", str(out / f"peer{i}.eval.json"), "--final-state", str(out / f"peer{i}.state"),
                 *(["--max-group", str(self.max_group)] if self.max_group else []), *method.trainer_args]
         env = {failpoints.ENV: profile.failpoint} if profile.failpoint else {}
+        armed = [j for j, p in enumerate(self.profiles) if j != i and (p.failpoint or "").startswith("serve")]
+        if profile.join_at is not None and armed:  # a newcomer asks the armed donor first (its id from its log)
+            found = re.search(r" as (\w+)", (out / f"peer{armed[0]}.log").read_text(errors="replace"))
+            if found:
+                env[failpoints.DONOR_ENV] = found.group(1)
         if profile.hang_at is not None:
             env[failpoints.HANG_ENV] = f"{profile.hang_at}:{profile.hang_s}"
         return self._spawn(i, argv, out / f"peer{i}.log", env)

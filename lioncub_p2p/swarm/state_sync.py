@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
+from .. import failpoints
 from ..aio import BackgroundLoop
 from ..allreduce.admission import Admission
 from ..optim import LionCub
@@ -228,6 +229,8 @@ class StateSync:
         members = [m.peer_id for m in group.members if m.peer_id != self.peer_id and not m.client_mode
                    and m.peer_id not in liars and (only is None or m.peer_id in only)]
         donors = self.ledger.order(members)
+        if failpoints.DONOR in donors:  # a fault test's armed donor (``failpoints.py``)
+            donors.insert(0, donors.pop(donors.index(failpoints.DONOR)))
         synced = [pid for pid in donors if pid in records and records[pid].synced]
         return synced or donors  # peers that are joining themselves hold nothing to give
 
