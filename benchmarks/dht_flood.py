@@ -25,42 +25,21 @@ import functools
 import json
 import logging
 import os
-import pickle
 import random
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 
 import msgpack
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
 RUN = "flood"
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
-_PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=32)  # identity.py's
-
-
-class Throwaway:
-    """A signing identity with no file, duck-typing ``identity.Identity`` for ``records.seal``."""
-
-    def __init__(self, der: bytes):
-        from hivemind.proto import crypto_pb2
-
-        from lioncub_p2p.identity import peer_id_of
-
-        self._key = serialization.load_der_private_key(der, password=None)
-        spki = self._key.public_key().public_bytes(serialization.Encoding.DER,
-                                                   serialization.PublicFormat.SubjectPublicKeyInfo)
-        self.public_key = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=spki).SerializeToString()
-        self.peer_id = peer_id_of(self.public_key)
-
-    def sign(self, data: bytes) -> bytes:
-        return self._key.sign(data, _PSS, hashes.SHA256())
 
 
 def _new_key(_: int) -> bytes:
-    return rsa.generate_private_key(65537, 2048).private_bytes(
-        serialization.Encoding.DER, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    from lioncub_p2p.identity import Identity
+
+    return Identity.in_memory().der()
 
 
 def throwaway_keys(path: str, count: int) -> None:
@@ -68,14 +47,14 @@ def throwaway_keys(path: str, count: int) -> None:
     keys = []
     if os.path.exists(path):
         with open(path, "rb") as f:
-            keys = pickle.load(f)
+            keys = msgpack.unpackb(f.read())
     if len(keys) < count:
         started = time.monotonic()
         with ProcessPoolExecutor(os.cpu_count() or 1) as pool:
             keys += list(pool.map(_new_key, range(count - len(keys)), chunksize=16))
         descriptor = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(descriptor, "wb") as f:
-            pickle.dump(keys, f)
+            f.write(msgpack.packb(keys))
         os.replace(path + ".tmp", path)
         print(f"made {count} throwaway RSA keys in {time.monotonic() - started:.0f} s ({path})", flush=True)
 
@@ -95,14 +74,15 @@ async def _flood(_dht, node, peer: str, keys_path: str, group: range, foreign: i
     from hivemind.p2p import PeerID
     from hivemind.utils import get_dht_time
 
+    from lioncub_p2p.identity import Identity
     from lioncub_p2p.swarm.records import seal
 
     with open(keys_path, "rb") as f:
-        ders = pickle.load(f)
+        ders = msgpack.unpackb(f.read())
     exp, now, payload = get_dht_time() + 280, get_dht_time(), _largest_group_payload()
     items = []
     for i in group:
-        t = Throwaway(ders[i])
+        t = Identity.in_memory(ders[i])
         items.append((f"{RUN}.group", t.peer_id, msgpack.packb(seal(t, RUN, "group", exp, payload)), exp))
     items += [(f"junk-{random.random()}", None, os.urandom(foreign_bytes), now + foreign_ahead) for _ in range(foreign)]
     target, kept = PeerID.from_base58(peer), 0
@@ -191,7 +171,7 @@ def main() -> None:
     p.add_argument("--foreign", type=int, default=1000, help="values under unrelated keys, expiring in a year")
     p.add_argument("--foreign-kib", type=int, default=128, help="size of each of those values")
     p.add_argument("--defence", choices=("both", "on", "off"), default="both")
-    p.add_argument("--keys", default=os.path.join(tempfile.gettempdir(), "lioncub-dht-flood-keys.pickle"),
+    p.add_argument("--keys", default=os.path.join(tempfile.gettempdir(), "lioncub-dht-flood-keys.msgpack"),
                    help="where the throwaway RSA keys are kept between runs")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()

@@ -49,10 +49,29 @@ class Identity:
         except (DecodeError, ValueError, TypeError) as e:
             raise ValueError(f"{path} is not a libp2p RSA identity ({str(e) or type(e).__name__}): point --identity-path "
                              "at the file this peer created, or at a path that does not exist yet") from None
+        self._named()
+
+    def _named(self) -> None:
         spki = self._key.public_key().public_bytes(serialization.Encoding.DER,
                                                    serialization.PublicFormat.SubjectPublicKeyInfo)
         self.public_key = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=spki).SerializeToString()
         self.peer_id = peer_id_of(self.public_key)
+
+    @classmethod
+    def in_memory(cls, der: bytes | None = None) -> "Identity":
+        """An identity with no file: a fresh RSA key, or the PKCS#8 ``der`` one (``der()``). What tests and
+        benchmarks make by the hundred, as an attacker would; a peer's own has a file its daemon reads."""
+        identity = cls.__new__(cls)
+        identity.path = ""
+        identity._key = rsa.generate_private_key(PUBLIC_EXPONENT, 2048) if der is None else \
+            serialization.load_der_private_key(der, password=None)
+        identity._named()
+        return identity
+
+    def der(self) -> bytes:
+        """The private key, PKCS#8 DER (``in_memory`` takes it back)."""
+        return self._key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption())
 
     @classmethod
     def load_or_create(cls, path: str | Path | None) -> "Identity":

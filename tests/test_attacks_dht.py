@@ -8,22 +8,18 @@ import asyncio
 import functools
 import logging
 import os
-import pickle
 import random
 import time
 
 import msgpack
 import pytest
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from hivemind import DHT
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord
-from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time, timed_storage
 
-from lioncub_p2p.identity import Identity, Verifier, peer_id_of
+from lioncub_p2p.identity import Identity, Verifier
 from lioncub_p2p.swarm.dht_budget import (ENTRY_OVERHEAD, FOREIGN_BYTES, FOREIGN_ENTRIES, FOREIGN_MAX_AHEAD_S,
                                           FOREIGN_VALUE_BYTES, RUN_KEY_BUDGET, BudgetedStorage, StorageBudget,
                                           dht_validators, run_key_ids, storage_usage, total_budget)
@@ -35,26 +31,6 @@ from lioncub_p2p.swarm.records import (LIMITS, REGULAR_VALUE_TAG, RateLimitedLog
 
 RUN = "flood"
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
-_PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=32)  # identity.py's
-
-
-class Throwaway:
-    """A signing identity with no file: what an attacker makes by the thousand (duck-types Identity)."""
-
-    def __init__(self, der: bytes | None = None):
-        self._key = rsa.generate_private_key(65537, 2048) if der is None else \
-            serialization.load_der_private_key(der, password=None)
-        spki = self._key.public_key().public_bytes(serialization.Encoding.DER,
-                                                   serialization.PublicFormat.SubjectPublicKeyInfo)
-        self.public_key = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=spki).SerializeToString()
-        self.peer_id = peer_id_of(self.public_key)
-
-    def sign(self, data: bytes) -> bytes:
-        return self._key.sign(data, _PSS, hashes.SHA256())
-
-    def der(self) -> bytes:
-        return self._key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption())
 
 
 def _record(key: str, subkey, value: bytes, exp: float) -> DHTRecord:
@@ -235,11 +211,11 @@ async def _flood(_dht, node, peer: str, keys_path: str, group: range, in_cache: 
     keys; store them all straight at ``peer``, a few per call. Returns how many it accepted."""
     from hivemind.p2p import PeerID
     with open(keys_path, "rb") as f:
-        ders = pickle.load(f)
+        ders = msgpack.unpackb(f.read())
     exp, now = get_dht_time() + 280, get_dht_time()
     items = []
     for i in group:
-        t = Throwaway(ders[i])
+        t = Identity.in_memory(ders[i])
         value = msgpack.packb(seal(t, RUN, "group", exp, _largest_group_payload()))
         items.append((f"{RUN}.group", t.peer_id, value, exp))
     items += [(f"junk-{random.random()}", None, os.urandom(foreign_bytes), now + foreign_ahead) for _ in range(foreign)]
@@ -276,8 +252,8 @@ def test_the_budget_is_installed_in_the_dht_that_validates_with_it_and_no_other(
 
 @pytest.mark.slow  # ~6 s: 40 RSA keys, two DHTs, 20 MiB of flood
 def test_a_flood_from_throwaway_ids_leaves_the_nodes_storage_bounded_and_its_group_read_fast(tmp_path):
-    keys_path = tmp_path / "keys.pickle"
-    keys_path.write_bytes(pickle.dumps([Throwaway().der() for _ in range(40)]))
+    keys_path = tmp_path / "keys.msgpack"
+    keys_path.write_bytes(msgpack.packb([Identity.in_memory().der() for _ in range(40)]))
     honest = _honest_dht(dht_validators(RUN))
     rogue = None
     try:

@@ -235,6 +235,7 @@ def test_a_donor_far_past_where_the_group_says_the_run_is_is_left_for_the_next(m
                      round_bound=5.0)
     sync.optimizer = opt
     sync.ledger.measured(liar, 10**9, 1.0)  # the fastest this peer ever measured: asked first
+    sync.ledger.measured(honest, 10**6, 1.0)
     try:
         assert sync.donors(group) == [liar, honest]
         sync.catch_up("join", 3, group)

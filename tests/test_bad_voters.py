@@ -17,7 +17,8 @@ import functools
 
 import pytest
 
-from lioncub_p2p.sim.inprocess import BYZANTINE, Method, Outcome, run_method
+from lioncub_p2p.sim.inprocess import Method, Outcome, run_method
+from lioncub_p2p.sim.workers import BYZANTINE
 from lioncub_p2p.tasks.digits import Task, digits_task
 
 STEPS, HIDDEN, LR = 150, 32, 1e-3

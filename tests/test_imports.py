@@ -179,3 +179,45 @@ def test_the_vote_pipeline_sees_the_optimizer_only_through_its_training_view():
     assert declared <= set(dir(LionCub))  # LionCub is such a view
     used = _optimizer_attributes(ROOT / "lioncub_p2p" / "swarm" / "pipeline.py")
     assert used and used <= declared, sorted(used - declared)
+
+
+def file_circles(root: Path = ROOT) -> list[list[str]]:
+    """Modules that import each other, directly or around a loop, counting imports anywhere in a file (a
+    lazy import inside a function is still a dependency): each circle once, as a list of module names.
+    A package's ``__init__`` importing its own modules is left out (that is how packages export)."""
+    graph: dict[str, set[str]] = {}
+    for path in (root / "lioncub_p2p").rglob("*.py"):
+        name, is_package = _module_name(path, root)
+        if is_package:
+            continue
+        graph[name] = {target for _, target in imports_of(path, root) if target != name}
+    circles, done = [], set()
+    for start in sorted(graph):
+        stack = [(start, [start])]
+        while stack:
+            node, trail = stack.pop()
+            for nxt in sorted(graph.get(node, ())):
+                if nxt == start and len(trail) > 1:
+                    circle = sorted(trail)
+                    if tuple(circle) not in done:
+                        done.add(tuple(circle))
+                        circles.append(trail)
+                elif nxt not in trail and nxt > start and len(trail) < 6:
+                    stack.append((nxt, trail + [nxt]))
+    return circles
+
+
+def test_no_two_modules_import_each_other():
+    """One concept, one home, arrows one way: no file circle, lazy imports included (there were two:
+    cli/train.py and cli/baseline.py, sim/inprocess.py and sim/variants.py)."""
+    assert file_circles() == []
+
+
+def test_the_circle_finder_sees_a_lazy_circle(tmp_path):
+    package = tmp_path / "lioncub_p2p"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from . import b\n")
+    (package / "b.py").write_text("def f():\n    from .a import g\n")
+    (package / "c.py").write_text("from . import a\n")
+    assert file_circles(tmp_path) == [["lioncub_p2p.a", "lioncub_p2p.b"]]

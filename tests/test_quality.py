@@ -11,8 +11,8 @@ import torch
 from lioncub_p2p.momentum import MomentumSchedule, average_in_process
 from lioncub_p2p.sim import quality
 from lioncub_p2p.sim.compare_tasks import SpecTask
-from lioncub_p2p.sim.inprocess import (Method, MethodRuns, Outcome, MomentumSyncs, average_momenta, parse_method,
-                                       run_method, summarize)
+from lioncub_p2p.sim.inprocess import Method, MethodRuns, Outcome, MomentumSyncs, parse_method, run_method, summarize
+from lioncub_p2p.sim.workers import average_momenta
 from lioncub_p2p.sim.variants import (_agreement_scales, _ties_to_previous, _weighted_vote, Options,
                                       run_variant)
 

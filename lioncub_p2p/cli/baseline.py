@@ -20,7 +20,7 @@ from ..optim import LionCub
 from ..swarm import snapshot
 from ..tasks import TrainingTask
 from .lifecycle import Interrupted, StopSignals
-from .train import evaluate_into, finish
+from .evaluation import evaluate_into, finish
 
 logger = logging.getLogger("lioncub.train")
 
@@ -91,7 +91,7 @@ def train_with_hivemind_averager(args, settings, task: TrainingTask,
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
         if not stop.requested:
-            finish(args, task, optimizer.step_count)
+            finish(args.final_eval, task, optimizer.step_count)
     except Interrupted:
         pass
     finally:

@@ -40,6 +40,7 @@ from .addresses import check_listen, check_peers, reachability
 from .checks import (VOTE_RESULTS, VOTE_UPLOADS, check_checkpoint_fits, check_codecs, check_run_id,
                      check_writable_dir, check_writable_file)
 from .common import HelpFormatter, UsageError, read_peers_file, setup_logging
+from .evaluation import evaluate_into, finish
 from .lifecycle import ChildReaper, Interrupted, StopSignals
 
 logger = logging.getLogger("lioncub.train")
@@ -516,7 +517,7 @@ def train(args, settings: Settings, task: TrainingTask, batches_for: Callable[[t
         started_settling = time.monotonic()
         if ended:  # before the final state is written: a split in the last round has no round to repair it
             swarm.settle_final_state(args.linger)
-        finish(args, task, optimizer.step_count)
+        finish(args.final_eval, task, optimizer.step_count)
         if ended:  # others may still need this state
             swarm.linger(max(args.linger - (time.monotonic() - started_settling), 0.0))
 
@@ -554,20 +555,6 @@ def _report(args, task: TrainingTask, swarm: Swarm, optimizer: LionCub, before: 
         logger.info("step %d loss %.3f peers %d/%d %.2f bits/param, s compute/comm/wait %.2f/%.2f/%.2f",
                     optimizer.step_count, loss, stats.peers, stats.group_size, stats.bits_per_param,
                     compute, comm, wait)
-
-
-def evaluate_into(record: dict, task: TrainingTask) -> None:
-    """Add the task's evaluation to a metrics record (``eval_loss``, ``eval_<name>``)."""
-    for name, value in task.evaluation().items():
-        record[f"eval_{name}"] = value
-
-
-def finish(args, task: TrainingTask, step: int) -> None:
-    results = task.evaluation()
-    summary = ", ".join(f"test {name.replace('_', ' ')} {value:.3f}" for name, value in results.items())
-    print(f"finished at step {step}" + (f": {summary}" if summary else ""), flush=True)
-    if args.final_eval:
-        Path(args.final_eval).write_text(json.dumps({"step": step, **{f"eval_{k}": v for k, v in results.items()}}))
 
 
 if __name__ == "__main__":

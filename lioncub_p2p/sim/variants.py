@@ -50,7 +50,7 @@ from ..allreduce.hierarchy import majority_of_majorities
 from ..codecs import UploadCodec, reduce_votes, result_codec, upload_codec
 from ..ops.randbits import derive_key
 from .compare_tasks import CompareTask, DataExhausted
-from .inprocess import Clock, Method, MomentumSyncs, Outcome, momentum_wire_bits, worker_loss
+from .workers import Clock, Method, MomentumSyncs, Outcome, momentum_wire_bits, worker_loss
 
 FLAGS = ("ef", "efvote", "weighted", "tieprev", "agree")
 NUMBERED = ("efdecay", "beta", "abstain", "tieema", "delay", "groups")
