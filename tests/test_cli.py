@@ -358,6 +358,7 @@ def test_every_visible_option_has_help_and_test_options_are_hidden():
     for shown in ("(default: demo)", "(default: 1000)", "/ip4/0.0.0.0/tcp/0", "[digits]", "[0.0003]", "[32]"):
         assert shown in train_help, shown
     assert "(default: None)" not in train_help and "(default: False)" not in train_help
+    assert "(default: True)" not in train_help and "--no-result-deltas" in train_help  # a store_false flag
 
 
 def test_stop_signals_wait_for_the_step_then_a_second_one_leaves_at_once():

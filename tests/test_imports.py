@@ -221,3 +221,31 @@ def test_the_circle_finder_sees_a_lazy_circle(tmp_path):
     (package / "b.py").write_text("def f():\n    from .a import g\n")
     (package / "c.py").write_text("from . import a\n")
     assert file_circles(tmp_path) == [["lioncub_p2p.a", "lioncub_p2p.b"]]
+
+
+def test_every_package_the_library_imports_is_declared():
+    """A package imported anywhere in lioncub_p2p is a dependency of pyproject.toml (core or an extra),
+    not something that happens to come with another one (base58, cryptography, msgpack and llvmlite
+    were imported and never declared)."""
+    import importlib.metadata
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    specs = project["dependencies"] + [d for extra in project["optional-dependencies"].values() for d in extra]
+    declared = {re.split(r"[<>=!\[ ;]", d, maxsplit=1)[0].lower().replace("_", "-") for d in specs}
+    providers = importlib.metadata.packages_distributions()
+    stdlib = set(sys.stdlib_module_names)
+    missing = set()
+    for path in (ROOT / "lioncub_p2p").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            for name in names:
+                top = name.split(".")[0]
+                if top in stdlib or top == "lioncub_p2p" or top not in providers:
+                    continue  # not installed here (an optional accelerator): the extras' business
+                dists = {d.lower().replace("_", "-") for d in providers[top]}
+                if not dists & declared:
+                    missing.add(f"{top} ({', '.join(sorted(dists))}) in {path.relative_to(ROOT)}")
+    assert not missing, sorted(missing)

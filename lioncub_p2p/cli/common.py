@@ -17,7 +17,9 @@ class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        nothing = default is None or default is False or default == [] or default == argparse.SUPPRESS
+        # a flag that takes no value (store_true, store_false) says what it does: its default is noise
+        nothing = default is None or default is False or default == [] or default == argparse.SUPPRESS \
+            or action.nargs == 0
         if "%(default)" in text or nothing or not action.option_strings:
             return text
         shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else "%(default)s"
