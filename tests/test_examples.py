@@ -36,3 +36,23 @@ def test_byte_gpt_comparison_writes_curves(tmp_path):
     result = json.loads((tmp_path / "result.json").read_text())
     assert len(result) == 2 and all(0 < r["test_bits_per_byte"] < 9 for r in result.values())
     assert (tmp_path / "loss.png").stat().st_size > 5000 and "bits/byte" in out
+
+
+@pytest.mark.slow
+def test_the_readme_bring_your_own_model_block_trains_from_its_own_folder(tmp_path):
+    """The README's mytask.py, written to a folder, and `lioncub-train --task mytask:make_task` run from
+    there with the installed command (whose import path has no current folder: before, it stopped with
+    "no module named 'mytask'")."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"```python\n(# mytask\.py\n.*?)```", readme, flags=re.S).group(1)
+    (tmp_path / "mytask.py").write_text(block)
+    command = Path(sys.executable).parent / "lioncub-train"
+    done = subprocess.run([str(command), "--task", "mytask:make_task", "--run-id", "byo", "--steps", "3",
+                           "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--quiet", "--linger", "0"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and "finished at step 3" in done.stdout, (done.stdout + done.stderr)[-2000:]

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
@@ -87,6 +89,8 @@ def load_task(spec: str, **options: Any) -> TrainingTask:
     if not colon or not module_name or not function_name:
         raise TaskError(f"--task {spec!r}: not a built-in task ({', '.join(BUILTIN)}) nor module:function "
                         f"(e.g. --task mytask:make_task for make_task() in mytask.py)")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # an installed command's path has no current folder
+        sys.path.append(os.getcwd())  # the user's own module, in the folder they run from (after installed ones)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
