@@ -18,6 +18,7 @@ import torch
 from test_swarm import _close_peers, _failing_then_recording_donor, _opt
 
 from lioncub_p2p.swarm import snapshot, state_transfer
+from lioncub_p2p.testing import LocalSwarm
 from lioncub_p2p.wire import PROTOCOL_VERSION, pb, read_frame, write_frame
 
 
@@ -393,3 +394,36 @@ def test_an_inflated_weight_and_a_poisoned_snapshot_cost_a_newcomer_one_step_and
             a, b = part_bounds(1 << 20, group.members)[ids.index(liar.peer_id)]
             shares.append((b - a) / (1 << 20))
     assert shares and max(shares) <= 0.5 + 1e-3, shares
+
+
+def test_a_state_applied_in_part_is_not_served_until_a_round_decides_for_it_again():
+    """A review's hole in the state rule: a donor that applied a round without one of its parts (zeros
+    there), or none of a failed round, kept serving, and a newcomer blamed it for good: it serves again
+    only once a round decides for its state, applied whole. Reducers count only named states: a voter
+    that sends no tag names none (before, its empty tag could win a part's count)."""
+    from types import SimpleNamespace
+
+    from lioncub_p2p.swarm.state_sync import Provisional, StateSync
+
+    sync = StateSync.__new__(StateSync)
+    sync.server = SimpleNamespace(serving=True, holds_state=True)
+    sync._synced, sync._in_consensus, sync._provisional = True, True, None
+    sync.ledger = __import__("lioncub_p2p.swarm.state_sync", fromlist=["x"]).DonorLedger()
+    sync.judge(0.0, 41, b"T", b"T", whole=False, full=False)  # decided for it, one part missing here
+    assert not sync.server.serving and not sync.in_consensus
+    sync.judge(0.0, 42, None, b"T2", whole=False, full=False)  # a failed round: still not
+    assert not sync.server.serving
+    sync.judge(0.0, 43, b"T3", b"T3", whole=True, full=False)
+    assert sync.server.serving
+    sync.judge(0.0, 44, None, b"T4", whole=True, full=False, apart=True)  # split, not its author
+    assert not sync.server.serving
+    sync._provisional = Provisional(frozenset({"L"}), 45, 0.0, "join")
+    sync.judge(1.0, 45, b"T5", b"T5", whole=True, full=False)
+    assert sync.provisional.agreed and sync.server.serving  # agreed by a round (sampled tag): served
+
+    with LocalSwarm(3) as swarm:  # reducers count named states only
+        codes = [torch.zeros(8, dtype=torch.uint8) for _ in range(3)]
+        swarm.allreduce(codes, tags=[b"P", b"", b""])
+        parts = swarm.reports[0].parts
+        assert all(p.tag == b"P" and p.tag_votes == 1 for p in parts if p.status == "ok"), parts
+        assert swarm.reports[0].tag_majority(range(3))[0] == b""  # 1 of 3: nothing decided

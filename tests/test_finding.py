@@ -62,7 +62,7 @@ def test_a_busy_member_is_asked_again_later_never_taken_for_a_refusal():
 
     finder.loop, finder.p2p, finder.peer_id, finder.run_id = Loop(), None, "me", "r"
     finder.admission = SimpleNamespace(needs_secret=False, invited=False)
-    finder.upkeep = SimpleNamespace(records={})
+    finder.upkeep = SimpleNamespace(records={}, admissible=lambda group: None)
     finder.log, finder.proved_to = RateLimitedLog(logging.getLogger("test")), set()
     groups = [GroupRecord(3, 10, (PeerSpec(a),), author=a) for a in ("A", "B")]
     busy = Verdict(False, False, False, "too many admission attempts; try again later", busy=True)

@@ -144,33 +144,48 @@ def test_k_tickets_admit_k_identities_over_real_streams_and_the_member_proves_it
 
 
 def test_records_carry_tickets_weights_are_capped_and_groups_listing_strangers_are_not_followed(keys):
-    """A member learns tickets from peer records (and caps each claimed weight at its ticket's bound),
-    and does not follow a group record that lists a peer it saw no ticket of: a leader cannot add
-    identities the authority never invited. Break-check: without ``listable``, the group is followed."""
-    from lioncub_p2p.swarm.membership import Directory
+    """A member learns tickets from peer records (capping each claimed weight at its ticket's bound) and
+    drops records without one (they would count in the leader's reducer floor and the run's step). A
+    group that lists a peer never shown to hold a ticket, or gives one more weight than its ticket
+    allows, is followed by no path: the next group, a rival record for the same epoch, the group a
+    newcomer asks admission of (``Admission.refuses_listing``). Break-checks: without the rule in
+    ``next_group`` or ``preferred_rival``, these groups are followed."""
+    import logging
+
+    from lioncub_p2p.swarm.membership import Directory, preferred_rival
+    from lioncub_p2p.swarm.records import RateLimitedLog
 
     authority = keys["authority"]
     book = TicketBook(RUN, authority.peer_id, own=issue(authority, RUN, keys["a"].peer_id, days=1, max_weight=1))
     directory = Directory.__new__(Directory)
-    directory.tickets, directory.bad = book, __import__("lioncub_p2p.swarm.records", fromlist=["x"]).RateLimitedLog(
-        __import__("logging").getLogger("test"))
+    directory.tickets, directory.bad = book, RateLimitedLog(logging.getLogger("test"))
     b_ticket = issue(authority, RUN, keys["b"].peer_id, days=1, max_weight=4)
     record = directory._invited(PeerRecord(keys["b"].peer_id, weight=1e6, ticket=b_ticket.text()))
     assert record.weight == 4.0 and book.known(keys["b"].peer_id)
-    stranger = directory._invited(PeerRecord(keys["other"].peer_id, weight=2.0))
-    assert stranger.weight == 2.0 and not book.known(keys["other"].peer_id)
+    assert directory._invited(PeerRecord(keys["other"].peer_id, weight=500.0)) is None  # no ticket: no record
+    assert directory._invited(PeerRecord(keys["a"].peer_id, weight=0.5)).weight == 0.5  # its own, known here
 
     a, b, other = (keys[k].peer_id for k in ("a", "b", "other"))
-    first = GroupRecord(0, 0, tuple(sorted([PeerSpec(a), PeerSpec(b)], key=lambda m: m.peer_id)), author=a)
+    sort = lambda specs: tuple(sorted(specs, key=lambda m: m.peer_id))  # noqa: E731
+    first = GroupRecord(0, 0, sort([PeerSpec(a), PeerSpec(b)]), author=a)
     history = GroupHistory()
     history.add(first)
-    members = sorted([PeerSpec(a), PeerSpec(b), PeerSpec(other)], key=lambda m: m.peer_id)
-    padded = GroupRecord(1, 5, tuple(members), previous=first, author=b)
     admission = Admission(RUN, invitations=book)
-    assert next_group([padded], history, step=0, window=100, listable=admission.may_list) is None
-    assert next_group([padded], history, step=0, window=100) == padded  # the check is what refuses it
+    admissible = lambda g: admission.refuses_listing(g.members)  # noqa: E731
+    padded = GroupRecord(1, 5, sort([PeerSpec(a), PeerSpec(b), PeerSpec(other)]), previous=first, author=b)
+    heavy = GroupRecord(1, 5, sort([PeerSpec(a), PeerSpec(b, weight=1e6)]), previous=first, author=b)
+    assert "not admitted" in admissible(padded) and "more than its ticket's 4" in admissible(heavy)
+    for group in (padded, heavy):
+        assert next_group([group], history, step=0, window=100, admissible=admissible) is None
+        assert next_group([group], history, step=0, window=100) == group  # the rule is what refuses it
     honest = GroupRecord(1, 5, first.members, previous=first, author=b)
-    assert next_group([honest], history, step=0, window=100, listable=admission.may_list) == honest
+    assert next_group([honest], history, step=0, window=100, admissible=admissible) == honest
+    # a rival record for an epoch this peer holds (its author listed first) is held to the same rule
+    before, after = sorted([a, b])  # the rival's author is listed first in the group both came from
+    history.add(GroupRecord(1, 9, first.members, previous=first, author=after))
+    rival = GroupRecord(1, 9, sort([PeerSpec(a), PeerSpec(b), PeerSpec(other)]), previous=first, author=before)
+    assert preferred_rival([rival], history, step=0) == rival
+    assert preferred_rival([rival], history, step=0, admissible=admissible) is None
 
 
 def test_lioncub_invite_issues_shows_and_revokes(tmp_path, capsys):
@@ -287,3 +302,83 @@ def test_a_revoked_ticket_takes_its_holder_out_of_the_run(keys, monkeypatch):
     assert out[0][1] == out[1][1] and out[0][0] == out[1][0] == 120, (out[0], out[1])
     why = stranded["swarm"].stranded or ""
     assert "revoked" in why and "\n" not in why and out[2][0] < 120, (why, out[2])
+
+
+def test_revocations_add_up_and_a_reissued_ticket_replaces_a_revoked_one(keys):
+    """Two lists (two coordinators, or a file republished after it went missing) never let a revoked
+    holder back in; a ticket re-issued after a revocation is taken, and learning says what holds."""
+    authority = keys["authority"]
+    old = issue(authority, RUN, keys["b"].peer_id, days=10, max_weight=1)
+    book = TicketBook(RUN, authority.peer_id)
+    assert book.learn(keys["b"].peer_id, old.text()) is None
+    book.revoke({old.serial})
+    book.revoke(set())  # another coordinator's empty list
+    assert "revoked" in book.refusal(keys["b"].peer_id)
+    new = issue(authority, RUN, keys["b"].peer_id, days=1, max_weight=1)  # shorter than the revoked one
+    assert book.learn(keys["b"].peer_id, new.text()) is None and book.refusal(keys["b"].peer_id) is None
+
+
+def test_only_the_authority_signs_the_revocation_list_a_node_stores(keys):
+    """Throwaway ids filling ``{run}.revoked``'s subkeys kept the authority's list out of budgeted nodes:
+    a node that knows the run's authority takes that key's records from the authority alone."""
+    import msgpack
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import get_dht_time
+
+    from lioncub_p2p.swarm.records import RunRecordValidator, dht_key, seal
+
+    def record(signer: Identity) -> DHTRecord:
+        exp = get_dht_time() + 600
+        value = seal(signer, RUN, "revoked", exp, revocation_payload([]))
+        return DHTRecord(DHTID.generate(dht_key(RUN, "revoked")).to_bytes(), msgpack.packb(signer.peer_id),
+                         msgpack.packb(value), exp)
+
+    knows = RunRecordValidator([RUN], authorities={RUN: keys["authority"].peer_id})
+    assert knows.validate(record(keys["authority"])) and not knows.validate(record(keys["other"]))
+    assert RunRecordValidator([RUN]).validate(record(keys["other"]))  # an open run's node: any signer
+
+
+def test_a_refusal_counts_only_from_a_member_that_proved_its_ticket(keys):
+    """Throwaway ids publishing lure groups and answering "not invited" stopped ticket holders: a refusal
+    from a member that showed no ticket of the run's authority is ignored (the newcomer asks the others),
+    and a lure listing peers the run never admitted is not asked at all."""
+    import logging
+    from types import SimpleNamespace
+
+    from lioncub_p2p.swarm import finding
+    from lioncub_p2p.swarm.records import RateLimitedLog
+
+    authority = keys["authority"]
+    book = TicketBook(RUN, authority.peer_id, own=issue(authority, RUN, keys["a"].peer_id, days=1, max_weight=1))
+    admission = Admission(RUN, invitations=book)
+    verdicts = {"Lure": admit.Verdict(False, False, False, "its ticket is signed by someone else", invited=True,
+                                       not_invited=True)}
+    finder = finding.RunFinder.__new__(finding.RunFinder)
+    asked = []
+
+    class Loop:
+        def run(self, coro, timeout):
+            coro.close()
+            return verdicts[asked[-1]]
+
+    def ask(p2p, author, admission):
+        asked.append(author)
+
+        async def never():
+            raise AssertionError
+        return never()
+
+    finder.loop, finder.p2p, finder.peer_id, finder.run_id, finder.admission = Loop(), None, "me", RUN, admission
+    finder.upkeep = SimpleNamespace(records={}, admissible=lambda g: admission.refuses_listing(g.members))
+    finder.log, finder.proved_to = RateLimitedLog(logging.getLogger("test")), set()
+    lure = GroupRecord(3, 10, (PeerSpec("Lure"),), author="Lure")
+    original = finding.ask_admission
+    finding.ask_admission = ask
+    try:
+        book.learn("Lure", issue(authority, RUN, keys["b"].peer_id, days=1, max_weight=1).text())  # not its own
+        assert finder.admitted_group([lure]) is None and asked == []  # never shown a ticket: not asked
+        book._tickets["Lure"] = book._tickets[keys["a"].peer_id]  # as if listed with a ticket, then unproved
+        assert finder.admitted_group([lure]) is None and asked == ["Lure"]  # asked, its refusal ignored
+    finally:
+        finding.ask_admission = original

@@ -23,8 +23,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from .partition import PeerSpec
 
 TOKEN_BYTES = 16
 PROOF_BYTES = 32
@@ -50,6 +53,9 @@ class Invitations(Protocol):
 
     def learn(self, peer_id: str, data: bytes | str) -> str | None:
         """Keep ``peer_id``'s invitation ``data`` if it admits it; else why not."""
+
+    def max_weight(self, peer_id: str) -> float | None:
+        """The most reduction weight ``peer_id``'s invitation lets it claim (None: none seen)."""
 
     @property
     def own(self) -> bytes:
@@ -86,6 +92,19 @@ class Admission:
         revocation before it did must not split from the group over it)."""
         return (not self.allow or peer_id in self.allow) and \
             (self.invitations is None or self.invitations.known(peer_id))
+
+    def refuses_listing(self, members: Sequence[PeerSpec]) -> str | None:
+        """Why a group listing ``members`` is not one this peer follows, or None: the one rule every way
+        a group is accepted applies (the next group, a rival's record, the group a newcomer is admitted
+        to). A member not admitted (``may_list``), or given more reduction weight than its invitation
+        allows: a leader cannot add identities, or weight, that the run's authority did not grant."""
+        for m in members:
+            if not self.may_list(m.peer_id):
+                return f"it lists {m.peer_id}, who is not admitted to the run (no ticket or allow-list entry seen)"
+            bound = self.invitations.max_weight(m.peer_id) if self.invitations is not None else None
+            if bound is not None and m.weight > bound * (1 + 1e-9):
+                return f"it gives {m.peer_id} weight {m.weight:g}, more than its ticket's {bound:g}"
+        return None
 
     @property
     def needs_secret(self) -> bool:

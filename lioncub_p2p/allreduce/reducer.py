@@ -200,8 +200,10 @@ class PartReduction:
         signed = {"bounds": [s.max_abs for s in statements]} if values else {}
         wire = self.tally.encode(self.spec.result, counted, seed=self.spec.seed, step=self.spec.step,
                                  offset=self.spec.tie_offset + self.start, **signed).numpy().tobytes()
-        tags = Counter(self.tags.get(v, b"") for v in counted)
-        tag, votes = min(tags.items(), key=lambda kv: (-kv[1], kv[0]))
+        # a voter that sent no tag abstains (a peer whose state no round confirmed yet): it names no state,
+        # and counts against every tag (``round.decides``: more than half of the voters)
+        tags = Counter(t for v in counted if (t := self.tags.get(v, b"")))
+        tag, votes = min(tags.items(), key=lambda kv: (-kv[1], kv[0])) if tags else (b"", 0)
         roots = tuple(self.trees[v].root for v in counted)
         header = build_header(self.spec, self.part, counted, roots, tag, votes, wire, statements)
         self.outcome = PartResult(wire, counted, tag, votes, roots, header)

@@ -183,7 +183,8 @@ def serve(args: argparse.Namespace, stop: StopSignals) -> None:
         dht = DHT(start=True, initial_peers=initial, host_maddrs=args.host_maddrs,
                   announce_maddrs=args.announce_maddrs or None,
                   identity_path=identity.path if identity is not None else args.identity_path,
-                  record_validators=dht_validators(args.run_id),  # refuse forged records, bound what others store
+                  # refuse forged records, bound what others store; an invited run's list only from its authority
+                  record_validators=dht_validators(args.run_id, authority.peer_id if authority else None),
                   client_mode=args.client_mode, no_listen=args.client_mode, nat_port_map=args.nat_probing,
                   auto_nat=args.nat_probing)
     except Exception as e:

@@ -218,7 +218,8 @@ async def _ask(me: str, member: str, admission: Admission, reader, writer) -> Ve
     if admission.invitations is not None:  # an invited run: the member must show the authority's ticket too
         proved = invited and (not admission.needs_secret or proved) \
             and admission.invitations.learn(member, member_ticket) is None
-    if code != ADMITTED:
-        return Verdict(False, False, required, printable(reason, MAX_REASON_BYTES) or f"code {code}",
-                       busy=code == BUSY, invited=invited, not_invited=code == NOT_INVITED)
+    if code != ADMITTED:  # ``member_proved`` too: a refusal counts only from a member that proved its ticket
+        return Verdict(False, proved if admission.invitations is not None else False, required,
+                       printable(reason, MAX_REASON_BYTES) or f"code {code}", busy=code == BUSY, invited=invited,
+                       not_invited=code == NOT_INVITED)
     return Verdict(True, proved, required, invited=invited)

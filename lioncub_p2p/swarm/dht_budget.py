@@ -400,9 +400,11 @@ class StorageBudget(RecordValidatorBase):
             protocol.DHTLocalStorage = self.storage
 
 
-def dht_validators(run_id: str) -> list[RecordValidatorBase]:
-    """The record validators of a run's DHT (peer and coordinator): the record check and the budget."""
-    return [RunRecordValidator([run_id]), StorageBudget([run_id])]
+def dht_validators(run_id: str, authority: str | None = None) -> list[RecordValidatorBase]:
+    """The record validators of a run's DHT (peer and coordinator): the record check and the budget;
+    ``authority``: an invited run's, the only signer of its revocation list this node stores."""
+    return [RunRecordValidator([run_id], authorities={run_id: authority} if authority else None),
+            StorageBudget([run_id])]
 
 
 def held(storage: TimedStorage) -> tuple[int, int]:

@@ -93,6 +93,9 @@ class RunFinder:
         Raises AdmissionRefused if every author answered and refused."""
         self.unreachable = 0
         live = {pid for pid, r in self.upkeep.records.items() if not r.leaving}
+        # the rule members follow groups by (``Upkeep.admissible``): a lure listing peers the run never
+        # admitted, or weights past their tickets, is not asked
+        candidates = [g for g in candidates if self.upkeep.admissible(g) is None]
         ranked = sorted(candidates, key=lambda g: (-sum(pid in live for pid in g.member_ids()), -g.epoch, g.author))
         refusals, failures = [], 0
         for group in ranked[:MAX_CANDIDATES]:
@@ -112,7 +115,11 @@ class RunFinder:
                 continue
             line = refusal(verdict, self.run_id, group.author, self.peer_id, self.admission.needs_secret,
                            self.admission.invited)
-            if line is not None:
+            if line is not None and self.admission.invited and verdict.invited and not verdict.member_proved:
+                # a refusal from a "member" that showed no ticket of the run's authority is anyone's word
+                self.log.warning(f"impostor:{group.author}", "%s refused this peer without proving it is invited: "
+                                 "ignoring it", group.author)
+            elif line is not None:
                 refusals.append(line)
             elif (self.admission.needs_secret or self.admission.invited) and not verdict.member_proved:
                 self.log.warning(f"impostor:{group.author}", "%s did not prove the run %s: ignoring its group",
@@ -158,7 +165,10 @@ class RunFinder:
             except Exception as e:
                 logger.debug("asking %s for admission failed: %s", latest.author, e)
                 verdict = None
-            if verdict is not None and verdict.not_invited:  # revoked or expired since: no waiting on a group
+            # revoked or expired since: no waiting on a group, once this peer's own reading of the authority's
+            # list agrees (a refusal alone is its author's word, and stranding stops the trainer for good)
+            own = self.admission.invitations.refusal(self.peer_id) if self.admission.invited else None
+            if verdict is not None and verdict.not_invited and verdict.member_proved and own is not None:
                 raise AdmissionRefused(refusal(verdict, self.run_id, latest.author, self.peer_id,
                                                self.admission.needs_secret, self.admission.invited))
         self.upkeep.records = self.loop.run(self.directory.peers(), timeout=30)

@@ -236,21 +236,26 @@ class Directory:
         records = {}
         for author, payload, expires in await self.read("peers"):
             try:
-                records[author] = self._invited(PeerRecord.from_payload(author, payload, expires))
+                record = self._invited(PeerRecord.from_payload(author, payload, expires))
             except (RecordError, KeyError) as e:
                 self.bad.warning(f"peer:{str(e)[:40]}", "ignoring the peer record of %.60s: %s", author, e)
+                continue
+            if record is not None:
+                records[author] = record
         return records
 
-    def _invited(self, record: PeerRecord) -> PeerRecord:
-        """In an invited run: learn the ticket ``record`` carries, and cap the weight it claims at its
-        ticket's bound (a record without a valid ticket is kept as read: the leader does not add it)."""
+    def _invited(self, record: PeerRecord) -> PeerRecord | None:
+        """In an invited run: the record, if the ticket it carries admits its author (learned here), with
+        the weight it claims capped at its ticket's bound; None otherwise: a ticketless record is no
+        record of the run (it would count in the leader's reducer floor, the run's step, the ranking of
+        group records a newcomer asks)."""
         if self.tickets is None:
             return record
-        if record.ticket:
-            problem = self.tickets.learn(record.peer_id, record.ticket)
-            if problem is not None:
-                self.bad.warning(f"ticket:{record.peer_id}", "the record of %.60s carries no valid ticket: %s",
-                                 record.peer_id, problem)
+        problem = self.tickets.learn(record.peer_id, record.ticket) if record.ticket else \
+            self.tickets.refusal(record.peer_id)  # its own (this peer's) or one learned in an exchange
+        if problem is not None:
+            self.bad.warning(f"ticket:{record.peer_id}", "ignoring the record of %.60s: %s", record.peer_id, problem)
+            return None
         cap = self.tickets.max_weight(record.peer_id)
         return replace(record, weight=cap) if cap is not None and record.weight > cap else record
 
@@ -303,7 +308,8 @@ def synced_members(group: GroupRecord, records: dict[str, PeerRecord]) -> list[P
 
 def next_group(candidates: list[GroupRecord], history: "GroupHistory", *, step: int, window: int,
                run_step: int | None = None, refused: frozenset[str] | set[str] = frozenset(),
-               log: RateLimitedLog | None = None, listable: Callable[[str], bool] | None = None) -> GroupRecord | None:
+               log: RateLimitedLog | None = None,
+               admissible: Callable[[GroupRecord], str | None] | None = None) -> GroupRecord | None:
     """The group record a member with ``history`` accepts next, if any.
 
     Only from a member of its latest groups (an outsider's record, however well signed, is never
@@ -314,9 +320,9 @@ def next_group(candidates: list[GroupRecord], history: "GroupHistory", *, step: 
     long-running run; a forged far-future step still cannot freeze group changes), and never for a
     first step before the current group's (a group slipped in under steps already voted would split
     the peers still running them; ``GroupHistory.for_step`` would not pick it past the current
-    group's start anyway), and only if it lists no peer this one may not admit (``listable``: the
-    allow-list; in an invited run, a peer it saw no ticket of). Among several, the newest; for one
-    epoch, the author listed first."""
+    group's start anyway), and only one ``admissible`` says nothing against (``Admission.refuses_listing``:
+    a peer not admitted, a weight past its ticket's). Among several, the newest; for one epoch, the
+    author listed first."""
     latest = history.latest
     if latest is None:
         return None
@@ -338,8 +344,8 @@ def next_group(candidates: list[GroupRecord], history: "GroupHistory", *, step: 
             problem = f"it starts at step {group.from_step}, more than {window} steps ahead"
         elif group.from_step < latest.from_step:  # a leader plans from where its group is, never before it
             problem = f"it starts at step {group.from_step}, before this peer's group ({latest.from_step})"
-        elif listable is not None and (outsider := next((m for m in group.member_ids() if not listable(m)), None)):
-            problem = f"it lists {outsider}, who is not admitted to the run (no ticket or allow-list entry seen)"
+        elif admissible is not None and (refused := admissible(group)) is not None:
+            problem = refused
         if problem:
             if log is not None:
                 log.warning(f"next:{group.author}", "not following the group record of %.60s: %s", group.author,
@@ -352,7 +358,8 @@ def next_group(candidates: list[GroupRecord], history: "GroupHistory", *, step: 
 
 
 def preferred_rival(candidates: list[GroupRecord], history: "GroupHistory", *, step: int,
-                    refused: frozenset[str] | set[str] = frozenset()) -> GroupRecord | None:
+                    refused: frozenset[str] | set[str] = frozenset(),
+                    admissible: Callable[[GroupRecord], str | None] | None = None) -> GroupRecord | None:
     """A record for this peer's newest epoch that wins over the one it holds, if any.
 
     Two members may each believe it leads (one saw the other miss rounds) and publish a group for the
@@ -370,7 +377,8 @@ def preferred_rival(candidates: list[GroupRecord], history: "GroupHistory", *, s
     rivals = [g for g in candidates
               if g.epoch == latest.epoch and g.author != latest.author and g.author not in refused
               and order.get(g.author, len(order)) < rank and g.previous == previous and g.from_step > step + 1
-              and g.from_step <= latest.from_step + MAX_RIVAL_LEAD]
+              and g.from_step <= latest.from_step + MAX_RIVAL_LEAD
+              and (admissible is None or admissible(g) is None)]  # the same rule as ``next_group``'s
     return min(rivals, key=lambda g: order[g.author]) if rivals else None
 
 

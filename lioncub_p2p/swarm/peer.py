@@ -159,7 +159,8 @@ class Swarm:
                 self.dht = start_dht(initial_peers=config.initial_peers, host_maddrs=config.host_maddrs,
                                      announce_maddrs=config.announce_maddrs or None, identity_path=self.identity.path,
                                      check_if_identity_free=not fresh,
-                                     record_validators=dht_validators(config.run_id),  # record check + storage budget
+                                     record_validators=dht_validators(config.run_id, authority=config.invitation(
+                                         ).authority if config.ticket is not None else None),  # record check + storage budget
                                      client_mode=config.client_mode, no_listen=config.client_mode,
                                      nat_port_map=config.nat_probing, auto_nat=config.nat_probing)
                 break

@@ -245,11 +245,12 @@ class VotePipeline:
         consensus, parts, expected = report.tag_majority(r.spec.voters, tag if flat else None)
         # what the round decided says whether a state caught up lately was the run's (``StateSync.judge``); a
         # flat split with no majority is settled by the group's author's state (``_settles_split``)
-        authors_split = flat and not consensus and r.group.author == self.peer_id \
-            and report.split_everywhere(r.spec.voters)
-        self.state.judge(r.started, step, tag if authors_split else consensus, tag,
-                         whole=not any(p.status == "missing" for p in report.parts),
-                         full=step % self.settings.full_digest_every == 0)
+        split = flat and not consensus and report.split_everywhere(r.spec.voters)
+        # (whole: a flat round's parts all here; a two-level round's parts come from the second level, whose
+        # missing ones are not this peer's alone)
+        self.state.judge(r.started, step, tag if split and r.group.author == self.peer_id else consensus, tag,
+                         whole=not flat or not any(p.status == "missing" for p in report.parts),
+                         full=step % self.settings.full_digest_every == 0, apart=split)
         author = self._settles_split(r, report) if flat and not consensus else None
         if consensus and consensus != tag or author:
             if author:

@@ -117,8 +117,11 @@ class RunRecordValidator(RecordValidatorBase):
     Records that carry a lioncub envelope under the keys of other runs are checked as well (the run
     and kind named in the envelope must hash to the record's key); other records pass untouched."""
 
-    def __init__(self, run_ids: Iterable[str] = (), cache: int = 8192):
+    def __init__(self, run_ids: Iterable[str] = (), cache: int = 8192, authorities: dict[str, str] | None = None):
         self._known = {DHTID.generate(dht_key(run, kind)).to_bytes(): (run, kind) for run in run_ids for kind in LIMITS}
+        # an invited run's authority (tickets.py): the one signer of its ``revoked`` list (throwaway ids
+        # filling that key's subkeys kept the authority's own list out of every budgeted node)
+        self._authorities = dict(authorities or {})
         self._cache_size = cache
         self._cache: OrderedDict[bytes, bool] = OrderedDict()
         self._verifier: Verifier | None = None  # made in the DHT process, on first use
@@ -161,7 +164,7 @@ class RunRecordValidator(RecordValidatorBase):
             if self._verifier is None:
                 self._verifier = Verifier()
             open_record(self._verifier, known[0], known[1], subkey, value, record.expiration_time)
-            return True
+            return known[1] != "revoked" or self._authorities.get(known[0], subkey) == subkey
         except Exception:
             return False
 

@@ -103,6 +103,11 @@ class DonorLedger:
     def refuse(self, donor: str, why: str) -> None:
         self.refused[donor] = why
 
+    def demote(self, donor: str) -> None:
+        """Asked last from now on (rate 0): its state was replaced before a round agreed with it, which an
+        honest donor's can be too (no majority in the round), so it is not refused."""
+        self.rates[donor] = 0.0
+
 
 class StateSync:
     def __init__(self, *, p2p, loop: BackgroundLoop, run_id: str, peer_id: str, admission: Admission,
@@ -146,15 +151,18 @@ class StateSync:
     def _serve_if_sure(self) -> None:
         """Serve snapshots only of a state this peer knows is the run's (the module's rules)."""
         p = self._provisional
+        self.server.holds_state = self._synced
         self.server.serving = self._synced and (p is None or p.agreed) and self._in_consensus
 
     def judge(self, started: float, step: int, decided: bytes | None, tag: bytes, *, whole: bool,
-              full: bool) -> None:
+              full: bool, apart: bool = False) -> None:
         """After each round of this peer's (``started`` then, at ``step``, with state tag ``tag``): what the
         round ``decided`` (the tag most parts decide for; None: no majority) says of the state it holds.
         ``whole``: the round's update reached this peer complete (no part missing); ``full``: the tag
-        hashes every parameter byte. Confirms a provisional state, or refutes it (its donors refused when
-        every round since it was loaded reached this peer whole)."""
+        hashes every parameter byte; ``apart``: a flat group split with no majority (this peer is not its
+        author, who counts its own tag as decided). Confirms a provisional state, or refutes it (its
+        donors refused when every round since it was loaded reached this peer whole); and says whether
+        this peer may serve its state (``in_consensus``)."""
         decided = decided or None  # b"": no state has a majority
         p = self._provisional
         if p is not None and started >= p.loaded_at and decided is not None:
@@ -174,8 +182,10 @@ class StateSync:
         p = self._provisional
         if p is not None and started >= p.loaded_at and not whole:
             p.clean = False  # this peer applied less than the group's update: a later refutation may be its own
-        if decided is not None:
-            self._in_consensus = decided == tag
+        if decided is not None:  # a decision for this state, applied whole, makes the next one the run's too
+            self._in_consensus = decided == tag and whole
+        elif not whole or apart:  # less than the group's update applied, or apart from the others: not until
+            self._in_consensus = False  # a round decides for it again (an honest donor serving then was blamed)
         self._serve_if_sure()
 
     def _step(self) -> int:
@@ -282,6 +292,10 @@ class StateSync:
                                          f"can be ({furthest})")
             snapshot.check(self.optimizer, blob, expect_digest=digest, expect_step=step)
 
+        replaced = self._provisional
+        if replaced is not None and replaced.clean:  # replaced before any round agreed with it: its donors last
+            for donor in replaced.donors:
+                self.ledger.demote(donor)
         served: set[str] = set()
         started = time.monotonic()
         step, blob, digest = self.loop.run(download_state(

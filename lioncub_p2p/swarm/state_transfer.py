@@ -80,7 +80,8 @@ class StateServer:
         self.provider = provider
         self.current_step = current_step  # this peer's step: a new download gets that state, not an older cached one
         self.admission = admission
-        self.serving = True  # False while this peer holds no state of the swarm (joining): refuse at once
+        self.serving = True  # False while this peer holds no state a round confirmed: refuse at once
+        self.holds_state = True  # ...but a request naming the exact digest it wants is served if held
         # streams before admission: 2 per peer, 16 in all; a stranger's also 2 per network address (members
         # of this peer's groups behind one NAT still download side by side); a download holds its stream,
         # busy ones end at once
@@ -161,7 +162,8 @@ class StateServer:
             refused = self.admission.reason(info.peer_id.to_base58(), req.token)
             if refused:
                 raise WireError(f"not admitted: {refused}")
-            if not self.serving and not req.params_digest:  # one that names its digest checks what it gets
+            # one that names its digest checks what it gets; a peer that holds no state at all has nothing
+            if not self.serving and not (req.params_digest and self.holds_state):
                 raise WireError("this peer holds no state a round confirmed yet (joining, or just repaired)")
             if req.run_id != self.run_id:
                 raise WireError("state request for another run")

@@ -255,10 +255,10 @@ class TicketBook:
         problem = check(decoded, run_id=self.run_id, authority=self.authority, peer_id=peer_id, revoked=self.revoked)
         if problem is None:
             with self._lock:
-                held = self._tickets.get(peer_id)
-                if held is None or decoded.expires >= held.expires:
-                    self._tickets[peer_id] = decoded
-        return problem
+                held = self._tickets.get(peer_id)  # kept unless it expires later and still admits (a re-issue
+                if held is None or decoded.expires >= held.expires or self.refusal(peer_id) is not None:
+                    self._tickets[peer_id] = decoded  # after a revocation must replace the revoked one)
+        return problem if problem is not None else self.refusal(peer_id)
 
     def refusal(self, peer_id: str) -> str | None:
         """Why ``peer_id`` is not admitted now (no ticket seen, expired, revoked), or None."""
@@ -276,10 +276,7 @@ class TicketBook:
         return ticket.max_weight if ticket is not None else None
 
     def revoke(self, serials: Collection[str]) -> None:
-        self.revoked = frozenset(serials)
-
-    def forget(self, keep: Collection[str]) -> None:
-        """Bounded memory: drop the tickets of peers outside ``keep`` (peers with a record, members)."""
-        with self._lock:
-            for pid in [p for p in self._tickets if p not in keep]:
-                del self._tickets[pid]
+        """Add the authority's revocations: they add up (two coordinators publishing lists of their own, or
+        a list republished from a file that went missing, never let a revoked holder back in). Memory
+        needs no bound here: only tickets the authority signed are ever kept, one per peer id."""
+        self.revoked = self.revoked | frozenset(serials)

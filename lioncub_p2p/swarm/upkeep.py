@@ -113,6 +113,10 @@ class Upkeep:
         if self.on_epoch is not None:
             self.on_epoch(self.history.latest.epoch)
 
+    def admissible(self, group: GroupRecord) -> str | None:
+        """Why this peer does not follow ``group`` (``Admission.refuses_listing``), or None."""
+        return self.admission.refuses_listing(group.members)
+
     async def adopt(self, group: GroupRecord) -> None:
         """Follow ``group`` instead of the lineage this peer lost (on the loop: the history's writer)."""
         self.history.clear()
@@ -149,9 +153,9 @@ class Upkeep:
         """An invited run: take the authority's list of revoked tickets (their holders' streams are refused
         from then on, and a leader drops them)."""
         revoked = await self._timed(self.directory.revoked())
-        if revoked is not None and revoked != self.admission.invitations.revoked:
-            logger.info("the run's authority revokes %d tickets", len(revoked))
+        if revoked is not None and not revoked <= self.admission.invitations.revoked:
             self.admission.invitations.revoke(revoked)
+            logger.info("the run's authority revokes %d tickets", len(self.admission.invitations.revoked))
 
     async def refresh_group(self) -> None:
         """Accept the next group from the run's records (``membership.next_group``), or the record that
@@ -169,7 +173,7 @@ class Upkeep:
         step, liars = self.local().step, set(self.verdicts.liars)
         chosen = next_group(candidates, self.history, step=step, window=window,
                             run_step=announced_step(self.history.latest, self.records), refused=liars, log=self.log,
-                            listable=self.admission.may_list)
+                            admissible=self.admissible)
         if chosen is not None:
             before = self.history.latest
             self.trust(chosen)
@@ -180,7 +184,7 @@ class Upkeep:
             logger.info("group epoch %d from step %d %s at step %d (%d steps of notice)", chosen.epoch,
                         chosen.from_step, how, step, chosen.from_step - step)
             return
-        rival = preferred_rival(candidates, self.history, step=step, refused=liars)
+        rival = preferred_rival(candidates, self.history, step=step, refused=liars, admissible=self.admissible)
         if rival is not None:
             logger.info("group epoch %d: following %s's record, not %s's (two leaders; the one listed first wins)",
                         rival.epoch, rival.author, self.history.latest.author)
