@@ -396,11 +396,12 @@ def test_an_inflated_weight_and_a_poisoned_snapshot_cost_a_newcomer_one_step_and
     assert shares and max(shares) <= 0.5 + 1e-3, shares
 
 
-def test_a_state_applied_in_part_is_not_served_until_a_round_decides_for_it_again():
-    """A review's hole in the state rule: a donor that applied a round without one of its parts (zeros
-    there), or none of a failed round, kept serving, and a newcomer blamed it for good: it serves again
-    only once a round decides for its state, applied whole. Reducers count only named states: a voter
-    that sends no tag names none (before, its empty tag could win a part's count)."""
+def test_a_state_no_round_decided_for_is_not_served_until_one_does():
+    """A review's hole in the state rule: a donor whose round failed (nothing applied) or split with no
+    majority kept serving a state the group did not hold, and a newcomer blamed it for good: it serves
+    again only once a round decides for its state. (A part missing in a decided round is no reason: it is
+    usually missing for every member alike, and requiring rounds whole left joins without a donor.)
+    Reducers count only named states: a voter that sends no tag names none."""
     from types import SimpleNamespace
 
     from lioncub_p2p.swarm.state_sync import Provisional, StateSync
@@ -409,10 +410,10 @@ def test_a_state_applied_in_part_is_not_served_until_a_round_decides_for_it_agai
     sync.server = SimpleNamespace(serving=True, holds_state=True)
     sync._synced, sync._in_consensus, sync._provisional = True, True, None
     sync.ledger = __import__("lioncub_p2p.swarm.state_sync", fromlist=["x"]).DonorLedger()
-    sync.judge(0.0, 41, b"T", b"T", whole=False, full=False)  # decided for it, one part missing here
+    sync.judge(0.0, 41, b"T", b"T", whole=False, full=False)  # decided for it, a part missing (for all alike?)
+    assert sync.server.serving and sync.in_consensus
+    sync.judge(0.0, 42, None, b"T2", whole=False, full=False)  # a failed round: no decision, nothing applied
     assert not sync.server.serving and not sync.in_consensus
-    sync.judge(0.0, 42, None, b"T2", whole=False, full=False)  # a failed round: still not
-    assert not sync.server.serving
     sync.judge(0.0, 43, b"T3", b"T3", whole=True, full=False)
     assert sync.server.serving
     sync.judge(0.0, 44, None, b"T4", whole=True, full=False, apart=True)  # split, not its author
@@ -427,3 +428,15 @@ def test_a_state_applied_in_part_is_not_served_until_a_round_decides_for_it_agai
         parts = swarm.reports[0].parts
         assert all(p.tag == b"P" and p.tag_votes == 1 for p in parts if p.status == "ok"), parts
         assert swarm.reports[0].tag_majority(range(3))[0] == b""  # 1 of 3: nothing decided
+
+
+def test_the_ledger_asks_measured_donors_by_rate_unmeasured_at_the_median_and_demoted_ones_last():
+    from lioncub_p2p.swarm.state_sync import DonorLedger
+
+    ledger = DonorLedger()
+    ledger.measured("fast", 10**9, 1.0)
+    ledger.measured("slow", 10**3, 1.0)
+    assert ledger.order(["slow", "new", "fast"]) == ["fast", "new", "slow"]  # new: the median of 1e9 and 1e3
+    ledger.demote("fast")  # its state was replaced before a round agreed with it
+    ledger.refuse("slow", "its state was not the run's")
+    assert ledger.order(["slow", "new", "fast"]) == ["new", "fast"]

@@ -182,10 +182,13 @@ class StateSync:
         p = self._provisional
         if p is not None and started >= p.loaded_at and not whole:
             p.clean = False  # this peer applied less than the group's update: a later refutation may be its own
-        if decided is not None:  # a decision for this state, applied whole, makes the next one the run's too
-            self._in_consensus = decided == tag and whole
-        elif not whole or apart:  # less than the group's update applied, or apart from the others: not until
-            self._in_consensus = False  # a round decides for it again (an honest donor serving then was blamed)
+        if decided is not None:
+            # a decision for this state: what follows from it is the run's. Not "and applied whole": a part
+            # missing for every member alike (a slow reducer, a newcomer's first rounds) left no member
+            # serving, and joins and repairs failed until a round came back whole (the soak's joiner never did)
+            self._in_consensus = decided == tag
+        elif not whole or apart:  # no decision, and less than the group's update applied here, or apart from
+            self._in_consensus = False  # the others: not until a round decides for its state again
         self._serve_if_sure()
 
     def _step(self) -> int:
