@@ -25,7 +25,7 @@ import signal
 import tempfile
 import threading
 import time
-from typing import Awaitable, Callable, Iterator, Sequence
+from typing import Awaitable, Callable, Collection, Iterator, Sequence
 
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -200,7 +200,8 @@ class LocalSwarm:
                   behaviors: dict[int, Behavior] | None = None,
                   delays: dict[int, float] | None = None, tags: Sequence[bytes] | None = None,
                   audit: bool = False, prepare: bool = True,
-                  follow: dict[int, float] | None = None, family: str = "") -> list[torch.Tensor | None]:
+                  follow: dict[int, float] | None = None, family: str = "",
+                  provisional: Collection[int] = ()) -> list[torch.Tensor | None]:
         """One round with every live peer voting its upload; one update per peer (None if it failed).
 
         ``uploads[i]`` is peer i's codes: (planes, nbytes) uint8, or packed signs (nbytes,).
@@ -211,7 +212,8 @@ class LocalSwarm:
         has no effect since protocol 2: every round is audited). ``prepare=False``: peers start
         reducing only when they vote (a late reducer), not before the round as a swarm does.
         ``follow[i]``: peer i does not vote; that many seconds after the others started it receives
-        the results (``VoteNode.follow_round``, a peer behind the group). ``family``: ``RoundSpec.family``."""
+        the results (``VoteNode.follow_round``, a peer behind the group). ``family``: ``RoundSpec.family``.
+        ``provisional``: the peers that vote with a state caught up and not yet decided for."""
         if len(uploads) != self.n:
             raise ValueError(f"{len(uploads)} uploads for {self.n} peers")
         codes = [u.reshape(1, -1) if u.dim() == 1 else u for u in uploads]
@@ -219,8 +221,8 @@ class LocalSwarm:
                          nbytes=codes[0].shape[1], upload=upload_codec(upload), result=result_codec(result), seed=seed,
                          audit=audit, family=family)
         tags = list(tags) if tags is not None else [b""] * self.n
-        outcomes = self._loop.run(self._round(spec, codes, behaviors or {}, delays or {}, tags, prepare, follow or {}),
-                                  timeout=timeout)
+        outcomes = self._loop.run(self._round(spec, codes, behaviors or {}, delays or {}, tags, prepare, follow or {},
+                                              frozenset(provisional)), timeout=timeout)
         self.reports = [o[1] if o is not None else None for o in outcomes]
         return [o[0] if o is not None else None for o in outcomes]
 
@@ -257,14 +259,14 @@ class LocalSwarm:
 
     async def _round(self, spec: RoundSpec, codes: list[torch.Tensor], behaviors: dict[int, Behavior],
                      delays: dict[int, float], tags: list[bytes], prepare: bool = True,
-                     follow: dict[int, float] | None = None):
+                     follow: dict[int, float] | None = None, provisional: frozenset[int] = frozenset()):
         follow = follow or {}
 
         async def honest(i: int):
             await asyncio.sleep(delays.get(i, follow.get(i, 0.0)))
             if i in follow:
                 return await self.nodes[i].follow_round(spec, tags[i])
-            return await self.nodes[i].run_round(spec, codes[i], tags[i])
+            return await self.nodes[i].run_round(spec, codes[i], tags[i], provisional=i in provisional)
 
         live = [i for i in range(self.n) if self.alive[i]]
         for i in live:  # as a swarm does at the end of the previous round

@@ -811,6 +811,45 @@ def test_state_tags_reach_consensus(odd_swarm):
         assert tag == b"good" and 2 * parts > received, (tag, parts, received)
 
 
+def test_a_provisional_voter_seconds_no_state_yet_a_pair_with_a_newcomer_still_decides(odd_swarm):
+    """A newcomer's state repeats its donor's tag: no independent evidence. A liar that served its poisoned
+    state and names it in its own votes had the newcomer second it, 2 of 3, and the honest member repaired
+    toward the poison. Marked provisional, the newcomer counts for no state and against none: 1 of 2 then
+    decides nothing (the group's author settles a split), while a pair of a founder and a newcomer still
+    decides (1 of 1), and voters all provisional (the founders gone) still decide among themselves. Each
+    part names the voters it left out; a part listing a voter that was not provisional is a lie that
+    decides nothing for that voter. Checked against hand counts (``decides``) on real streams.
+    Break-check: with the flag ignored by the reducer, the poison is decided 2 of 3."""
+    from lioncub_p2p.allreduce.round import PartReport, RoundReport, decides
+
+    codes = _codes("sign", 3, 8 * 900, seed=11)
+    honest, poison = b"honest-state", b"poisoned-state"
+    odd_swarm.allreduce(codes, tags=[honest, poison, poison], provisional=[2])  # 1 liar, 2 its newcomer
+    for report in odd_swarm.reports:
+        assert report.tag_majority(range(3))[0] == b"", "the newcomer seconded its donor's state"
+        parts = [p for p in report.parts if p.status != "empty"]
+        assert all(p.provisional == [2] and p.tag_votes == 1 for p in parts), [(p.provisional, p.tag_votes) for p in parts]
+        assert report.split_everywhere(range(3))  # settled by the group's author, as any split
+    odd_swarm.allreduce(codes, tags=[honest, poison, poison])  # unmarked, as before: the poison wins
+    assert all(r.tag_majority(range(3))[0] == poison for r in odd_swarm.reports)
+    odd_swarm.allreduce(codes, tags=[honest, honest, poison], provisional=[2])  # a liar's newcomer, outvoted
+    assert all(r.tag_majority(range(3))[0] == honest for r in odd_swarm.reports)
+    odd_swarm.allreduce(codes, tags=[honest] * 3, provisional=[1, 2])  # a founder and two newcomers: 1 of 1
+    assert all(r.tag_majority(range(3))[0] == honest for r in odd_swarm.reports)
+    assert all(p.provisional == [1, 2] for r in odd_swarm.reports for p in r.parts if p.status != "empty")
+    odd_swarm.allreduce(codes, tags=[honest] * 3, provisional=[0, 1, 2])  # all caught up: their tags are all there is
+    assert all(r.tag_majority(range(3))[0] == honest for r in odd_swarm.reports)
+    assert all(p.provisional == [] for r in odd_swarm.reports for p in r.parts if p.status != "empty")
+    # hand counts: more than half of the voters and counted, less those left out
+    assert not decides(1, range(3), [0, 1, 2], [2]) and decides(2, range(3), [0, 1, 2], [2])
+    assert decides(1, range(2), [0, 1], [1]) and not decides(1, range(2), [0, 1])
+    # a reducer that leaves out this peer's tag (voter 0, not provisional) to shrink the count lies
+    lying = PartReport(1, 1, 0, 1, "ok", counted=[0, 1, 2], tag=poison, tag_votes=1, provisional=[0, 2])
+    fair = PartReport(2, 2, 0, 1, "ok", counted=[0, 1, 2], tag=poison, tag_votes=1, provisional=[2])
+    assert RoundReport("r", 1, 0, [lying, fair, lying]).tag_majority(range(3))[0] == b""
+    assert RoundReport("r", 1, 0, [lying, lying, fair], provisional=True).tag_majority(range(3))[0] == poison
+
+
 def _part(k: int, counted: list[int], tag: bytes, votes: int):
     from lioncub_p2p.allreduce.round import PartReport
     return PartReport(k, k, 0, 1, "ok", counted=counted, tag=tag, tag_votes=votes)

@@ -396,6 +396,55 @@ def test_an_inflated_weight_and_a_poisoned_snapshot_cost_a_newcomer_one_step_and
     assert shares and max(shares) <= 0.5 + 1e-3, shares
 
 
+@pytest.mark.slow
+def test_a_liar_naming_its_own_state_in_its_votes_is_not_seconded_by_the_newcomer_it_served(tmp_path):
+    """Review finding 3, over real streams: a member diverges on purpose (its parameters shifted at step
+    4), never repairs, serves its state whatever the rounds say, and is the newcomer's fastest donor.
+    The newcomer's tag repeats the liar's; counted, it made the liar's state 2 of 3 and the honest
+    founder repaired toward it. Now the newcomer's state is provisional and its tag counts for no state:
+    1 of 2 decides nothing, the group's author (the honest founder: its id sorts first) settles the
+    split, the newcomer repairs from it once and then sides with the author's state (served again), and
+    the honest founder never repairs. Break-check: with the reducer ignoring the mark, the honest
+    founder repaired."""
+    from test_swarm import _config, _train_swarm
+
+    from lioncub_p2p.identity import Identity
+
+    # founder 0 is honest and leads (authors every group): its id sorts first; 1 lies; 2 comes late
+    keys = sorted((Identity.load_or_create(tmp_path / f"{k}.key") for k in range(3)), key=lambda key: key.peer_id)
+    seen: dict = {}
+
+    def instrument(i, swarm):
+        seen[i] = swarm
+        if i == 1:  # the liar
+            def stubborn(why, *args, **kwargs):
+                if why == "repair":
+                    raise RuntimeError("a liar keeps its state")
+                return catch_up(why, *args, **kwargs)
+            catch_up, swarm.state.catch_up = swarm.state.catch_up, stubborn
+            gate = swarm.state._serve_if_sure
+
+            def always_serve():
+                gate()
+                swarm.state.server.serving = swarm.state.synced
+            swarm.state._serve_if_sure = always_serve
+        if i == 2:  # the liar is the fastest donor it ever measured
+            swarm.state.ledger.measured(seen[1].peer_id, 10**12, 1.0)
+            swarm.state.ledger.measured(seen[0].peer_id, 1, 1.0)
+
+    configs = [_config("second", identity_path=keys[i].path) for i in range(3)]
+    out = _train_swarm(configs, 60, late=(2, 8), instrument=instrument, perturb=(1, 4))
+    honest, liar, newcomer = seen[0], seen[1], seen[2]
+    assert out["start"][2] <= 45, f"the newcomer came in at step {out['start'][2]} of 60: no rounds left to judge"
+    assert [s.peer_id for s in (honest, liar, newcomer)] == sorted(s.peer_id for s in (honest, liar, newcomer))
+    assert out["repairs"][0] == 0, ("the honest founder repaired toward the liar's state", out.get("all_repair_steps"),
+                                    out["repairs"], out["final_repairs"])
+    assert out[0][1] == out[2][1], "the newcomer did not end on the honest founder's state"
+    settled = newcomer.state.provisional  # confirmed at a full-digest round, or agreed (served) before one
+    assert (settled is None or settled.agreed) and newcomer.state.server.serving, (settled, out.get("all_repair_steps"))
+    assert liar.peer_id not in newcomer.state.provisional.donors if settled else True
+
+
 def test_a_state_no_round_decided_for_is_not_served_until_one_does():
     """A review's hole in the state rule: a donor whose round failed (nothing applied) or split with no
     majority kept serving a state the group did not hold, and a newcomer blamed it for good: it serves

@@ -64,6 +64,10 @@ def run_invite(net: HostNetwork, host: str, command: str, workdir: Path) -> str:
     return (workdir / f"{host}-invite.log").read_text().strip().splitlines()[-1]
 
 
+def log_tails(workdir: Path, hosts: tuple[str, ...], chars: int = 1500) -> dict[str, str]:
+    return {h: (workdir / f"{h}.log").read_text()[-chars:] for h in hosts if (workdir / f"{h}.log").exists()}
+
+
 @pytest.mark.slow
 def test_readme_commands_on_separate_hosts_with_latency_and_nat(tmp_path):
     why = missing_tools(nat=True, delay=True)
@@ -109,8 +113,11 @@ def test_readme_commands_on_separate_hosts_with_latency_and_nat(tmp_path):
 
             founders = [volunteer(h, train_cmd, bounds + f" --metrics-jsonl ../{h}.jsonl --final-state ../{h}.state")
                         for h in ("v1", "v2", "home")]
-            wait_for(lambda: any(r.get("peers", 0) >= 3 for r in metrics(tmp_path / "v1.jsonl")), 120,
-                     "three volunteers voting in one round")
+            try:
+                wait_for(lambda: any(r.get("peers", 0) >= 3 for r in metrics(tmp_path / "v1.jsonl")), 120,
+                         "three volunteers voting in one round")
+            except AssertionError as failed:  # name what each host printed, or the failure says nothing
+                raise AssertionError(f"{failed}: {log_tails(tmp_path, ('coord', 'v1', 'v2', 'home'))}") from None
             stranger = volunteer("stranger", stranger_cmd, bounds)
             assert stranger.wait(120) == 1, (tmp_path / "stranger.log").read_text()[-2000:]
             # a volunteer checking first, while the run is on: the README's preflight command

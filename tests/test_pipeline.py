@@ -217,14 +217,16 @@ def test_a_split_with_no_majority_is_settled_by_the_groups_author_only():
     """Every part counted every voter and no state has a majority: the voters other than the group's
     author repair from it (``VotePipeline._settles_split``). The author keeps its state; an author that
     cannot serve one (not a voter of the round, a client, refused as a liar) settles nothing, nor do
-    missing votes, and a follower is not part of the split."""
+    missing votes, and a follower is not part of the split; nor does an author whose state the parts
+    name provisional (a newcomer leading holds its donor's state, which is no evidence)."""
     from lioncub_p2p.allreduce import PeerSpec
 
-    def part(k: int, counted: list[int], status: str = "ok") -> PartReport:
-        return PartReport(k, k, 0, 1, status, counted=counted, tag=b"\x00", tag_votes=1)
+    def part(k: int, counted: list[int], status: str = "ok", provisional: tuple = ()) -> PartReport:
+        return PartReport(k, k, 0, 1, status, counted=counted, tag=b"\x00", tag_votes=1, provisional=list(provisional))
 
     def settles(me: str, author: str, members: tuple, *parts: PartReport, liar: bool = False) -> str | None:
-        spec = SimpleNamespace(group=members, voters=[i for i, m in enumerate(members) if m.voter])
+        ids = [m.peer_id for m in members]
+        spec = SimpleNamespace(group=members, voters=[i for i, m in enumerate(members) if m.voter], index_of=ids.index)
         r = SimpleNamespace(group=GroupRecord(3, 10, members, author=author), spec=spec)
         report = RoundReport("r", 10, [m.peer_id for m in members].index(me), list(parts))
         refused = {"m"} if liar else set()
@@ -242,12 +244,15 @@ def test_a_split_with_no_majority_is_settled_by_the_groups_author_only():
     assert settles("a", "m", with_follower, *split, PartReport(2, 2, 0, 1, "empty")) == "m"
     assert settles("f", "m", with_follower, *split, PartReport(2, 2, 0, 1, "empty")) is None  # ...nor in it
     assert settles("a", "m", pair, *split, liar=True) is None  # an author it refuses: no download to fail
+    trio = pair + (PeerSpec("z"),)
+    assert settles("a", "m", trio, *[part(k, [0, 1, 2]) for k in range(3)]) == "m"
+    assert settles("a", "m", trio, *[part(k, [0, 1, 2], provisional=[1]) for k in range(3)]) is None
 
 
-def _finished(tags: dict[int, bytes], own: bytes, *, author: str = "a", me: str = "a"):
+def _finished(tags: dict[int, bytes], own: bytes, *, author: str = "a", me: str = "a", donors: frozenset = frozenset()):
     """``VotePipeline.finish`` on a round of group a, b, c whose three parts each counted every voter and
     name ``tags[part]`` with all three votes (a round this peer, ``me``, voted with tag ``own``); what it
-    applies, and the state downloads it asked for."""
+    applies, and the state downloads it asked for. ``donors``: this peer's state is provisional, from them."""
     from lioncub_p2p.allreduce import PeerSpec
     from lioncub_p2p.allreduce.round import RoundSpec
     from lioncub_p2p.codecs import result_codec
@@ -259,7 +264,8 @@ def _finished(tags: dict[int, bytes], own: bytes, *, author: str = "a", me: str 
     history.add(group)
     catch_ups, judged = [], []
     state = SimpleNamespace(catch_up=lambda why, step, group, **kw: catch_ups.append((why, step, kw.get("only"))),
-                            judge=lambda *args, **kwargs: judged.append(args), donors=lambda group, only: list(only))
+                            judge=lambda *args, **kwargs: judged.append(args), donors=lambda group, only: list(only),
+                            provisional=SimpleNamespace(donors=donors) if donors else None)
     upkeep = SimpleNamespace(history=history, part_failed_at={}, count_round=lambda votes: None)
     pipeline = VotePipeline(peer_id=me, settings=PipelineSettings("run", False, 10, 0, 60.0),
                             loop=SimpleNamespace(call_soon=lambda f: None), node=None, gather=None, upkeep=upkeep,
@@ -285,3 +291,18 @@ def test_a_peer_whose_state_differs_from_the_one_the_round_decided_for_repairs_i
     assert judged and judged[0][2:4] == (b"H", b"X")
     applied, catch_ups, _ = _finished({0: b"H", 1: b"H", 2: b"H"}, b"H")
     assert applied is not None and torch.equal(applied, torch.ones(8, dtype=torch.uint8)) and catch_ups == []
+
+
+def test_a_split_settled_by_the_author_confirms_a_provisional_state_the_author_served():
+    """A flat split (every part counted every voter, no majority): a voter repairs from the group's
+    author, unless its state is provisional and the author alone served it; that state is the author's,
+    and the round is told to the state sync as deciding for it (a liar splitting every round from the
+    author left such a newcomer provisional, not serving, and downloading the author's state each step).
+    A provisional state from another donor repairs as any."""
+    split = {0: b"A", 1: b"B", 2: b"C"}  # each part 3 of 3 for another tag: 1 of 3 parts each
+    applied, catch_ups, judged = _finished(split, b"B", me="b", donors=frozenset({"a"}))
+    assert applied is not None and catch_ups == [] and judged[0][2] == b"B"
+    applied, catch_ups, judged = _finished(split, b"B", me="b", donors=frozenset({"c"}))
+    assert applied is None and catch_ups == [("repair", 6, ["a"])] and judged[0][2] in (b"", None)
+    applied, catch_ups, _ = _finished(split, b"B", me="b")
+    assert applied is None and catch_ups == [("repair", 6, ["a"])]

@@ -188,6 +188,49 @@ def test_records_carry_tickets_weights_are_capped_and_groups_listing_strangers_a
     assert preferred_rival([rival], history, step=0, admissible=admissible) is None
 
 
+def test_a_group_record_carries_the_tickets_of_the_members_it_adds(keys):
+    """A member that has not yet read a newcomer's peer record follows the record that adds it: the
+    record carries the newcomer's ticket (the leader's, from the admission exchange), learned before the
+    listing rule (a loaded 2-core run split here: members refused the record, "not admitted"). Carried
+    through the signed payload, in the nested previous record too; a ticket of another authority or for
+    a peer the record does not list admits nobody. Break-check: without learning them, the record is
+    refused."""
+    from lioncub_p2p.swarm.records import RecordError
+    from lioncub_p2p.swarm.upkeep import Upkeep
+
+    authority = keys["authority"]
+    a, b, c, other = (keys[k].peer_id for k in ("a", "b", "c", "other"))
+    leader_book = TicketBook(RUN, authority.peer_id, own=issue(authority, RUN, a, days=1, max_weight=1))
+    for pid in (b, c):
+        assert leader_book.learn(pid, issue(authority, RUN, pid, days=1, max_weight=2).text()) is None
+    sort = lambda specs: tuple(sorted(specs, key=lambda m: m.peer_id))  # noqa: E731
+    leader = Upkeep.__new__(Upkeep)
+    leader.admission = Admission(RUN, invitations=leader_book)
+    first = GroupRecord(0, 0, sort([PeerSpec(a), PeerSpec(b)]), author=a,
+                        tickets=leader.tickets_for([PeerSpec(a), PeerSpec(b)], None))
+    members = sort([PeerSpec(a), PeerSpec(b), PeerSpec(c)])
+    added = GroupRecord(1, 5, members, previous=first, author=a, tickets=leader.tickets_for(members, first))
+    assert [pid for pid, _ in added.tickets] == [c] and {pid for pid, _ in first.tickets} == {a, b}
+    carried = GroupRecord.authored(added.payload(), a)  # what a member reads from the DHT or a notice
+    assert carried.tickets == added.tickets and carried.previous.tickets == first.tickets
+
+    member_book = TicketBook(RUN, authority.peer_id, own=issue(authority, RUN, b, days=1, max_weight=1))
+    member_book.learn(a, leader_book.text(a))
+    member = Admission(RUN, invitations=member_book)
+    assert "not admitted" in member.refuses_listing(carried.members)  # c's peer record not read yet
+    assert member.refuses_listing(carried.members, carried.tickets) is None and member_book.known(c)
+
+    forged = dict(carried.tickets)
+    forged[c] = issue(keys["other"], RUN, c, days=1, max_weight=2).text()  # signed by someone else
+    stranger_book = TicketBook(RUN, authority.peer_id)
+    assert "not admitted" in Admission(RUN, invitations=stranger_book).refuses_listing(carried.members,
+                                                                                       tuple(forged.items()))
+    payload = added.payload()
+    payload["tickets"] = [[other, leader_book.text(c)]]  # for a peer the record does not list
+    with pytest.raises(RecordError, match="does not list"):
+        GroupRecord.authored(payload, a)
+
+
 def test_lioncub_invite_issues_shows_and_revokes(tmp_path, capsys):
     from lioncub_p2p.cli import invite as cli
 

@@ -54,6 +54,9 @@ class Invitations(Protocol):
     def learn(self, peer_id: str, data: bytes | str) -> str | None:
         """Keep ``peer_id``'s invitation ``data`` if it admits it; else why not."""
 
+    def text(self, peer_id: str) -> str | None:
+        """``peer_id``'s invitation as others can check it (None: none seen)."""
+
     def max_weight(self, peer_id: str) -> float | None:
         """The most reduction weight ``peer_id``'s invitation lets it claim (None: none seen)."""
 
@@ -93,11 +96,15 @@ class Admission:
         return (not self.allow or peer_id in self.allow) and \
             (self.invitations is None or self.invitations.known(peer_id))
 
-    def refuses_listing(self, members: Sequence[PeerSpec]) -> str | None:
+    def refuses_listing(self, members: Sequence[PeerSpec], tickets: Sequence[tuple[str, str]] = ()) -> str | None:
         """Why a group listing ``members`` is not one this peer follows, or None: the one rule every way
         a group is accepted applies (the next group, a rival's record, the group a newcomer is admitted
         to). A member not admitted (``may_list``), or given more reduction weight than its invitation
-        allows: a leader cannot add identities, or weight, that the run's authority did not grant."""
+        allows: a leader cannot add identities, or weight, that the run's authority did not grant.
+        ``tickets``: (peer id, invitation) the record carries for the members it adds, learned first."""
+        if self.invitations is not None:
+            for peer_id, ticket in tickets:
+                self.invitations.learn(peer_id, ticket)
         for m in members:
             if not self.may_list(m.peer_id):
                 return f"it lists {m.peer_id}, who is not admitted to the run (no ticket or allow-list entry seen)"

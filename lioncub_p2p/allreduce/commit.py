@@ -121,7 +121,8 @@ def statement_signed_bytes(round_id: bytes, part: int, root: bytes, max_abs: flo
 
 
 def build_header(spec: RoundSpec, part: int, counted: Sequence[int], roots: Sequence[bytes], tag: bytes,
-                 tag_votes: int, wire: bytes, statements: Sequence[pb.VoterStatement] = ()) -> bytes:
+                 tag_votes: int, wire: bytes, statements: Sequence[pb.VoterStatement] = (),
+                 provisional: Sequence[int] = ()) -> bytes:
     start, stop = spec.bounds[part]
     upload, bits = upload_wire(spec.upload)
     header = pb.ResultHeader(
@@ -130,7 +131,8 @@ def build_header(spec: RoundSpec, part: int, counted: Sequence[int], roots: Sequ
         else 0.0, seed=spec.seed, group_size=len(spec.group), counted=list(counted), roots=list(roots), tag=tag,
         tag_votes=tag_votes, wire_digest=hashlib.sha256(wire).digest(),
         leaf_bytes=leaf_bytes(stop - start, spec.upload.planes), statements=list(statements),
-        tie_offset=spec.tie_offset, quorum=spec.quorum, **second_level_reading(spec, part))
+        tie_offset=spec.tie_offset, quorum=spec.quorum, provisional=list(provisional),
+        **second_level_reading(spec, part))
     return header.SerializeToString(deterministic=True)
 
 
@@ -165,8 +167,11 @@ def parse_header(raw: bytes) -> pb.ResultHeader:
         raise WireError(f"result counts {len(counted)} voters, below the quorum of {need}")
     if len(header.roots) != len(counted) or any(len(r) != DIGEST_BYTES for r in header.roots):
         raise WireError("result header has no root for each counted voter")
-    if len(header.tag) > MAX_TAG_BYTES or header.tag_votes > len(counted):
+    if len(header.tag) > MAX_TAG_BYTES or header.tag_votes > len(counted) - len(header.provisional):
         raise WireError(f"result claims a tag of {len(header.tag)} bytes with {header.tag_votes} votes")
+    provisional = list(header.provisional)
+    if not set(provisional) <= set(counted) or any(a >= b for a, b in zip(provisional, provisional[1:])):
+        raise WireError(f"result header leaves out voters {provisional[:8]} it did not count, or not ascending")
     if len(header.wire_digest) != 32 or header.stop < header.start or header.leaf_bytes < 8:
         raise WireError("result header has a bad digest, part bounds or leaf size")
     return header

@@ -163,12 +163,13 @@ def two_level_specs(round_id: bytes, step: int, layout: TwoLevelLayout, nbytes: 
     return specs
 
 
-def decided_tag(tag: bytes, votes: int, voters: Collection[int], counted: Collection[int]) -> bytes:
+def decided_tag(tag: bytes, votes: int, voters: Collection[int], counted: Collection[int],
+                provisional: Collection[int] = ()) -> bytes:
     """What a group's reducer votes at the second level for its group's state: the tag more than half of
     the group's ``voters`` and of any others its part ``counted`` (followers in time) sent, else none
     (b""): a pair split one to one names a tag by byte order, and groups voting such tags up made the
     diverged peers' state the swarm's."""
-    return tag if decides(votes, voters, counted) else b""
+    return tag if decides(votes, voters, counted, provisional) else b""
 
 
 def group_tag(tag: bytes, votes: int, counted: int, combined: RoundReport, groups: int) -> tuple[bytes, int]:

@@ -243,10 +243,10 @@ class VoteNode(VotingMixin, RecoveryMixin, AuditingMixin, ServingMixin):
         return self.combine_punctuality if spec.round_id in self._second_level else self.punctuality
 
     async def run_round(self, spec: RoundSpec, upload: torch.Tensor, tag: bytes = b"", *,
-                        one_at_a_time: bool = False) -> tuple[torch.Tensor, RoundReport]:
+                        one_at_a_time: bool = False, provisional: bool = False) -> tuple[torch.Tensor, RoundReport]:
         """``_vote_round``, counted among this peer's rounds in progress (``_find_round``)."""
         with self._in_progress():
-            return await self._vote_round(spec, upload, tag, one_at_a_time=one_at_a_time)
+            return await self._vote_round(spec, upload, tag, one_at_a_time=one_at_a_time, provisional=provisional)
 
     async def follow_round(self, spec: RoundSpec, tag: bytes = b"") -> tuple[torch.Tensor, RoundReport]:
         """``_follow_round``, counted among this peer's rounds in progress (``_find_round``)."""

@@ -56,6 +56,7 @@ class PartReduction:
         self.refused: set[int] = set()
         self.last_arrival = self.quorum_time = 0.0
         self.tags: dict[int, bytes] = {}
+        self.provisional: set[int] = set()  # voters that marked their state provisional (``VoteChunk``)
         self.statements: dict[int, pb.VoterStatement] = {}  # momentum rounds: each voter's signed bound
         self.closed = False
         self.outcome: PartResult | None = None
@@ -200,15 +201,25 @@ class PartReduction:
         signed = {"bounds": [s.max_abs for s in statements]} if values else {}
         wire = self.tally.encode(self.spec.result, counted, seed=self.spec.seed, step=self.spec.step,
                                  offset=self.spec.tie_offset + self.start, **signed).numpy().tobytes()
-        # a voter that sent no tag abstains (a peer whose state no round confirmed yet): it names no state,
-        # and counts against every tag (``round.decides``: more than half of the voters)
-        tags = Counter(t for v in counted if (t := self.tags.get(v, b"")))
-        tag, votes = min(tags.items(), key=lambda kv: (-kv[1], kv[0])) if tags else (b"", 0)
+        tag, votes, provisional = self.tag_count(counted)
         roots = tuple(self.trees[v].root for v in counted)
-        header = build_header(self.spec, self.part, counted, roots, tag, votes, wire, statements)
-        self.outcome = PartResult(wire, counted, tag, votes, roots, header)
+        header = build_header(self.spec, self.part, counted, roots, tag, votes, wire, statements, provisional)
+        self.outcome = PartResult(wire, counted, tag, votes, roots, header, provisional=provisional)
         self.tally = None  # the counts are encoded; the kept codes live on in ``votes`` for audits
         return self.outcome
+
+    def tag_count(self, counted: list[int]) -> tuple[bytes, int, tuple[int, ...]]:
+        """(the state tag most counted voters sent, how many did, the counted voters left out). A voter that
+        sent no tag names no state and counts against every tag (``round.decides``). A voter whose state
+        is provisional is left out, for and against: its tag repeats its donor's, so counted, a liar's
+        newcomer seconded the liar. Unless every voter naming a state is provisional (the founders gone):
+        their tags are all there is."""
+        named = {v: t for v in counted if (t := self.tags.get(v, b""))}
+        confirmed = {v: t for v, t in named.items() if v not in self.provisional}
+        basis = confirmed or named
+        tags = Counter(basis.values())
+        tag, votes = min(tags.items(), key=lambda kv: (-kv[1], kv[0])) if tags else (b"", 0)
+        return tag, votes, tuple(sorted(set(named) - set(basis)))
 
     def _codes_of(self, voter: int) -> np.ndarray:
         """A complete voter's (planes, nbytes) codes for the part, as received."""

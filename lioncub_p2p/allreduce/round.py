@@ -232,6 +232,7 @@ class PartResult:
     header: bytes = b""  # serialized ResultHeader, exactly the signed bytes
     signature: bytes = b""
     public_key: bytes = b""
+    provisional: tuple[int, ...] = ()  # counted voters whose tags counted for no state (``Reduction.finish``)
 
 
 @dataclass(frozen=True)
@@ -259,18 +260,24 @@ class PartReport:
     note: str = ""
     tag: bytes = b""  # the counted voters' most common state tag, and how many sent it
     tag_votes: int = 0
+    provisional: list[int] = field(default_factory=list)  # counted voters left out of the tag's count
     forgotten: bool = False  # its reducer refused it as a round it no longer keeps (``archive.FORGOTTEN``)
     other_group: bool = False  # its reducer refused this peer's votes: it ran this step in another group
     second_level: bool = False  # two-level: assembled from the second level's slices, not from its reducer
 
     def record(self, result: PartResult) -> None:
         self.counted, self.tag, self.tag_votes = list(result.counted), result.tag, result.tag_votes
+        self.provisional = list(result.provisional)
 
 
-def decides(votes: int, voters: Collection[int], counted: Collection[int]) -> bool:
+def decides(votes: int, voters: Collection[int], counted: Collection[int],
+            provisional: Collection[int] = ()) -> bool:
     """Whether ``votes`` for one state tag are more than half of a group's expected ``voters`` and of any
-    others a part ``counted`` (a follower's vote that came in time counts, and counts against)."""
-    return 2 * votes > len(set(voters) | set(counted))
+    others a part ``counted`` (a follower's vote that came in time counts, and counts against), less the
+    counted voters whose state is ``provisional``: caught up from a donor and not yet decided for, their
+    tag repeats their donor's. Counted, a liar's newcomer seconded the liar's state (2 of 3 decided for
+    it); left out of the count alone, no pair with a newcomer could decide."""
+    return 2 * votes > len((set(voters) | set(counted)) - set(provisional))
 
 
 @dataclass
@@ -293,6 +300,7 @@ class RoundReport:
     started: float = 0.0  # perf_counter when this peer began voting; timings are seconds from here
     group_epoch: int = 0  # the newest group epoch any reducer mentioned
     followed: bool = False  # this peer received the results without voting (``VoteNode.follow_round``)
+    provisional: bool = False  # this peer voted with a provisional state (``VoteChunk.provisional``)
     # This peer's audit of this round: (part, reducer, verdict), verdict "ok" | "lie" |
     # "unanswered"; set when the audit ends, which may be after run_round returned (it runs in the
     # background), so read ``caught`` to act.
@@ -325,16 +333,20 @@ class RoundReport:
         withheld its vote from this peer's part left its own part alone, "1 of 1". ``own``: the tag this
         peer sent (flat rounds): a part that counted it but names another tag cannot have all its votes,
         so a lying reducer's "2 of 2" in a pair is read as at most 1. A part counts once, whatever it
-        claims, so a reducer cannot outweigh the others by claiming many voters."""
+        claims, so a reducer cannot outweigh the others by claiming many voters. Voters a part lists as
+        ``provisional`` count for no state (``decides``); a part listing this peer so while it was not
+        shrank the voters a tag needs more than half of with a lie, and decides nothing."""
         expected = [p for p in self.parts if p.status != "empty"]
         decided: Counter[bytes] = Counter()
         for p in expected:
             if p.status not in ("ok", "recovered") or not p.counted or not p.tag:
                 continue
+            if self.peer in p.provisional and not self.provisional:
+                continue  # it left this peer's tag out, which it sent as the run's: a lie, it decides nothing
             votes = p.tag_votes
-            if own is not None and p.tag != own and self.peer in p.counted:
-                votes = min(votes, len(p.counted) - 1)
-            if decides(votes, voters, p.counted):
+            if own is not None and p.tag != own and self.peer in p.counted and self.peer not in p.provisional:
+                votes = min(votes, len(p.counted) - len(p.provisional) - 1)
+            if decides(votes, voters, p.counted, p.provisional):
                 decided[p.tag] += 1
         if decided:
             tag, parts = min(decided.items(), key=lambda kv: (-kv[1], kv[0]))

@@ -117,7 +117,8 @@ class ServingMixin:
         combine = state.spec.combine[state.me]
         try:
             margins = hierarchy.margin_codes(red.counts, len(outcome.counted), combine.upload.bits)
-            state_tag = hierarchy.decided_tag(outcome.tag, outcome.tag_votes, state.spec.voters, outcome.counted)
+            state_tag = hierarchy.decided_tag(outcome.tag, outcome.tag_votes, state.spec.voters, outcome.counted,
+                                              outcome.provisional)
             update, report = await self.run_round(combine, margins, state_tag)
         except Exception as e:  # never let the second level take the first one down
             logger.warning("round %s part %d: second level failed: %s: %s", state.spec.round_id.hex()[:12],
@@ -289,6 +290,8 @@ class ServingMixin:
             except ValueError as e:
                 raise WireError(str(e)) from None
             red.tags.setdefault(voter, chunk.tag)
+            if chunk.provisional:
+                red.provisional.add(voter)
             state.report.bytes_down += nread
             await asyncio.wait_for(self._receive_votes(state, red, voter, chunk, reader),
                                    max(until - time.monotonic(), 0.0))

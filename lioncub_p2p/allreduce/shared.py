@@ -43,6 +43,7 @@ class RoundState:
     reducing: asyncio.Task | None = None
     voted: bool = False
     tag: bytes = b""
+    provisional: bool = False  # this peer's state was caught up, not yet decided for (``VoteChunk.provisional``)
     recovered: dict[int, PartResult] = field(default_factory=dict)  # parts received from other peers
     # part -> (monotonic time its result arrived, whether its reducer itself sent it): audits start from here
     received: dict[int, tuple[float, bool]] = field(default_factory=dict)

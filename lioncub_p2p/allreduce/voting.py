@@ -36,12 +36,14 @@ class VotingMixin:
     """A voter's rounds: vote or follow, send codes, read and check results, conclude."""
 
     async def _vote_round(self, spec: RoundSpec, upload: torch.Tensor, tag: bytes = b"", *,
-                          one_at_a_time: bool = False) -> tuple[torch.Tensor, RoundReport]:
+                          one_at_a_time: bool = False, provisional: bool = False) -> tuple[torch.Tensor, RoundReport]:
         """Vote with ``upload`` ((planes, nbytes) uint8 codes) and return (update, report).
         ``one_at_a_time``: recover missing parts as a follower does (a follower's probe vote).
 
         ``tag`` (≤ 32 bytes, e.g. a digest of this peer's parameters) travels with the votes; each
         reducer returns the most common tag of the voters it counted (``RoundReport.tag_majority``).
+        ``provisional``: this peer's state was caught up and no full-digest round decided for it yet; its
+        tag then counts for no state (``decides``).
 
         The update is packed uint8 (nbytes,) for a complete majority result, else float32
         (nbytes*8,) with zeros in parts nobody received (bf16 rounds: values, NaN where missing).
@@ -57,7 +59,8 @@ class VotingMixin:
         state = self.prepare_round(spec)
         if state.voted:
             raise ValueError(f"round {spec.round_id.hex()} was already run by this peer")
-        state.voted, state.tag = True, tag
+        state.voted, state.tag, state.provisional = True, tag, provisional
+        state.report.provisional = provisional
         self._ran(state.spec)
         if self.config.result_deltas and spec.result.name == "majority":
             state.declared = self.bases.declared(spec.nbytes)
@@ -72,6 +75,8 @@ class VotingMixin:
         if red is not None and not red.closed:
             a, b = spec.bounds[me]
             red.tags[me] = tag
+            if provisional:
+                red.provisional.add(me)
             if me in statements:
                 red.statements[me] = statements[me]
             red.add(me, 0, upload[:, a:b].clone(), last=True)
@@ -289,7 +294,7 @@ class VotingMixin:
                                  family=spec.family,
                                  offset=offset, length=length, upload=encoding, upload_bits=bits,
                                  result=result_wire(spec.result), codes=codes, last=offset + length == b - a,
-                                 tag=state.tag if first else b"",
+                                 tag=state.tag if first else b"", provisional=first and state.provisional,
                                  token=self.admission.token(self.peer_id) if first else b"",
                                  statement=statement if first and statement is not None else None,
                                  result_bases=state.declared if first else ())
@@ -347,7 +352,8 @@ class VotingMixin:
                     raise WireError(f"result ended at {len(data)} of {expected} bytes")
                 report.result_plain += expected
                 outcome = PartResult(bytes(data), list(header.counted), header.tag, header.tag_votes,
-                                     tuple(header.roots), first.header, first.signature, first.public_key)
+                                     tuple(header.roots), first.header, first.signature, first.public_key,
+                                     tuple(header.provisional))
                 self._check_result(spec, j, header, outcome, forwarded)
                 return outcome
 

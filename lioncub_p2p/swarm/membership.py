@@ -45,6 +45,10 @@ MAX_WEIGHT = 1e6
 MAX_STEP = 1 << 53  # steps and epochs beyond this are lies (and lose float precision in JSON readers)
 MAX_RATE = 1e15
 MAX_PEER_ID_CHARS = 128
+# an invited run's group record carries the tickets of the members its epoch adds (``tickets.py``): a
+# ticket's text is under 3 KiB; at most this many ride in one record (the group record's size limit)
+MAX_TICKET_CHARS = 4096
+MAX_CARRIED_TICKETS = 64
 DIGEST_HEX = 32  # a final parameter digest (closing.py): snapshot.params_digest, 16 bytes in hex
 MAX_REPORTED = 16  # group-mates a peer reports missing votes of in its record (lead.missing_votes)
 MAX_RECORDS = 4 * MAX_MEMBERS  # records of one key looked at per read; the rest are ignored (flooding)
@@ -77,6 +81,21 @@ def _hex_digest(value: Any) -> str:
     if not isinstance(value, str) or len(value) not in (0, DIGEST_HEX) or any(c not in "0123456789abcdef" for c in value):
         raise RecordError(f"final is not empty or a digest of {DIGEST_HEX} lowercase hex digits")
     return value
+
+
+def _tickets(value: Any, members: set[str]) -> tuple[tuple[str, str], ...]:
+    """A group record's carried tickets: [peer id, ticket text] of listed members, each at most once
+    (what a ticket says is checked where it is learned: ``TicketBook.learn``)."""
+    if not isinstance(value, list) or len(value) > MAX_CARRIED_TICKETS:
+        raise RecordError(f"a group record carries at most {MAX_CARRIED_TICKETS} tickets in a list")
+    pairs = []
+    for item in value:
+        if not isinstance(item, list) or len(item) != 2:
+            raise RecordError("a carried ticket is not [peer id, ticket]")
+        pairs.append((_text(item[0], MAX_PEER_ID_CHARS), _text(item[1], MAX_TICKET_CHARS)))
+    if len({pid for pid, _ in pairs}) != len(pairs) or not {pid for pid, _ in pairs} <= members:
+        raise RecordError("a carried ticket is for a peer the group does not list, or twice")
+    return tuple(pairs)
 
 
 def _text(value: Any, limit: int) -> str:
@@ -160,10 +179,16 @@ class GroupRecord:
     members: tuple[PeerSpec, ...]
     previous: "GroupRecord | None" = field(default=None, compare=False)
     author: str = field(default="", compare=False)  # the signer: the leader that decided it
+    # (peer id, ticket text) of the members this epoch adds, in an invited run: the evidence that the
+    # record may list them travels with it (a member that had not yet read a newcomer's peer record
+    # refused to follow the record that added it, and the group split)
+    tickets: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def payload(self, *, nested: bool = False) -> dict[str, Any]:
-        value = {"epoch": self.epoch, "from_step": self.from_step,
-                 "members": [[m.peer_id, float(m.weight), m.client_mode, m.voter] for m in self.members]}
+        value: dict[str, Any] = {"epoch": self.epoch, "from_step": self.from_step,
+                                 "members": [[m.peer_id, float(m.weight), m.client_mode, m.voter] for m in self.members]}
+        if self.tickets:  # nested too: a member that missed the epoch reads them in the next one's record
+            value["tickets"] = [[pid, text] for pid, text in self.tickets]
         if not nested:
             value["previous"] = self.previous.payload(nested=True) if self.previous is not None else None
         return value
@@ -194,7 +219,8 @@ class GroupRecord:
         epoch = _number(value.get("epoch"), 0, MAX_STEP, integer=True)
         if previous is not None and previous.epoch != epoch - 1:
             raise RecordError("previous group is not the epoch before")
-        return cls(epoch, _number(value.get("from_step"), 0, MAX_STEP, integer=True), tuple(specs), previous, author)
+        return cls(epoch, _number(value.get("from_step"), 0, MAX_STEP, integer=True), tuple(specs), previous, author,
+                   _tickets(value.get("tickets", []), {s.peer_id for s in specs}))
 
     @classmethod
     def authored(cls, value: Any, author: str) -> "GroupRecord":

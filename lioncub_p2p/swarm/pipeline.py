@@ -186,7 +186,8 @@ class VotePipeline:
         elif self.follow.follow_next(step):
             coro = self.node.follow_round(spec, tag)
         else:  # a follower's probe vote recovers what it misses as it follows: each part once
-            coro = self.node.run_round(spec, upload, tag, one_at_a_time=self.follow.following)
+            coro = self.node.run_round(spec, upload, tag, one_at_a_time=self.follow.following,
+                                       provisional=self.state.provisional is not None)
         future = asyncio.run_coroutine_threadsafe(coro, self.loop.loop)
         if self.settings.delay:  # the next vote may start before this one ends: let its part count votes already
             self.prepare(step + 1)
@@ -246,12 +247,17 @@ class VotePipeline:
         # what the round decided says whether a state caught up lately was the run's (``StateSync.judge``); a
         # flat split with no majority is settled by the group's author's state (``_settles_split``)
         split = flat and not consensus and report.split_everywhere(r.spec.voters)
+        # the author's state settles a split: its own, and a provisional state it served (a liar splitting
+        # every round from the author and a newcomer, whose tag counts for no state, left the newcomer
+        # provisional for good); no power the split rule did not already give the author
+        sides = split and (r.group.author == self.peer_id
+                           or (loaded := self.state.provisional) is not None and loaded.donors == {r.group.author})
         # (whole: a flat round's parts all here; a two-level round's parts come from the second level, whose
         # missing ones are not this peer's alone)
-        self.state.judge(r.started, step, tag if split and r.group.author == self.peer_id else consensus, tag,
+        self.state.judge(r.started, step, tag if sides else consensus, tag,
                          whole=not flat or not any(p.status == "missing" for p in report.parts),
                          full=step % self.settings.full_digest_every == 0, apart=split)
-        author = self._settles_split(r, report) if flat and not consensus else None
+        author = self._settles_split(r, report) if flat and not consensus and not sides else None
         if consensus and consensus != tag or author:
             if author:
                 logger.warning("step %d: no state is held by most of the group (every part counted every vote): "
@@ -280,11 +286,15 @@ class VotePipeline:
         voter this peer may download from. Any rule on the tags alone let any lying member of a pair win:
         it picks the tag that sorts first. Only the author can now: it could already drop its mate from
         the group. A follower (not a voter) is not part of the split; an author this peer refuses (a
-        liar) leaves the split to the next rounds rather than failing a download every step."""
+        liar) leaves the split to the next rounds rather than failing a download every step, and so does
+        an author whose state is provisional (a newcomer leading holds its donor's state, not evidence)."""
         author = r.group.author
         spec = next((m for m in r.spec.group if m.peer_id == author), None)
         if author == self.peer_id or spec is None or not spec.voter or spec.client_mode \
                 or report.peer not in r.spec.voters or not report.split_everywhere(r.spec.voters):
+            return None
+        index = r.spec.index_of(author)
+        if any(index in p.provisional for p in report.parts):
             return None
         return author if self.state.donors(r.group, only=[author]) else None
 

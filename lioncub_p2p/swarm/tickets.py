@@ -271,6 +271,10 @@ class TicketBook:
         """Whether this member ever saw a valid ticket of ``peer_id``'s (expired or revoked since, or not)."""
         return peer_id in self._tickets
 
+    def text(self, peer_id: str) -> str | None:
+        ticket = self._tickets.get(peer_id)
+        return ticket.text() if ticket is not None else None
+
     def max_weight(self, peer_id: str) -> float | None:
         ticket = self._tickets.get(peer_id)
         return ticket.max_weight if ticket is not None else None

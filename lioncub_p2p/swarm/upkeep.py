@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
@@ -31,8 +31,8 @@ from . import manifest as manifests
 from .lead import (DROP_AFTER_S, NOTICE_S, REST_S, STEADY_ROUNDS, Health, Stalls, asleep_since_drop, leader_of,
                    missing_votes, plan_group, reported_by_most, reported_group, steady_votes, steps_ahead)
 from .manifest import Manifest
-from .membership import (Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec, announced_step, next_group,
-                         preferred_rival)
+from .membership import (MAX_CARRIED_TICKETS, Directory, GroupHistory, GroupRecord, PeerRecord, PeerSpec,
+                         announced_step, next_group, preferred_rival)
 from .records import LIMITS, RateLimitedLog
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,16 @@ class Upkeep:
 
     def admissible(self, group: GroupRecord) -> str | None:
         """Why this peer does not follow ``group`` (``Admission.refuses_listing``), or None."""
-        return self.admission.refuses_listing(group.members)
+        return self.admission.refuses_listing(group.members, group.tickets)
+
+    def tickets_for(self, members: Iterable[PeerSpec], previous: GroupRecord | None) -> tuple[tuple[str, str], ...]:
+        """The tickets a record carries (an invited run): of the ``members`` ``previous`` did not list."""
+        book = self.admission.invitations
+        if book is None:
+            return ()
+        listed = set(previous.member_ids()) if previous is not None else set()
+        found = ((m.peer_id, book.text(m.peer_id)) for m in members if m.peer_id not in listed)
+        return tuple((pid, text) for pid, text in found if text is not None)[:MAX_CARRIED_TICKETS]
 
     async def adopt(self, group: GroupRecord) -> None:
         """Follow ``group`` instead of the lineage this peer lost (on the loop: the history's writer)."""
@@ -404,7 +413,8 @@ class Upkeep:
             if time.monotonic() - self.published > GROUP_REPUBLISH_S:  # keep the record alive (our own subkey)
                 self.published = time.monotonic()
                 if latest.author != self.peer_id:
-                    latest = GroupRecord(latest.epoch, latest.from_step, latest.members, latest.previous, self.peer_id)
+                    latest = GroupRecord(latest.epoch, latest.from_step, latest.members, latest.previous, self.peer_id,
+                                         latest.tickets)
                 if not await self._publish(latest):
                     self.published = 0.0  # again at the next upkeep
             return
@@ -434,7 +444,8 @@ class Upkeep:
         from_step = ahead + lead
         if me.final_step is not None:  # a group from past this peer's last step would never take effect
             from_step = max(latest.from_step, min(from_step, me.final_step))
-        record = GroupRecord(latest.epoch + 1, from_step, desired, previous=latest, author=self.peer_id)
+        record = GroupRecord(latest.epoch + 1, from_step, desired, previous=latest, author=self.peer_id,
+                             tickets=self.tickets_for(desired, latest))
         # One epoch, one record, in force here from now: members read it from the DHT while its store
         # is still being confirmed (seconds on a loaded machine), and a leader that moved to it only
         # after the confirmation ran its first steps in the old group apart from them (seen: a split).

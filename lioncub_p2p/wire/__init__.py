@@ -34,7 +34,7 @@ from . import lioncub_pb2 as pb
 # momentum mean of two voters clips both rows to the smaller signed maximum (older peers would convict
 # its reducer in audits); 8: round ids name the protocol version (a header signed under another version's
 # rules names no round of this one)
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 HEADER_BYTES = 4
 LINGER_S = 5.0  # the longest a writer waits for its reader to close after the last reply
 LINGER_BYTES = 4 << 20  # ...reading and dropping at most this much meanwhile
