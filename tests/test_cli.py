@@ -156,6 +156,9 @@ def test_progress_bar_shows_each_field(tmp_path):
     for field in ("peers=1/1", "loss=", "up=", "MB/s", "down=", "bits=", "time="):
         assert field in final, final
     assert "finished at step 15: test loss" in done.stdout
+    # alone on purpose here, but never unseen: a forgotten --initial-peers says so in one line
+    warned = [line for line in (done.stdout + done.stderr).splitlines() if "nobody announces run 'bar'" in line]
+    assert len(warned) == 1 and "pass --initial-peers" in warned[0], done.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -166,6 +169,9 @@ def test_preflight_reports_each_check(tmp_path):
                               "--write-maddrs", str(tmp_path / "a")])
         wait_for_file(tmp_path / "a", 90)
         peers = ["--initial-peers-file", str(tmp_path / "a"), *LOOPBACK]
+        (tmp_path / "fresh.yaml").write_text("task: digits\n")  # a run its organizer announced, nobody in it yet
+        procs.start("coord-fresh", ["lioncub_p2p.cli.coordinator", "--run-id", "pf-fresh", *peers,
+                                    "--manifest", str(tmp_path / "fresh.yaml")])
         procs.start("open", ["lioncub_p2p.cli.train", "--run-id", "pf", *peers, "--steps", "100000",
                              "--step-delay", "0.05", "--quiet", "--metrics-jsonl", str(tmp_path / "open.jsonl")])
         procs.start("private", ["lioncub_p2p.cli.train", "--run-id", "pf-private", "--run-secret", "s3cret", *peers,
@@ -173,7 +179,7 @@ def test_preflight_reports_each_check(tmp_path):
                                 str(tmp_path / "private.jsonl")])
         _wait(lambda: min(last_step(tmp_path / "open.jsonl"), last_step(tmp_path / "private.jsonl")) >= 3, 180,
               "both runs to train")
-        checks = {"ok": ["--run-id", "pf"], "wrong run": ["--run-id", "other-run"],
+        checks = {"ok": ["--run-id", "pf"], "wrong run": ["--run-id", "other-run"], "fresh": ["--run-id", "pf-fresh"],
                   "no secret": ["--run-id", "pf-private"],
                   "wrong secret": ["--run-id", "pf-private", "--run-secret", "guess"]}
         running = {name: subprocess.Popen([sys.executable, "-m", "lioncub_p2p.cli.train", *argv, *peers, "--preflight"],
@@ -189,7 +195,9 @@ def test_preflight_reports_each_check(tmp_path):
         assert "bandwidth to" in out and "Mbit/s" in out
         assert "[ OK ] role: voter: votes " in out and "the group steps every" in out  # loopback: a voter at its pace
         code, out, _ = results["wrong run"]
-        assert code == 3 and "is --run-id right?" in out
+        assert code == 3 and "nobody announces run 'other-run'" in out and "is --run-id right?" in out
+        code, out, err = results["fresh"]  # announced by its coordinator (a manifest), nobody training yet
+        assert code == 0 and "would found its group" in out and "[FAIL]" not in out, out + err[-2000:]
         for name in ("no secret", "wrong secret"):
             code, out, err = results[name]
             assert code == 4, (name, out, err[-2000:])

@@ -112,9 +112,13 @@ def preflight(config: SwarmConfig, task_for: Callable[[Manifest], tuple]) -> int
         group = swarm.history.latest  # the group that admitted this peer (in a private run: proved the key)
         if not config.initial_peers:
             print("  [WARN] no --initial-peers: this machine would start a run of its own")
-        elif not records and group is None:
-            print("  [FAIL] coordinators answer, but nobody trains in this run yet (is --run-id right?)")
+        elif not records and group is None and swarm.run_manifest is None:
+            print(f"  [FAIL] coordinators answer, but nobody announces run {config.run_id!r}: no manifest, nobody "
+                  f"training (is --run-id right? To start a run of your own, leave out --preflight)")
             return FAIL_EMPTY_RUN
+        elif not records and group is None:  # its coordinators announce it: the first volunteer founds its group
+            print(f"  [ OK ] coordinators announce run {config.run_id!r} and nobody trains in it yet: this peer "
+                  f"would found its group and train once others join")
         else:
             steps = max((r.step for r in records.values()), default=0)
             print(f"  [ OK ] coordinators answer: {len(records)} peers online, global step {steps}")

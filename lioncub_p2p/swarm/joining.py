@@ -43,8 +43,9 @@ ASK_AGAIN_S = 3.0  # a peer not listed yet asks for admission again this often
 class Joining:
     def __init__(self, *, run_id: str, peer_id: str, client_mode: bool, refresh_period: float, loop: BackgroundLoop,
                  finder: RunFinder, settings: RunSettings, upkeep: Upkeep, state: StateSync, directory: Directory,
-                 my_spec: Callable[[], PeerSpec]):
+                 my_spec: Callable[[], PeerSpec], dialed_others: bool = False):
         self.run_id, self.peer_id, self.client_mode, self.refresh_period = run_id, peer_id, client_mode, refresh_period
+        self.dialed_others = dialed_others  # started with initial peers: it meant to join a run
         self.loop, self.finder, self.settings, self.upkeep = loop, finder, settings, upkeep
         self.state, self.directory, self.my_spec = state, directory, my_spec
 
@@ -90,8 +91,14 @@ class Joining:
         """Start the run: publish its manifest and a group of this peer alone; True if this peer keeps it
         (of two peers founding at once, the one with the smaller peer id does: ``RunFinder.found``)."""
         record = GroupRecord(0, step, (self.my_spec(),), author=self.peer_id)
+        announced = self.settings.run is not None  # read before this peer publishes its own
         kept = self.finder.found(record, self.settings.run)
         logger.info("no group found for run %s: %s", self.run_id, "started it" if kept else "another peer started it")
+        if kept and not announced:  # a typo in --run-id, or a forgotten --initial-peers, must not train alone unseen
+            logger.warning("nobody announces run %r %s: this peer starts it and trains alone until others join (%s)",
+                           self.run_id, "at the initial peers (no manifest, no group)" if self.dialed_others
+                           else "(no --initial-peers)", "is --run-id right?" if self.dialed_others
+                           else "to join a running run, pass --initial-peers")
         return kept
 
     def hold_state(self, deadline: float, *, founded: bool) -> None:

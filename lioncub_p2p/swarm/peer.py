@@ -230,7 +230,7 @@ class Swarm:
         self.joining = Joining(run_id=config.run_id, peer_id=self.peer_id, client_mode=bool(config.client_mode),
                                refresh_period=config.refresh_period, loop=self.loop, finder=self.finder,
                                settings=self.settings, upkeep=self.upkeep, state=self.state, directory=self.directory,
-                               my_spec=self._my_spec)
+                               my_spec=self._my_spec, dialed_others=bool(config.initial_peers))
         self.joining.discover()
         self._apply_settings()
         if self.history.latest is not None:
