@@ -306,3 +306,60 @@ def test_a_split_settled_by_the_author_confirms_a_provisional_state_the_author_s
     assert applied is None and catch_ups == [("repair", 6, ["a"])] and judged[0][2] in (b"", None)
     applied, catch_ups, _ = _finished(split, b"B", me="b")
     assert applied is None and catch_ups == [("repair", 6, ["a"])]
+
+
+def test_a_follower_asks_for_the_next_rounds_results_while_it_computes():
+    """A followed step needs nothing of this peer's compute, so its results are asked for when the step is
+    prepared (the end of the previous round), and the step takes that request (one ask, not two). Asked
+    after the compute, a follower's step was a round trip slower than a voter's and it fell further
+    behind each step (a NAT'd volunteer followed through a whole CI run). A probe step (it votes), a
+    follower that still reduces a part, and a round that changed meanwhile (a new group) are asked as
+    before. Break-check: without the early ask, nothing is asked at prepare."""
+    from lioncub_p2p.aio import BackgroundLoop
+    from lioncub_p2p.allreduce import PeerSpec
+    from lioncub_p2p.allreduce.punctuality import PROBE_EVERY
+    from lioncub_p2p.allreduce.round import RoundSpec
+    from lioncub_p2p.codecs import result_codec
+    from lioncub_p2p.swarm.records import RateLimitedLog
+
+    asked = []
+
+    class Node:
+        def prepare_round(self, spec):
+            pass
+
+        async def follow_round(self, spec, tag=b""):
+            asked.append(spec.step)
+            return spec.round_id
+
+    def pipeline_for(members, epoch=1):
+        history = GroupHistory()
+        history.add(GroupRecord(epoch, 0, members, author="a"))
+        spec = lambda group, step: RoundSpec(round_id=b"r%d-%d" % (group.epoch, step), step=step,  # noqa: E731
+                                             group=group.members, nbytes=8, upload=upload_codec("sign"),
+                                             result=result_codec("majority"))
+        pipeline = VotePipeline(peer_id="f", settings=PipelineSettings("run", False, 10, 0, 60.0), loop=loop,
+                                node=Node(), gather=None, upkeep=SimpleNamespace(history=history, part_failed_at={}),
+                                state=None, verdicts=None, spec=spec, rejoin=None, in_background=None,
+                                log=RateLimitedLog(__import__("logging").getLogger("test")))
+        pipeline.follow.following = True
+        return pipeline, history, spec
+
+    loop = BackgroundLoop()
+    try:
+        follower = (PeerSpec("a"), PeerSpec("b"), PeerSpec("f", 0.0))
+        pipeline, history, spec = pipeline_for(follower)
+        step = PROBE_EVERY + 1
+        pipeline.prepare(step)
+        future = pipeline._take_early(spec(history.latest, step))
+        assert future is not None and future.result(10) == b"r1-%d" % step and asked == [step]
+        pipeline.prepare(step + 1)
+        history.add(GroupRecord(2, 0, follower, author="a"))  # a new group for that step: another round
+        assert pipeline._take_early(spec(history.latest, step + 1)) is None
+        pipeline.prepare(2 * PROBE_EVERY)  # a probe step: it votes
+        assert pipeline._early is None
+        reducing, _, _ = pipeline_for((PeerSpec("a"), PeerSpec("b"), PeerSpec("f")))
+        reducing.prepare(step)
+        assert reducing._early is None
+    finally:
+        loop.stop()

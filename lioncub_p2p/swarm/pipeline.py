@@ -118,6 +118,8 @@ class VotePipeline:
         self.current = ("vote", 0)  # the kind and step of the round in progress, for failpoints
         self._far_skip_for: int | None = None  # the held-up step of the stall a download was tried for
         self.pace = Pace()
+        # (step, round id, future) of a followed round asked for while this peer still computes the step
+        self._early: tuple[int, bytes, concurrent.futures.Future] | None = None
         self._epoch_read = -math.inf  # when a reducer's newer-epoch claim last cost a DHT read here
 
     def prepare(self, step: int) -> None:
@@ -134,6 +136,35 @@ class VotePipeline:
                     logger.debug("not preparing step %d: %s", step, e)
 
             self.loop.call_soon(prepare)
+            self._follow_early(spec, group, step)
+
+    def _follow_early(self, spec: RoundSpec, group: GroupRecord, step: int) -> None:
+        """A step this peer follows needs nothing of its compute: ask for its results now, so that the
+        request's round trip hides behind the compute. Asked after the compute, a follower's step was a
+        round trip slower than a voter's (0.113 vs 0.092 s measured behind a NAT router), it fell
+        further behind each step, the probes could not bring it back, and a NAT'd volunteer followed
+        for a whole CI run. Not while it still reduces a part (its wait for votes would start early),
+        nor with overlapped steps (``delay``)."""
+        self._drop_early()
+        mine = next((m for m in group.members if m.peer_id == self.peer_id), None)
+        if self.settings.delay or mine is None or mine.reduces or not self.follow.follow_next(step):
+            return
+        self._early = (step, spec.round_id,
+                       asyncio.run_coroutine_threadsafe(self.node.follow_round(spec), self.loop.loop))
+
+    def _drop_early(self) -> None:
+        if self._early is not None:
+            self._early[2].cancel()
+            self._early = None
+
+    def _take_early(self, spec: RoundSpec) -> concurrent.futures.Future | None:
+        """The followed round asked for early, if it is this one; any other is dropped."""
+        early, self._early = self._early, None
+        if early is not None and early[:2] == (spec.step, spec.round_id):
+            return early[2]
+        if early is not None:
+            early[2].cancel()
+        return None
 
     def submit(self, upload: torch.Tensor, step: int) -> "RoundInFlight | Resolved":
         """Start the vote of ``step``; the returned handle's ``wait()`` gives its update."""
@@ -160,6 +191,7 @@ class VotePipeline:
 
     def _start(self, upload: torch.Tensor, step: int) -> "RoundInFlight | Resolved":
         if self.stranded is not None:  # the trainer stops at its next step; nothing to vote or rejoin meanwhile
+            self._drop_early()
             return Resolved(None)
         group = self.upkeep.history.for_step(step)
         if group is None or self.peer_id not in group.member_ids():
@@ -181,14 +213,16 @@ class VotePipeline:
         tag = snapshot.state_tag(self.optimizer, full=step % self.settings.full_digest_every == 0)
         self.current = ("vote", step)
         started = time.perf_counter()
-        if self.gather is not None:  # the D-Lion baseline: everyone votes
-            coro = self.gather.run_round(spec, upload, tag)
-        elif self.follow.follow_next(step):
-            coro = self.node.follow_round(spec, tag)
-        else:  # a follower's probe vote recovers what it misses as it follows: each part once
-            coro = self.node.run_round(spec, upload, tag, one_at_a_time=self.follow.following,
-                                       provisional=self.state.provisional is not None)
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop.loop)
+        future = self._take_early(spec)  # a followed round, asked for while this peer computed
+        if future is None:
+            if self.gather is not None:  # the D-Lion baseline: everyone votes
+                coro = self.gather.run_round(spec, upload, tag)
+            elif self.follow.follow_next(step):
+                coro = self.node.follow_round(spec, tag)
+            else:  # a follower's probe vote recovers what it misses as it follows: each part once
+                coro = self.node.run_round(spec, upload, tag, one_at_a_time=self.follow.following,
+                                           provisional=self.state.provisional is not None)
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop.loop)
         if self.settings.delay:  # the next vote may start before this one ends: let its part count votes already
             self.prepare(step + 1)
         return RoundInFlight(self, spec, group, tag, started, future)
