@@ -393,3 +393,23 @@ def test_stop_signals_wait_for_the_step_then_a_second_one_leaves_at_once():
         time.sleep(0.05)
         assert stop.received == "SIGINT"
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_a_listening_port_in_use_is_named_in_one_line_and_leaves_no_process(tmp_path):
+    """A port this machine already uses (a trainer or coordinator still running) is the cause, not the
+    coordinators' reachability (the line used to say "check --initial-peers and that the coordinators are
+    reachable"); the DHT process that reported it ends with it (it was left to the trainer's exit sweep,
+    a second line). Break-checks: the old line; without the cleanup, "child processes left"."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _train("--run-id", "port", "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--steps", "1", "--quiet",
+                      cwd=tmp_path, timeout=120)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert done.returncode == 1 and lines == [
+        f"error: could not listen on /ip4/127.0.0.1/tcp/{port}: the port is in use (another lioncub-train or "
+        f"lioncub-coordinator still running on this machine?); stop it, or pass --host-maddrs with another port "
+        f"(tcp/0: any free one)"], done.stdout + done.stderr

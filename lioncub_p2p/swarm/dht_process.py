@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Sequence
 
 from hivemind import DHT
 
@@ -33,6 +34,11 @@ def start_dht(*, timeout: float = DHT_START_S, tries: int = DHT_START_TRIES, **k
             dht.join(5)
             if attempt + 1 < tries:
                 logger.warning("the DHT did not start in %.0f s: starting it again", timeout)
+        except Exception:  # it reported why (a port in use): it and its daemon must not outlive the error
+            if dht.pid is not None:
+                _kill(descendants(dht.pid) + [dht.pid])
+                dht.join(5)
+            raise
     raise TimeoutError(f"the DHT did not start in {timeout:.0f} s, {tries} times")
 
 
@@ -81,3 +87,13 @@ def _kill(pids: list[int | None]) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def start_failure(error: Exception, host_maddrs: Sequence[str]) -> str:
+    """One line for a DHT that did not start, naming its likely cause: a listening port in use is this
+    machine's (another trainer, a coordinator still running), not the coordinators' reachability."""
+    if "address already in use" in str(error).lower():
+        taken = " ".join(str(m) for m in host_maddrs)
+        return (f"could not listen on {taken}: the port is in use (another lioncub-train or lioncub-coordinator "
+                f"still running on this machine?); stop it, or pass --host-maddrs with another port (tcp/0: any free one)")
+    return f"could not start the DHT ({error}); check --initial-peers and that the coordinators are reachable"

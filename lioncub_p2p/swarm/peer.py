@@ -66,7 +66,7 @@ from .accuse import AccuseServer, Suspicions, send_accusation
 from .admit import AdmitServer
 from .closing import RunEnd
 from .config import SwarmConfig
-from .dht_process import start_dht, stop_dht
+from .dht_process import start_dht, start_failure, stop_dht
 from .errors import SwarmError
 from .finding import RunFinder
 from .manifest import Manifest
@@ -171,8 +171,7 @@ class Swarm:
                     logger.info("the port picked for listening was taken meanwhile: picking another")
                     continue
                 self.loop.stop()
-                raise SwarmError(f"could not start the DHT ({e}); check --initial-peers and that the coordinators "
-                                 f"are reachable") from e
+                raise SwarmError(start_failure(e, config.host_maddrs)) from e
         self.config = config
         try:
             self._start(config)
