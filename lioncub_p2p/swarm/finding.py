@@ -66,6 +66,7 @@ class RunFinder:
         self.run_id, self.peer_id, self.anchors, self.log = run_id, peer_id, anchors, log
         self.proved_to: set[str] = set()  # group authors that admitted this peer
         self.unreachable = 0  # group authors that did not answer the last admission requests
+        self.ended: set[str] = set()  # authors of groups found ended (said once)
 
     def find_group(self) -> None:
         """If this peer trusts no group yet: ask the authors of the run's group records to admit it, and
@@ -73,6 +74,7 @@ class RunFinder:
         if self.upkeep.history.latest is not None:
             return
         candidates = self.loop.run(self.directory.groups(), timeout=30)
+        self.unreachable = 0  # (counted again below): a group record that expired leaves nobody to wait for
         if candidates:
             self.upkeep.records = self.loop.run(self.directory.peers(), timeout=30)
             group = self.admitted_group(candidates)
@@ -104,7 +106,16 @@ class RunFinder:
             try:
                 verdict = self.loop.run(ask_admission(self.p2p, group.author, self.admission), timeout=15)
             except Exception as e:  # unreachable, or not a lioncub peer: try the next
-                if "protocols not supported" not in str(e):  # a peer that is up but serves no admission is no member
+                # a peer that is up but serves no admission is no member; a group none of whose members
+                # announces itself (no record, or a leaving one) has ended: nobody to wait for (reusing a run
+                # id right after its run ended waited ~130 s, then stopped blaming the firewall)
+                if not live & set(group.member_ids()):
+                    if group.author not in self.ended:
+                        self.ended.add(group.author)
+                        logger.info("the group of epoch %d of run %s has ended: none of its members announces "
+                                    "itself, and its author %s does not answer", group.epoch, self.run_id, group.author)
+                    continue
+                if "protocols not supported" not in str(e):
                     failures += 1
                 self.log.warning(f"ask:{group.author}", "could not ask %s for admission: %s: %s", group.author,
                                  type(e).__name__, e)
