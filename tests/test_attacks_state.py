@@ -378,8 +378,10 @@ def test_an_inflated_weight_and_a_poisoned_snapshot_cost_a_newcomer_one_step_and
             swarm.state.catch_up = recorded
 
     configs = [_config("poison", weight=1e6 if i == liar_i else 1.0) for i in range(4)]
-    out = _train_swarm(configs, 30, late=(late_i, 8), instrument=join_late)
+    out = _train_swarm(configs, 60, late=(late_i, 8), instrument=join_late)
     liar, newcomer = seen[liar_i], seen[late_i]
+    # (30 steps: a loaded CI machine once joined the newcomer at the last one, and no round judged its state)
+    assert out["start"][late_i] <= 45, f"the newcomer came in at step {out['start'][late_i]} of 60: no rounds left"
     from_liar = [why for why, donors in loaded if liar.peer_id in donors]
     assert from_liar == ["join"] and len(loaded) >= 2, loaded  # the poisoned join, then honest repairs only
     assert liar.peer_id in newcomer.state.ledger.refused, (newcomer.state.ledger.refused, loaded, liar.peer_id)

@@ -171,7 +171,7 @@ def test_preflight_reports_each_check(tmp_path):
         peers = ["--initial-peers-file", str(tmp_path / "a"), *LOOPBACK]
         (tmp_path / "fresh.yaml").write_text("task: digits\n")  # a run its organizer announced, nobody in it yet
         procs.start("coord-fresh", ["lioncub_p2p.cli.coordinator", "--run-id", "pf-fresh", *peers,
-                                    "--manifest", str(tmp_path / "fresh.yaml")])
+                                    "--manifest", str(tmp_path / "fresh.yaml"), "--write-maddrs", str(tmp_path / "b")])
         procs.start("open", ["lioncub_p2p.cli.train", "--run-id", "pf", *peers, "--steps", "100000",
                              "--step-delay", "0.05", "--quiet", "--metrics-jsonl", str(tmp_path / "open.jsonl")])
         procs.start("private", ["lioncub_p2p.cli.train", "--run-id", "pf-private", "--run-secret", "s3cret", *peers,
@@ -182,7 +182,11 @@ def test_preflight_reports_each_check(tmp_path):
         checks = {"ok": ["--run-id", "pf"], "wrong run": ["--run-id", "other-run"], "fresh": ["--run-id", "pf-fresh"],
                   "no secret": ["--run-id", "pf-private"],
                   "wrong secret": ["--run-id", "pf-private", "--run-secret", "guess"]}
-        running = {name: subprocess.Popen([sys.executable, "-m", "lioncub_p2p.cli.train", *argv, *peers, "--preflight"],
+        wait_for_file(tmp_path / "b", 90)
+        # a volunteer trusts the manifest of the coordinator it dials: the fresh run's names its own
+        checks["fresh"] += ["--initial-peers-file", str(tmp_path / "b")]
+        running = {name: subprocess.Popen([sys.executable, "-m", "lioncub_p2p.cli.train", *argv,
+                                           *(peers if name != "fresh" else LOOPBACK), "--preflight"],
                                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                           env=ENV) for name, argv in checks.items()}
         results = {name: (p.wait(240), p.stdout.read(), p.stderr.read()) for name, p in running.items()}

@@ -66,6 +66,7 @@ class Joining:
         if self.latest is None:
             time.sleep(1.0)  # a group record stored moments ago may not have reached us yet
             self.discover()
+        announced = self.settings.run is not None  # a manifest read (a coordinator's, or the run's founder's)
         # the run's group exists but its author did not answer: wait for it or a new leader. A client
         # cannot found a run (nobody could dial it to reduce): it waits for a group that can.
         while self.latest is None and (self.finder.unreachable or self.client_mode) and time.monotonic() < deadline:
@@ -81,17 +82,16 @@ class Joining:
         self.settings.settle(optimizer, applied, founding=self.latest is None)
         if self.latest is not None:
             return False
-        if self._found(optimizer.step_count):
+        if self._found(optimizer.step_count, announced):
             return True
         self.discover()  # another peer founded the run at the same moment: take its settings
         self.settings.settle(optimizer, applied, founding=self.latest is None)
         return False
 
-    def _found(self, step: int) -> bool:
+    def _found(self, step: int, announced: bool = True) -> bool:
         """Start the run: publish its manifest and a group of this peer alone; True if this peer keeps it
         (of two peers founding at once, the one with the smaller peer id does: ``RunFinder.found``)."""
         record = GroupRecord(0, step, (self.my_spec(),), author=self.peer_id)
-        announced = self.settings.run is not None  # read before this peer publishes its own
         kept = self.finder.found(record, self.settings.run)
         logger.info("no group found for run %s: %s", self.run_id, "started it" if kept else "another peer started it")
         if kept and not announced:  # a typo in --run-id, or a forgotten --initial-peers, must not train alone unseen
