@@ -148,7 +148,7 @@ def test_sigint_reaches_a_trainer_started_in_the_background_of_a_script(tmp_path
 
 @pytest.mark.slow
 def test_progress_bar_shows_each_field(tmp_path):
-    done = _train("--run-id", "bar", *LOOPBACK, "--steps", "15", cwd=tmp_path)
+    done = _train("--run-id", "bar", *LOOPBACK, "--steps", "15", "--log-level", "warning", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     last = done.stderr.replace("\r", "\n").split("15/15")[-2:]  # the bar's final state
     assert len(last) == 2, done.stderr[-2000:]
@@ -159,6 +159,7 @@ def test_progress_bar_shows_each_field(tmp_path):
     # alone on purpose here, but never unseen: a forgotten --initial-peers says so in one line
     warned = [line for line in (done.stdout + done.stderr).splitlines() if "nobody announces run 'bar'" in line]
     assert len(warned) == 1 and "pass --initial-peers" in warned[0], done.stderr[-2000:]
+    assert " INFO " not in done.stdout + done.stderr, done.stderr[-2000:]  # --log-level warning
 
 
 @pytest.mark.slow

@@ -83,7 +83,7 @@ class AuditingMixin:
         """Run an audit in the background, unless ``MAX_AUDITS_IN_FLIGHT`` run already (then none)."""
         if len(self._audits) >= MAX_AUDITS_IN_FLIGHT:
             self.audits_expired += 1
-            logger.info("no audit (%d in flight)", len(self._audits))
+            logger.debug("no audit (%d in flight)", len(self._audits))  # counted: ``audits_expired``
             coroutine.close()
             return
         task = asyncio.create_task(coroutine)

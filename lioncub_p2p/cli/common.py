@@ -26,9 +26,17 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: {shown})"
 
 
-def setup_logging(quiet: bool = False) -> None:
-    """INFO to stderr; ``quiet`` only matters to progress bars (the tools print log lines instead)."""
-    logging.basicConfig(level=logging.INFO,
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                        help="log lines at this level and above to stderr (debug: every round's events)")
+
+
+def setup_logging(level: str = "info") -> None:
+    """Log lines at ``level`` and above to stderr."""
+    logging.basicConfig(level=getattr(logging, level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -35,7 +35,7 @@ from ..swarm.dht_budget import dht_validators
 from ..swarm.tickets import TicketError, publish_revocations, read_serials_file
 from .addresses import check_listen, check_peers, reachability
 from .checks import check_run_id, check_writable_file
-from .common import HelpFormatter, UsageError, read_peers_file, setup_logging
+from .common import HelpFormatter, UsageError, add_log_level, read_peers_file, setup_logging
 from .lifecycle import ChildReaper, Interrupted, StopSignals
 
 logger = logging.getLogger("lioncub.coordinator")
@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None, *, monitor_default: bool = False) 
     p.add_argument("--monitor", action="store_true", default=monitor_default, help="log run metrics")
     p.add_argument("--monitor-period", type=float, default=5.0, help="seconds between monitor lines")
     p.add_argument("--quiet", action="store_true", help="accepted for symmetry with lioncub-train (logs lines only)")
+    add_log_level(p)
     p.add_argument("--duration", type=float, default=None, help=argparse.SUPPRESS)  # exit after this many seconds (tests)
     return p.parse_args(argv)
 
@@ -90,7 +91,7 @@ def run_summary(dht: DHT, run_id: str) -> dict:
 
 def main(argv: list[str] | None = None, *, monitor_default: bool = False) -> None:
     args = parse_args(argv, monitor_default=monitor_default)
-    setup_logging(args.quiet)
+    setup_logging(args.log_level)
     with StopSignals() as stop, ChildReaper() as reaper:
         try:
             serve(args, stop)

@@ -39,7 +39,7 @@ from ..trainer_rounds import allreduce_config
 from .addresses import check_listen, check_peers, reachability
 from .checks import (VOTE_RESULTS, VOTE_UPLOADS, check_checkpoint_fits, check_codecs, check_run_id,
                      check_writable_dir, check_writable_file)
-from .common import HelpFormatter, UsageError, read_peers_file, setup_logging
+from .common import HelpFormatter, UsageError, add_log_level, read_peers_file, setup_logging
 from .evaluation import evaluate_into, finish
 from .lifecycle import ChildReaper, Interrupted, StopSignals
 
@@ -238,6 +238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out.add_argument("--tensorboard", default=None, help="also log metrics to this TensorBoard directory")
     out.add_argument("--eval-every", type=int, default=0, help="evaluate every this many steps (0: at the end only)")
     out.add_argument("--quiet", action="store_true", help="no progress bar; a log line every 50 steps")
+    add_log_level(out)
 
     p.add_argument("--final-state", default=None, help=HIDDEN)  # the final snapshot (tests compare them)
     p.add_argument("--final-eval", default=None, help=HIDDEN)  # the final evaluation as JSON (the simulator)
@@ -247,7 +248,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    setup_logging(args.quiet)
+    setup_logging(args.log_level)
     torch.set_num_threads(1)  # volunteers share machines; the built-in tasks are small
     with StopSignals() as stop, ChildReaper() as reaper:
         try:
