@@ -228,11 +228,11 @@ class LocalSwarm:
 
     def two_level(self, uploads: Sequence[torch.Tensor], *, max_size: int, step: int = 0, seed: int = 0,
                   epoch: int = 0, absent: Sequence[int] = (), tags: Sequence[bytes] | None = None,
-                  timeout: float = 120.0) -> list[torch.Tensor | None]:
+                  timeout: float = 120.0, provisional: Collection[int] = ()) -> list[torch.Tensor | None]:
         """One two-level vote of packed signs (``hierarchy.two_level_specs``): groups of at most
         ``max_size`` from ``epoch``, every live peer voting in its group's round; ``absent`` peers stay
-        silent; ``tags[i]``: the state tag peer i sends. One update per peer (None for the absent);
-        ``reports`` as in ``allreduce``."""
+        silent; ``tags[i]``: the state tag peer i sends; ``provisional``: the peers voting with a state
+        not yet decided for. One update per peer (None for the absent); ``reports`` as in ``allreduce``."""
         from .allreduce.hierarchy import two_level_layout, two_level_specs
 
         codes = [u.reshape(1, -1) if u.dim() == 1 else u for u in uploads]
@@ -245,8 +245,8 @@ class LocalSwarm:
             for i in range(self.n):  # as a swarm does at the end of the previous round
                 self.nodes[i].prepare_round(specs[ids[i]])
             voting = [i for i in range(self.n) if self.alive[i] and i not in absent]
-            done = await asyncio.gather(*(self.nodes[i].run_round(specs[ids[i]], codes[i], tags[i] if tags else b"")
-                                          for i in voting),
+            done = await asyncio.gather(*(self.nodes[i].run_round(specs[ids[i]], codes[i], tags[i] if tags else b"",
+                                                                  provisional=i in provisional) for i in voting),
                                         return_exceptions=True)
             outcomes: list = [None] * self.n
             for i, value in zip(voting, done):

@@ -638,6 +638,34 @@ def test_pairs_split_one_to_one_never_make_the_swarm_follow_the_state_that_sorts
     assert all(held[i] == honest for i in whole), held  # the pair that agrees keeps its own
 
 
+def test_a_groups_provisional_voters_are_named_alike_to_its_reducers_and_its_members():
+    """A group whose own count stands (the second level decided nothing: two pairs split) names its
+    provisional voters in the header it sends, as its reducer's own view does: a founder and its
+    newcomer decide for their state (1 of 1) in every member's reading. Before, the header named none,
+    and the newcomer read 1 of 2 where its reducer read 1 of 1. Where the second level decides, its tag
+    counts as every voter's and names none. Break-check: without the list in the rebuilt header, the
+    members' readings differ."""
+    from lioncub_p2p.testing import FAST_CONFIG, LocalSwarm
+
+    honest, nbytes = b"\x7f" * 8, 1024
+    with LocalSwarm(6, config=FAST_CONFIG) as swarm:
+        ids = [p.peer_id for p in swarm.group]
+        layout = hierarchy.two_level_layout(ids, 0, nbytes, max_size=2)
+        founder, newcomer = (ids.index(pid) for pid in layout.groups[0])
+        split = {ids.index(g[-1]): bytes([k]) * 8 for k, g in enumerate(layout.groups[1:])}  # each pair 1:1
+        tags = [split.get(i, honest) for i in range(6)]
+        swarm.two_level(list(_votes(6, nbytes, seed=5)), max_size=2, step=1, seed=3, tags=tags, provisional=[newcomer])
+        readings = {i: (swarm.reports[i].tag_majority(range(2))[0],
+                        [p.provisional for p in swarm.reports[i].parts if p.status in ("ok", "recovered")])
+                    for i in (founder, newcomer)}
+        assert readings[founder] == readings[newcomer], readings
+        assert readings[founder][0] == honest and all(p == [1] for p in readings[founder][1]), readings
+        swarm.two_level(list(_votes(6, nbytes, seed=6)), max_size=2, step=2, seed=3, tags=[honest] * 6,
+                        provisional=[newcomer])  # the second level decides: its tag is every voter's
+        assert all(p.provisional == [] and r.tag_majority(range(2))[0] == honest
+                   for r in (swarm.reports[founder], swarm.reports[newcomer]) for p in r.parts if p.status == "ok")
+
+
 def test_a_second_level_voter_cannot_send_up_a_margin_past_its_groups_size():
     """Margin codes are sized by the largest group (4 members here: 4 bits, margins up to 7): a group of 3
     whose reducer sends margin 7 at chosen positions would outvote the other group's honest -4 there.

@@ -133,8 +133,13 @@ class ServingMixin:
         wire = update.numpy().tobytes()
         tag, tag_votes = hierarchy.group_tag(outcome.tag, outcome.tag_votes, len(outcome.counted), report,
                                              len(combine.voters))
-        header = build_header(state.spec, red.part, outcome.counted, outcome.roots, tag, tag_votes, wire)
-        red.outcome = dataclasses.replace(outcome, wire=wire, header=header, tag=tag, tag_votes=tag_votes)
+        # the group's own count names its provisional voters as the flat round does; the second level's tag
+        # counts as every voter's (``group_tag``), provisional or not
+        provisional = outcome.provisional if tag_votes <= len(outcome.counted) - len(outcome.provisional) else ()
+        header = build_header(state.spec, red.part, outcome.counted, outcome.roots, tag, tag_votes, wire,
+                              provisional=provisional)
+        red.outcome = dataclasses.replace(outcome, wire=wire, header=header, tag=tag, tag_votes=tag_votes,
+                                          provisional=provisional)
         return red.outcome
 
     def _outcome_for(self, state: RoundState, voter: int, outcome: PartResult) -> PartResult:
