@@ -415,6 +415,7 @@ def test_a_liar_naming_its_own_state_in_its_votes_is_not_seconded_by_the_newcome
     # founder 0 is honest and leads (authors every group): its id sorts first; 1 lies; 2 comes late
     keys = sorted((Identity.load_or_create(tmp_path / f"{k}.key") for k in range(3)), key=lambda key: key.peer_id)
     seen: dict = {}
+    loads: list[tuple[str, frozenset]] = []  # the newcomer's downloads: why, from whom
 
     def instrument(i, swarm):
         seen[i] = swarm
@@ -433,6 +434,12 @@ def test_a_liar_naming_its_own_state_in_its_votes_is_not_seconded_by_the_newcome
         if i == 2:  # the liar is the fastest donor it ever measured
             swarm.state.ledger.measured(seen[1].peer_id, 10**12, 1.0)
             swarm.state.ledger.measured(seen[0].peer_id, 1, 1.0)
+            joined = swarm.state.catch_up
+
+            def recorded(why, *args, **kwargs):
+                joined(why, *args, **kwargs)
+                loads.append((why, swarm.state.provisional.donors if swarm.state.provisional else frozenset()))
+            swarm.state.catch_up = recorded
 
     configs = [_config("second", identity_path=keys[i].path) for i in range(3)]
     out = _train_swarm(configs, 60, late=(2, 8), instrument=instrument, perturb=(1, 4))
@@ -445,7 +452,9 @@ def test_a_liar_naming_its_own_state_in_its_votes_is_not_seconded_by_the_newcome
     # sides with the author in the splits that follow, rather than downloading its state again each step
     # (whether a round after that is a clean split that confirms it depends on the machine's load)
     repaired = out.get("all_repair_steps", {}).get(2, [])
-    assert 1 <= len(repaired) <= 2, ("the newcomer repaired from the author each step", repaired)
+    # (a liar busy stepping may not serve the join: the honest founder's state needs no repair then)
+    served_by_liar = bool(loads) and loads[0][0] == "join" and liar.peer_id in loads[0][1]
+    assert (1 if served_by_liar else 0) <= len(repaired) <= 2, ("the newcomer repaired each step", repaired, loads)
 
 
 def test_a_state_no_round_decided_for_is_not_served_until_one_does():
