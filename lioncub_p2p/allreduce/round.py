@@ -232,7 +232,7 @@ class PartResult:
     header: bytes = b""  # serialized ResultHeader, exactly the signed bytes
     signature: bytes = b""
     public_key: bytes = b""
-    provisional: tuple[int, ...] = ()  # counted voters whose tags counted for no state (``Reduction.finish``)
+    provisional: tuple[int, ...] = ()  # counted voters whose tags counted for no state (``PartReduction.tag_count``)
 
 
 @dataclass(frozen=True)

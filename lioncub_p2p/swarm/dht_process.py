@@ -89,10 +89,15 @@ def _kill(pids: list[int | None]) -> None:
                 pass
 
 
+def port_in_use(error: Exception) -> bool:
+    """Whether a DHT start failed because its listening port is taken."""
+    return "address already in use" in str(error).lower()
+
+
 def start_failure(error: Exception, host_maddrs: Sequence[str]) -> str:
     """One line for a DHT that did not start, naming its likely cause: a listening port in use is this
     machine's (another trainer, a coordinator still running), not the coordinators' reachability."""
-    if "address already in use" in str(error).lower():
+    if port_in_use(error):
         taken = " ".join(str(m) for m in host_maddrs)
         return (f"could not listen on {taken}: the port is in use (another lioncub-train or lioncub-coordinator "
                 f"still running on this machine?); stop it, or pass --host-maddrs with another port (tcp/0: any free one)")

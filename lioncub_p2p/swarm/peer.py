@@ -66,7 +66,7 @@ from .accuse import AccuseServer, Suspicions, send_accusation
 from .admit import AdmitServer
 from .closing import RunEnd
 from .config import SwarmConfig
-from .dht_process import start_dht, start_failure, stop_dht
+from .dht_process import port_in_use, start_dht, start_failure, stop_dht
 from .errors import SwarmError
 from .finding import RunFinder
 from .manifest import Manifest
@@ -167,7 +167,7 @@ class Swarm:
             except Exception as e:
                 # the check picked a free port (any was asked for); something else took it before the daemon bound it
                 picked = list(config.host_maddrs) != list(asked.host_maddrs)
-                if "address already in use" in str(e) and picked and attempt + 1 < PORT_TRIES:
+                if port_in_use(e) and picked and attempt + 1 < PORT_TRIES:
                     logger.info("the port picked for listening was taken meanwhile: picking another")
                     continue
                 self.loop.stop()
